@@ -1,0 +1,17 @@
+"""posenc-jax: Transformer positional encodings as composable attention-logit terms.
+
+``import posenc_jax`` loads JAX and Flax only (no TensorFlow).
+"""
+
+from posenc_jax.attention import MultiHeadAttention, attend
+from posenc_jax.schemes import SCHEMES, Scheme, SchemeConfigError, build_scheme
+from posenc_jax.terms import (Bias, Factored, InputEmbedding, QKShift, QueryRelative, Rotation,
+                              SchemeTerms, Term)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "SCHEMES", "Bias", "Factored", "InputEmbedding", "MultiHeadAttention", "QKShift",
+    "QueryRelative", "Rotation", "Scheme", "SchemeConfigError", "SchemeTerms", "Term", "attend",
+    "build_scheme",
+]

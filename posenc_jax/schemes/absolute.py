@@ -1,0 +1,72 @@
+"""Input-level absolute schemes: learned APE (Devlin et al.), sinusoidal APE
+(Vaswani et al.; learnable frequencies as in Wang et al.)."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from posenc_jax.schemes.base import Scheme
+from posenc_jax.terms import InputEmbedding, SchemeTerms
+
+Array = jax.Array
+
+
+def sinusoid_frequencies(dim: int, base: float = 10000.0) -> Array:
+  """``[dim / 2]`` frequencies ``w_k = base^(-2k / dim)``."""
+  return base ** (-jnp.arange(0, dim, 2, dtype=jnp.float32) / dim)
+
+
+def sinusoid(positions: Array, frequencies: Array) -> Array:
+  """Interleaved sinusoid: ``p[.., 2k] = sin(pos w_k)``, ``p[.., 2k+1] = cos(pos w_k)``.
+
+  Args:
+    positions: ``[N]`` (may be negative: signed offsets).
+    frequencies: ``[d / 2]``.
+
+  Returns:
+    ``[N, d]`` float32.
+  """
+  angles = positions.astype(jnp.float32)[:, None] * frequencies[None, :]
+  return jnp.stack([jnp.sin(angles), jnp.cos(angles)], axis=-1).reshape(positions.shape[0], -1)
+
+
+def sinusoid_param(module: Scheme, dim: int, learnable: bool) -> Array:
+  """Fixed frequencies, or a ``[dim / 2]`` parameter initialised to them."""
+  if not learnable:
+    return sinusoid_frequencies(dim)
+  return module.logical_param("frequencies", lambda key, shape: sinusoid_frequencies(dim),
+                              (dim // 2,), ("freq",))
+
+
+class LearnedAPE(Scheme):
+  """``x_i = w_i + p_i`` with ``p`` an ``[L_max, d]`` table, init N(0, 0.02)."""
+
+  scheme_name = "learned_ape"
+  absolute_table = True
+
+  @nn.compact
+  def __call__(self, length, segment_ids=None):
+    self.check_length(length)
+    table = self.logical_param("position_embedding", nn.initializers.normal(0.02),
+                               (self.max_len, self.d_model), ("abspos", "embed"))
+    return SchemeTerms(embedding=InputEmbedding(table[:length]))
+
+
+class SinusoidalAPE(Scheme):
+  """``x_i = w_i + sinusoid(i)``; frequencies fixed or trainable (Wang et al.).
+
+  Attributes:
+    learnable: train the ``d / 2`` frequencies (initialised to the fixed ones).
+  """
+
+  learnable: bool = False
+
+  scheme_name = "sinusoidal_ape"
+  even_dimension = "d_model"
+
+  @nn.compact
+  def __call__(self, length, segment_ids=None):
+    freqs = sinusoid_param(self, self.d_model, self.learnable)
+    return SchemeTerms(embedding=InputEmbedding(sinusoid(jnp.arange(length), freqs)))

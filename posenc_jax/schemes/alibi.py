@@ -1,0 +1,39 @@
+"""ALiBi (Press et al.): a fixed linear distance penalty per head."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from posenc_jax.schemes.base import Scheme
+from posenc_jax.terms import Bias, SchemeTerms, relative_offsets
+
+Array = jax.Array
+
+
+def alibi_slopes(num_heads: int) -> Array:
+  """``[H]`` slopes ``m_h = 2^(-8 h / H)``, h = 1..H."""
+  return 2.0 ** (-8.0 * jnp.arange(1, num_heads + 1, dtype=jnp.float32) / num_heads)
+
+
+class Alibi(Scheme):
+  """``T[h,i,j] = -m_h |i - j|`` (symmetric) or ``-m_h (i - j)`` for ``j <= i`` (causal).
+
+  The causal form leaves ``j > i`` at 0: the attention's causal mask removes
+  those keys. No parameters.
+
+  Attributes:
+    causal: the decoder form.
+  """
+
+  causal: bool = False
+
+  scheme_name = "alibi"
+
+  @nn.compact
+  def __call__(self, length, segment_ids=None):
+    distance = -relative_offsets(length, length)  # i - j
+    distance = jnp.maximum(distance, 0) if self.causal else jnp.abs(distance)
+    bias = -alibi_slopes(self.num_heads)[:, None, None] * distance.astype(jnp.float32)
+    return SchemeTerms(terms=(Bias(bias[None]),))

@@ -1,0 +1,71 @@
+"""DIET (Chen et al. 2021): decoupled per-head position terms.
+
+* DIET-REL: one learned scalar per head per clipped offset, no log-binning.
+* DIET-ABS: ``P_Q^h P_K^{hT}``, a factored term of rank ``d_p``.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from posenc_jax.schemes.base import Scheme
+from posenc_jax.terms import Bias, Factored, SchemeTerms, relative_offsets
+
+
+class DietRel(Scheme):
+  """``T[h,i,j] = R_h[clip(i - j, -t, t)]``.
+
+  Attributes:
+    clip: t; None gives ``max_len - 1`` (a ``2 L_max - 1`` table per head,
+      which reproduces DIET Table 6).
+    sharing: ``none`` (paper default), ``layer`` or ``head``.
+  """
+
+  clip: int | None = None
+  sharing: str = "none"
+
+  scheme_name = "diet_rel"
+
+  @nn.compact
+  def __call__(self, length, segment_ids=None):
+    clip = self.max_len - 1 if self.clip is None else self.clip
+    layers, heads = self.sharing_dims(self.sharing)
+    table = self.logical_param("relative_bias", nn.initializers.normal(0.02),
+                               (layers, heads, 2 * clip + 1), ("layers", "heads", "relpos"))
+    index = jnp.clip(-relative_offsets(length, length), -clip, clip) + clip
+    return SchemeTerms(terms=(Bias(jnp.take(table, index, axis=-1)),))
+
+
+class DietAbs(Scheme):
+  """``T[h,i,j] = (P_Q^h P_K^{hT})_{ij}``, ``P_Q^h, P_K^h`` each ``[L_max, d_p]``.
+
+  The input position embedding is removed; the term is input-independent
+  and, under ``layer`` sharing, computed once per forward pass.
+
+  Attributes:
+    rank: d_p; None gives D (the head width).
+    sharing: ``none``, ``layer`` (the paper's best with d_p = 128) or ``head``.
+    content_scale: scale of ``q . k``; None gives ``1 / sqrt(D)`` (DIET writes
+      ``1 / sqrt(d)``).
+  """
+
+  rank: int | None = None
+  sharing: str = "none"
+  content_scale: float | None = None
+
+  scheme_name = "diet_abs"
+  absolute_table = True
+
+  @nn.compact
+  def __call__(self, length, segment_ids=None):
+    self.check_length(length)
+    rank = self.head_dim if self.rank is None else self.rank
+    layers, heads = self.sharing_dims(self.sharing)
+    shape = (layers, self.max_len, heads, rank)
+    axes = ("layers", "abspos", "heads", "rank")
+    init = nn.initializers.normal(0.02)
+    p_q = self.logical_param("p_query", init, shape, axes)
+    p_k = self.logical_param("p_key", init, shape, axes)
+    return SchemeTerms(terms=(Factored(p_q[:, :length], p_k[:, :length]),),
+                       content_scale=self.content_scale)

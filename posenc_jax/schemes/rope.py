@@ -1,0 +1,29 @@
+"""RoPE (Su et al.): q and k rotated pairwise by position-dependent angles."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from posenc_jax.schemes.absolute import sinusoid_frequencies
+from posenc_jax.schemes.base import Scheme
+from posenc_jax.terms import Rotation, SchemeTerms
+
+
+class Rope(Scheme):
+  """Rotates each pair ``(q_{2k}, q_{2k+1})`` by ``i theta_k``, ``theta_k = base^(-2k/D)``.
+
+  Attributes:
+    base: 10000 as in Su et al.
+  """
+
+  base: float = 10000.0
+
+  scheme_name = "rope"
+  even_dimension = "head_dim"
+
+  @nn.compact
+  def __call__(self, length, segment_ids=None):
+    theta = sinusoid_frequencies(self.head_dim, self.base)
+    angles = jnp.arange(length, dtype=jnp.float32)[:, None] * theta[None, :]
+    return SchemeTerms(terms=(Rotation(angles[None], angles[None]),))

@@ -1,0 +1,66 @@
+"""Segment (token type) encodings: BERT's input table, or DIET's per-head
+``S_h[seg(i), seg(j)]`` (eq. 2)."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from posenc_jax.schemes.base import Scheme, SchemeConfigError
+from posenc_jax.terms import Factored, InputEmbedding, SchemeTerms
+
+Array = jax.Array
+
+
+def _one_hot_segments(scheme: Scheme, segment_ids: Array | None, num_segments: int) -> Array:
+  """``[B, L, n_seg]`` one-hot of ``segment_ids`` ``[B, L]``."""
+  if segment_ids is None:
+    raise SchemeConfigError(f"scheme {scheme.scheme_name!r}: segment_ids are required")
+  return jax.nn.one_hot(segment_ids, num_segments, dtype=jnp.float32)
+
+
+class SegmentInput(Scheme):
+  """BERT's token-type table ``[n_seg, d]`` added to the token embeddings.
+
+  Attributes:
+    num_segments: token types (2 in BERT).
+  """
+
+  num_segments: int = 2
+
+  scheme_name = "segment_input"
+
+  @nn.compact
+  def __call__(self, length, segment_ids=None):
+    one_hot = _one_hot_segments(self, segment_ids, self.num_segments)
+    table = self.logical_param("segment_embedding", nn.initializers.normal(0.02),
+                               (self.num_segments, self.d_model), ("segments", "embed"))
+    return SchemeTerms(embedding=InputEmbedding(one_hot @ table))
+
+
+class SegmentPerHead(Scheme):
+  """``T[b,h,i,j] = S_h[seg(i), seg(j)]``, a factored term of rank ``n_seg``.
+
+  ``u = onehot(seg_i) S_h`` ``[B, L, H, n_seg]``, ``v = onehot(seg_j)``.
+
+  Attributes:
+    num_segments: token types.
+    sharing: ``none`` (a table per layer and head), ``layer`` or ``head``.
+  """
+
+  num_segments: int = 2
+  sharing: str = "none"
+
+  scheme_name = "segment_per_head"
+
+  @nn.compact
+  def __call__(self, length, segment_ids=None):
+    one_hot = _one_hot_segments(self, segment_ids, self.num_segments)
+    layers, heads = self.sharing_dims(self.sharing)
+    n = self.num_segments
+    table = self.logical_param("segment_bias", nn.initializers.normal(0.02),
+                               (layers, heads, n, n), ("layers", "heads", "query_segments", "key_segments"))
+    u = jnp.einsum("bis,lhst->lbiht", one_hot, table)
+    v = one_hot[None, :, :, None, :]
+    return SchemeTerms(terms=(Factored(u, v),))

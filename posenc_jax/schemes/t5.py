@@ -1,0 +1,90 @@
+"""T5's bucketed relative position bias (Raffel et al.)."""
+
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from posenc_jax.schemes.base import Scheme
+from posenc_jax.terms import Bias, SchemeTerms, relative_offsets
+
+Array = jax.Array
+
+
+def relative_position_bucket(relative_position: Array, *, bidirectional: bool = True,
+                             num_buckets: int = 32, max_distance: int = 128) -> Array:
+  """T5 bucket id of each offset ``r = j - i`` (key minus query position).
+
+  Bidirectional: half the buckets per direction (``r > 0`` in the upper
+  half). Within a direction, ``|r| < n/2`` (``n`` the buckets of that
+  direction) get their own bucket; larger offsets are binned logarithmically
+  up to ``max_distance``, beyond which they share the last bucket. Causal:
+  all buckets for ``r <= 0``; ``r > 0`` maps to bucket 0.
+
+  Args:
+    relative_position: int array of any shape.
+
+  Returns:
+    int32 array of the same shape, values in ``[0, num_buckets)``.
+  """
+  n = -relative_position.astype(jnp.int32)
+  bucket = jnp.zeros_like(n)
+  if bidirectional:
+    num_buckets //= 2
+    bucket = bucket + (n < 0).astype(jnp.int32) * num_buckets
+    n = jnp.abs(n)
+  else:
+    n = jnp.maximum(n, 0)
+  max_exact = num_buckets // 2
+  # float32 eps keeps exact powers (n = max_exact * ratio^k) on their bucket.
+  log_ratio = jnp.log(n.astype(jnp.float32) / max_exact + np.finfo(np.float32).eps)
+  large = max_exact + (log_ratio / math.log(max_distance / max_exact)
+                       * (num_buckets - max_exact)).astype(jnp.int32)
+  large = jnp.minimum(large, num_buckets - 1)
+  return bucket + jnp.where(n < max_exact, n, large)
+
+
+def t5_bias(table: Array, q_len: int, k_len: int, *, bidirectional: bool,
+            max_distance: int) -> Array:
+  """Bucketed bias from a per-bucket table.
+
+  Args:
+    table: ``[..., num_buckets]`` scalars (e.g. ``[H, num_buckets]``).
+
+  Returns:
+    ``[..., Lq, Lk]``.
+  """
+  buckets = relative_position_bucket(relative_offsets(q_len, k_len), bidirectional=bidirectional,
+                                     num_buckets=table.shape[-1], max_distance=max_distance)
+  return jnp.take(table, buckets, axis=-1)
+
+
+class T5Bias(Scheme):
+  """``T[h,i,j] = b_h[bucket(j - i)]``.
+
+  Attributes:
+    num_buckets: buckets in all (half per direction when bidirectional).
+    max_distance: offsets at or beyond this share the last bucket.
+    bidirectional: False for decoder self-attention (causal bucketing).
+    sharing: ``layer`` (T5's default: one table for all layers) or ``none``.
+  """
+
+  num_buckets: int = 32
+  max_distance: int = 128
+  bidirectional: bool = True
+  sharing: str = "layer"
+
+  scheme_name = "t5"
+
+  @nn.compact
+  def __call__(self, length, segment_ids=None):
+    layers, heads = self.sharing_dims(self.sharing)
+    table = self.logical_param("relative_bias", nn.initializers.normal(0.02),
+                               (layers, heads, self.num_buckets), ("layers", "heads", "buckets"))
+    bias = t5_bias(table, length, length, bidirectional=self.bidirectional,
+                   max_distance=self.max_distance)
+    return SchemeTerms(terms=(Bias(bias),))

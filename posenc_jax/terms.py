@@ -1,0 +1,319 @@
+"""Attention-logit terms: the one public notion every scheme produces.
+
+Every positional or segment scheme ends up in the attention logits
+
+    A[b, h, i, j] = c * q_i . k_j + sum_t T_t[b, h, i, j]
+
+(see ``shared/spec/SCHEMES.md``). A term keeps its *form* explicit, because
+the form decides which attention route can run it without materialising an
+``[Lq, Lk]`` tensor:
+
+=================  ==========================================  ==============
+form               class                                       fused route
+=================  ==========================================  ==============
+bias               :class:`Bias` ``[H,Lq,Lk]`` / ``[B,H,Lq,Lk]``  bias input
+factored (U V^T)   :class:`Factored`                           concat to q/k
+query-dependent    :class:`QueryRelative` (Shaw)               bias from q
+q/k transform      :class:`Rotation` (RoPE), :class:`QKShift`  transform q/k
+input-level        :class:`InputEmbedding`                     (not attention)
+=================  ==========================================  ==============
+
+Terms are pytrees (``flax.struct`` dataclasses), so they pass through
+``jax.jit``, ``jax.grad`` and ``nn.scan``. Array layouts follow
+``jax.nn.dot_product_attention``: q/k/v are ``[B, L, H, D]``.
+
+Each attention term implements the same small protocol, used by
+:mod:`posenc_jax.attention` without knowing which paper the term came from:
+
+* ``transform_qk(q, k) -> (q, k)``: rewrite q and k before anything else.
+* ``logits(q, scale) -> [B|1, H|1, Lq, Lk] | None``: the materialised term.
+* ``fused(q, scale) -> FusedPart``: what the fused route needs instead.
+* ``value_output(probs) -> [B, Lq, H, D] | None``: an extra contribution to
+  the attention output (Shaw's value term).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import chex
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedPart:
+  """What a term contributes to the fused route.
+
+  Attributes:
+    bias: ``[B|1, H|1, Lq, Lk]`` added to the logits by the kernel, or None.
+    q_extra: ``[B|1, Lq, H, r]`` concatenated to q along the head dim.
+    k_extra: ``[B|1, Lk, H, r]`` concatenated to k along the head dim.
+  """
+
+  bias: Array | None = None
+  q_extra: Array | None = None
+  k_extra: Array | None = None
+
+
+class Term:
+  """Base of the attention terms: identity in every part of the protocol."""
+
+  # False when the fused route cannot run the term exactly.
+  fusable = True
+
+  def transform_qk(self, q: Array, k: Array) -> tuple[Array, Array]:
+    return q, k
+
+  def logits(self, q: Array, scale: float) -> Array | None:
+    del q, scale
+    return None
+
+  def fused(self, q: Array, scale: float) -> FusedPart:
+    del q, scale
+    return FusedPart()
+
+  def value_output(self, probs: Array) -> Array | None:
+    del probs
+    return None
+
+
+def _as_4d_bias(value: Array) -> Array:
+  """``[H, Lq, Lk]`` -> ``[1, H, Lq, Lk]``; ``[B, H, Lq, Lk]`` unchanged."""
+  chex.assert_rank(value, {3, 4})
+  return value[None] if value.ndim == 3 else value
+
+
+@struct.dataclass
+class Bias(Term):
+  """Additive logit bias.
+
+  Attributes:
+    value: ``[H|1, Lq, Lk]`` (batch-free, e.g. DIET-REL, T5, ALiBi) or
+      ``[B, H|1, Lq, Lk]`` (per example).
+  """
+
+  value: Array
+
+  def logits(self, q, scale):
+    del q, scale
+    return _as_4d_bias(self.value)
+
+  def fused(self, q, scale):
+    del q, scale
+    return FusedPart(bias=_as_4d_bias(self.value))
+
+
+@struct.dataclass
+class Factored(Term):
+  """Low-rank term ``T[b, h, i, j] = sum_r u[b, i, h, r] v[b, j, h, r]``.
+
+  Attributes:
+    u: ``[Lq, H|1, r]`` (batch-free) or ``[B, Lq, H|1, r]``.
+    v: ``[Lk, H|1, r]`` (batch-free) or ``[B, Lk, H|1, r]``.
+
+  The fused route is exact: with content scale ``c``,
+  ``(q ++ u / c) . (k ++ v) * c = c q.k + u.v``.
+  """
+
+  u: Array
+  v: Array
+
+  def _uv4(self) -> tuple[Array, Array]:
+    chex.assert_rank([self.u, self.v], {3, 4})
+    u = self.u[None] if self.u.ndim == 3 else self.u
+    v = self.v[None] if self.v.ndim == 3 else self.v
+    chex.assert_equal_shape_suffix([u, v], 1)
+    return u, v
+
+  def materialise(self) -> Bias:
+    """The same term as a ``[B|1, H|1, Lq, Lk]`` :class:`Bias`."""
+    u, v = self._uv4()
+    return Bias(jnp.einsum("bihr,bjhr->bhij", u, v))
+
+  def logits(self, q, scale):
+    return self.materialise().logits(q, scale)
+
+  def fused(self, q, scale):
+    u, v = self._uv4()
+    heads = q.shape[2]
+    u = jnp.broadcast_to(u, u.shape[:2] + (heads, u.shape[3]))
+    v = jnp.broadcast_to(v, v.shape[:2] + (heads, v.shape[3]))
+    return FusedPart(q_extra=(u / scale).astype(q.dtype), k_extra=v.astype(q.dtype))
+
+
+def relative_offsets(q_len: int, k_len: int, q_offset: int = 0) -> Array:
+  """``[Lq, Lk]`` int32 matrix of ``j - i`` (key position minus query position)."""
+  i = jnp.arange(q_len, dtype=jnp.int32)[:, None] + q_offset
+  j = jnp.arange(k_len, dtype=jnp.int32)[None, :]
+  return j - i
+
+
+@struct.dataclass
+class QueryRelative(Term):
+  """Shaw et al.'s query-dependent term, ``T[b,h,i,j] = c q_i . a^K_{clip(j-i)}``.
+
+  Attributes:
+    key_table: ``[2t+1, D]`` (shared by heads) or ``[H, 2t+1, D]``; row
+      ``r + t`` holds offset ``r = j - i``.
+    value_table: optional table of the same shape; adds
+      ``sum_j alpha_ij a^V_{clip(j-i)}`` to the output (reference route only).
+    clip: ``t``, the largest offset with its own row.
+  """
+
+  key_table: Array
+  value_table: Array | None = None
+  clip: int = struct.field(pytree_node=False, default=16)
+
+  @property
+  def fusable(self):
+    return self.value_table is None
+
+  def _index(self, q_len: int, k_len: int) -> Array:
+    return jnp.clip(relative_offsets(q_len, k_len), -self.clip, self.clip) + self.clip
+
+  @staticmethod
+  def _per_head(table: Array, heads: int) -> Array:
+    chex.assert_rank(table, {2, 3})
+    return table if table.ndim == 3 else jnp.broadcast_to(table, (heads,) + table.shape)
+
+  def logits(self, q, scale):
+    b, q_len, heads, _ = q.shape
+    k_len = q_len  # self-attention
+    table = self._per_head(self.key_table, heads).astype(q.dtype)
+    # q . a_r for every offset r, then pick r = clip(j - i) per (i, j).
+    per_offset = jnp.einsum("bihd,hrd->bhir", q, table) * scale
+    index = jnp.broadcast_to(self._index(q_len, k_len), (b, heads, q_len, k_len))
+    return jnp.take_along_axis(per_offset, index, axis=-1)
+
+  def fused(self, q, scale):
+    if not self.fusable:
+      raise ValueError("QueryRelative with a value_table has no fused route; "
+                       "use route='reference'")
+    return FusedPart(bias=self.logits(q, scale))
+
+  def value_output(self, probs):
+    if self.value_table is None:
+      return None
+    b, heads, q_len, k_len = probs.shape
+    rows = 2 * self.clip + 1
+    index = self._index(q_len, k_len)
+    # Sum the attention weights that fall on each clipped offset.
+    weights = jnp.zeros((b, heads, q_len, rows), probs.dtype)
+    weights = weights.at[:, :, jnp.arange(q_len)[:, None], index].add(probs)
+    table = self._per_head(self.value_table, heads).astype(probs.dtype)
+    return jnp.einsum("bhir,hrd->bihd", weights, table)
+
+
+def rotate_pairs(x: Array, angles: Array) -> Array:
+  """Rotates each pair ``(x_{2k}, x_{2k+1})`` of ``x`` by ``angles[..., k]``.
+
+  Args:
+    x: ``[B, L, H, D]`` with even ``D``.
+    angles: ``[L, D/2]``.
+
+  Returns:
+    ``[B, L, H, D]``.
+  """
+  chex.assert_shape(angles, (x.shape[1], x.shape[3] // 2))
+  cos = jnp.cos(angles)[None, :, None, :].astype(x.dtype)
+  sin = jnp.sin(angles)[None, :, None, :].astype(x.dtype)
+  even, odd = x[..., 0::2], x[..., 1::2]
+  rotated = jnp.stack([even * cos - odd * sin, even * sin + odd * cos], axis=-1)
+  return rotated.reshape(x.shape)
+
+
+@struct.dataclass
+class Rotation(Term):
+  """RoPE: q and k rotated by their positions' angles.
+
+  Attributes:
+    q_angles: ``[Lq, D/2]``, ``i * theta_k`` for query position ``i``.
+    k_angles: ``[Lk, D/2]``.
+  """
+
+  q_angles: Array
+  k_angles: Array
+
+  def transform_qk(self, q, k):
+    return rotate_pairs(q, self.q_angles), rotate_pairs(k, self.k_angles)
+
+
+@struct.dataclass
+class QKShift(Term):
+  """Adds position projections to q and k: ``q_i + a_i``, ``k_j + b_j``.
+
+  ``(q_i + a_i) . (k_j + b_j)`` is the sum of the four word/position terms
+  of TUPE's BERT-A^d ablation.
+
+  Attributes:
+    q_shift: ``[Lq, H, D]``.
+    k_shift: ``[Lk, H, D]``.
+  """
+
+  q_shift: Array
+  k_shift: Array
+
+  def transform_qk(self, q, k):
+    chex.assert_shape(self.q_shift, q.shape[1:])
+    chex.assert_shape(self.k_shift, k.shape[1:])
+    return q + self.q_shift.astype(q.dtype), k + self.k_shift.astype(k.dtype)
+
+
+@struct.dataclass
+class InputEmbedding:
+  """Input-level term added to the token embeddings before the first layer.
+
+  Attributes:
+    value: ``[L, d]`` (batch-free) or ``[B, L, d]``.
+  """
+
+  value: Array
+
+
+@struct.dataclass
+class SchemeTerms:
+  """Everything one scheme contributes to a forward pass.
+
+  Attributes:
+    embedding: optional :class:`InputEmbedding`.
+    terms: attention terms; every array leaf carries a leading layer axis of
+      size ``num_layers`` (one value per layer) or 1 (one value shared by all
+      layers, computed once per forward pass).
+    content_scale: the scale ``c`` of ``q . k`` the scheme asks for, or None
+      for the usual ``1 / sqrt(D)``.
+  """
+
+  embedding: InputEmbedding | None = None
+  terms: tuple[Any, ...] = ()
+  content_scale: float | None = struct.field(pytree_node=False, default=None)
+
+  def for_layer(self, layer: int) -> list[Term]:
+    """The terms of layer ``layer`` (shared terms are reused, not recomputed)."""
+
+    def pick(x):
+      return x[0] if x.shape[0] == 1 else x[layer]
+
+    return [jax.tree.map(pick, t) for t in self.terms]
+
+  def embed(self, x: Array) -> Array:
+    """Adds the input-level term (if any) to embeddings ``x`` ``[B, L, d]``."""
+    if self.embedding is None:
+      return x
+    return x + self.embedding.value.astype(x.dtype)
+
+  def __add__(self, other: SchemeTerms) -> SchemeTerms:
+    """Composes two schemes' terms (e.g. a position and a segment scheme)."""
+    scales = {s for s in (self.content_scale, other.content_scale) if s is not None}
+    if len(scales) > 1:
+      raise ValueError(f"content_scale: schemes ask for different content scales {sorted(scales)}")
+    if self.embedding is None or other.embedding is None:
+      embedding = self.embedding or other.embedding
+    else:
+      embedding = InputEmbedding(self.embedding.value + other.embedding.value)
+    return SchemeTerms(embedding, self.terms + other.terms, scales.pop() if scales else None)
+
