@@ -1,0 +1,76 @@
+"""Shared fixtures: small model dimensions and helpers to build schemes."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from posenc_jax import build_scheme
+
+DIMS = dict(num_layers=2, num_heads=4, head_dim=8, d_model=32, max_len=16)
+BATCH, LENGTH = 2, 10
+
+# Every registered scheme with hyperparameters that exercise its options.
+SCHEME_CONFIGS = {
+    "none": {"name": "none"},
+    "learned_ape": {"name": "learned_ape"},
+    "sinusoidal_ape": {"name": "sinusoidal_ape"},
+    "sinusoidal_ape_learnable": {"name": "sinusoidal_ape", "learnable": True},
+    "shaw": {"name": "shaw", "clip": 3},
+    "shaw_value": {"name": "shaw", "clip": 3, "value": True},
+    "sinusoidal_rpe": {"name": "sinusoidal_rpe", "clip": 4},
+    "sinusoidal_rpe_learnable": {"name": "sinusoidal_rpe", "learnable": True},
+    "t5": {"name": "t5", "num_buckets": 8, "max_distance": 6},
+    "t5_causal_per_layer": {"name": "t5", "bidirectional": False, "sharing": "none"},
+    "diet_rel": {"name": "diet_rel"},
+    "diet_rel_clip_head": {"name": "diet_rel", "clip": 3, "sharing": "head"},
+    "diet_abs": {"name": "diet_abs", "rank": 5},
+    "diet_abs_share": {"name": "diet_abs", "rank": 5, "sharing": "layer"},
+    "diet_abs_head": {"name": "diet_abs", "sharing": "head", "content_scale": 0.1},
+    "tupe_a": {"name": "tupe_a"},
+    "tupe_a_tie_cls": {"name": "tupe_a", "untie_cls": False},
+    "tupe_r": {"name": "tupe_r", "num_buckets": 8, "max_distance": 6},
+    "bert_ad": {"name": "bert_ad"},
+    "segment_input": {"name": "segment_input"},
+    "segment_per_head": {"name": "segment_per_head", "num_segments": 3},
+    "alibi": {"name": "alibi"},
+    "alibi_causal": {"name": "alibi", "causal": True},
+    "rope": {"name": "rope"},
+}
+
+
+def segment_ids(batch=BATCH, length=LENGTH):
+  """``[B, L]`` token types: first half 0, second half 1, row 1 shifted."""
+  pos = jnp.arange(length)[None, :]
+  split = jnp.array([[length // 2], [3]])[:batch]
+  return (pos >= split).astype(jnp.int32)
+
+
+def random_params(tree, seed=0):
+  """Replaces every leaf by N(0, 1) values so no term is trivially zero or one."""
+  leaves, treedef = jax.tree.flatten(tree)
+  keys = jax.random.split(jax.random.key(seed), len(leaves))
+  return treedef.unflatten([jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves)])
+
+
+def init_scheme(config, length=LENGTH, seed=0, **dims):
+  """(module, params with random values, SchemeTerms)."""
+  module = build_scheme(config, **{**DIMS, **dims})
+  seg = segment_ids(length=length)
+  variables = module.init(jax.random.key(seed), length, seg)
+  params = random_params(jax.tree.map(lambda x: x, variables), seed)
+  return module, params, module.apply(params, length, seg)
+
+
+def qkv(batch=BATCH, length=LENGTH, heads=DIMS["num_heads"], head_dim=DIMS["head_dim"], seed=1):
+  keys = jax.random.split(jax.random.key(seed), 3)
+  return tuple(jax.random.normal(k, (batch, length, heads, head_dim)) for k in keys)
+
+
+def padding_mask(batch=BATCH, length=LENGTH):
+  """Row 0 full, row 1 with the last 3 keys padded."""
+  return jnp.arange(length)[None, :] < jnp.array([[length], [length - 3]])[:batch]
+
+
+@pytest.fixture(params=sorted(SCHEME_CONFIGS))
+def scheme_name(request):
+  return request.param
