@@ -49,7 +49,7 @@ class Scheme(nn.Module):
   # True when the scheme owns an absolute table of max_len positions.
   absolute_table = False
   # A model dimension that must be even (pairs of sin/cos or rotations).
-  even_dimension: str | None = None
+  even_dimension = None
 
   def check_length(self, length: int) -> None:
     if self.absolute_table and length > self.max_len:
