@@ -163,6 +163,9 @@ class QueryRelative(Term):
     value_table: optional table of the same shape; adds
       ``sum_j alpha_ij a^V_{clip(j-i)}`` to the output (reference route only).
     clip: ``t``, the largest offset with its own row.
+
+  Self-attention only (``Lk = Lq``): offsets are taken between positions
+  ``0..L-1`` of the same sequence.
   """
 
   key_table: Array

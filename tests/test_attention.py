@@ -90,3 +90,36 @@ def test_unknown_route_is_rejected():
   q, k, v = qkv()
   with pytest.raises(ValueError, match="route: unknown route 'flash'; allowed: auto, reference"):
     attend(q, k, v, route="flash")
+
+
+def _intermediate_shapes(jaxpr):
+  """Shapes of every value computed in ``jaxpr``, sub-jaxprs included."""
+  for eqn in jaxpr.eqns:
+    yield from (tuple(v.aval.shape) for v in eqn.outvars)
+    for param in eqn.params.values():
+      inner = getattr(param, "jaxpr", param)
+      if hasattr(inner, "eqns"):
+        yield from _intermediate_shapes(inner)
+
+
+def _positional_lxl_tensors(name, length=13, batch=3):
+  """``[.., L, L]`` values without the batch axis (so not the kernel's own logits)."""
+  module, params, _ = init_scheme(SCHEME_CONFIGS[name], length=length)
+  q = jnp.ones((batch, length, 4, 8))
+
+  def run(params, q):
+    st = module.apply(params, length)
+    return attend(q, q, q, st.for_layer(0), scale=st.content_scale, route="fused")
+
+  jaxpr = jax.make_jaxpr(run)(params, q).jaxpr
+  return [s for s in _intermediate_shapes(jaxpr) if s[-2:] == (length, length) and batch not in s]
+
+
+@pytest.mark.parametrize("name", ["diet_abs", "diet_abs_share", "tupe_a", "rope", "bert_ad"])
+def test_fused_route_builds_no_positional_lxl_tensor(name):
+  assert _positional_lxl_tensors(name) == []
+
+
+def test_bias_schemes_do_build_the_lxl_tensor():
+  """Control for the test above: a bias scheme's [H, L, L] is found."""
+  assert _positional_lxl_tensors("t5")
