@@ -5,7 +5,8 @@
 For each scheme it times a jitted forward + backward of one attention layer
 (scheme terms computed inside the step, as in training) by the reference
 and the fused route, and prints milliseconds and the ratio to the ``none``
-baseline measured in the same run. Compilation is excluded.
+baseline, timed alternately with it in the same run so that load drifts
+cancel. Compilation is excluded.
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ BENCH_SCHEMES = {
 }
 
 
-def step_time(config, route, *, batch, length, heads, head_dim, repeats):
-  """Median seconds of one jitted forward+backward, or None if the route cannot run it."""
+def compiled_step(config, route, *, batch, length, heads, head_dim):
+  """A compiled forward+backward step taking no arguments, or None if the route cannot run it."""
   scheme = build_scheme(config, num_layers=1, num_heads=heads, head_dim=head_dim,
                         d_model=heads * head_dim, max_len=length)
   keys = jax.random.split(jax.random.key(0), 3)
@@ -55,12 +56,20 @@ def step_time(config, route, *, batch, length, heads, head_dim, repeats):
     jax.block_until_ready(step(params, q, k, v))
   except ValueError:
     return None
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(step(params, q, k, v))
-    times.append(time.perf_counter() - start)
-  return sorted(times)[len(times) // 2]
+  return lambda: jax.block_until_ready(step(params, q, k, v))
+
+
+def _seconds(step):
+  start = time.perf_counter()
+  step()
+  return time.perf_counter() - start
+
+
+def timed_against(step, baseline, repeats):
+  """Median seconds of ``step`` and of ``baseline``, timed alternately (so load drifts cancel)."""
+  pairs = [(_seconds(step), _seconds(baseline)) for _ in range(repeats)]
+  median = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+  return median([a for a, _ in pairs]), median([b for _, b in pairs])
 
 
 def main(argv=None):
@@ -72,22 +81,22 @@ def main(argv=None):
   parser.add_argument("--repeats", type=int, default=10)
   parser.add_argument("--schemes", default=",".join(BENCH_SCHEMES))
   args = parser.parse_args(argv)
-  dims = dict(batch=args.batch, length=args.length, heads=args.heads, head_dim=args.head_dim,
-              repeats=args.repeats)
+  dims = dict(batch=args.batch, length=args.length, heads=args.heads, head_dim=args.head_dim)
   print(f"device: {jax.devices()[0].device_kind}; B={args.batch} L={args.length} "
-        f"H={args.heads} D={args.head_dim}; one attention layer, forward+backward")
-  baseline = {route: step_time(BENCH_SCHEMES["none"], route, **dims)
+        f"H={args.heads} D={args.head_dim}; one attention layer, forward+backward; "
+        f"median of {args.repeats}, each timed alternately with the baseline")
+  baseline = {route: compiled_step(BENCH_SCHEMES["none"], route, **dims)
               for route in ("reference", "fused")}
   print(f"{'scheme':<18}{'reference ms':>14}{'x none':>8}{'fused ms':>10}{'x none':>8}")
   for name in args.schemes.split(","):
     row = f"{name:<18}"
-    for route in ("reference", "fused"):
-      seconds = step_time(BENCH_SCHEMES[name], route, **dims)
-      if seconds is None:
-        row += f"{'n/a':>{14 if route == 'reference' else 10}}{'':>8}"
-      else:
-        width = 14 if route == "reference" else 10
-        row += f"{seconds * 1e3:>{width}.2f}{seconds / baseline[route]:>8.2f}"
+    for route, width in (("reference", 14), ("fused", 10)):
+      step = compiled_step(BENCH_SCHEMES[name], route, **dims)
+      if step is None:
+        row += f"{'n/a':>{width}}{'':>8}"
+        continue
+      seconds, base = timed_against(step, baseline[route], args.repeats)
+      row += f"{seconds * 1e3:>{width}.2f}{seconds / base:>8.2f}"
     print(row, flush=True)
 
 
