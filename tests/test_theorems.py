@@ -20,7 +20,7 @@ def _rank(matrix, rtol=1e-6):
 def test_tupe_eq6_input_added_attention_is_four_terms():
   """((w+p)W_Q)((w+p)W_K)^T = ww + wp + pw + pp, and the library's QKShift term runs it."""
   kw, kp, kq, kk, kv = jax.random.split(jax.random.key(0), 5)
-  w = jax.random.normal(kw, (1, L, D_MODEL), jnp.float64 if jax.config.x64_enabled else None)
+  w = jax.random.normal(kw, (1, L, D_MODEL))
   p = jax.random.normal(kp, (L, D_MODEL))
   w_q = jax.random.normal(kq, (D_MODEL, 1, D_HEAD)) / math.sqrt(D_MODEL)
   w_k = jax.random.normal(kk, (D_MODEL, 1, D_HEAD)) / math.sqrt(D_MODEL)
