@@ -42,7 +42,7 @@ def _mask_4d(mask: Array | None, causal: bool, q_len: int, k_len: int) -> Array 
   return mask
 
 
-def _reference(q, k, v, terms, mask, causal, scale):
+def _reference(q, k, v, terms, mask, causal, scale, dropout_rate=0.0, dropout_rng=None):
   logits = jnp.einsum("bihd,bjhd->bhij", q, k) * scale
   for term in terms:
     extra = term.logits(q, scale)
@@ -52,7 +52,11 @@ def _reference(q, k, v, terms, mask, causal, scale):
   logits = logits.astype(jnp.float32)
   if mask is not None:
     logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
-  probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+  probs = jax.nn.softmax(logits, axis=-1)
+  if dropout_rate > 0.0 and dropout_rng is not None:
+    keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, probs.shape)
+    probs = jnp.where(keep, probs / (1.0 - dropout_rate), 0.0)
+  probs = probs.astype(v.dtype)
   out = jnp.einsum("bhij,bjhd->bihd", probs, v)
   for term in terms:
     extra = term.value_output(probs)
@@ -95,6 +99,8 @@ def attend(
     scale: float | None = None,
     route: Route = "auto",
     implementation: Literal["xla", "cudnn"] | None = None,
+    dropout_rate: float = 0.0,
+    dropout_rng: Array | None = None,
 ) -> Array:
   """Attention with positional/segment logit terms.
 
@@ -110,6 +116,10 @@ def attend(
     route: ``"reference"``, ``"fused"`` or ``"auto"`` (fused when possible).
     implementation: passed to :func:`jax.nn.dot_product_attention` on the
       fused route (None lets JAX choose; ``"cudnn"`` on GPU).
+    dropout_rate: attention-probability dropout (BERT's
+      ``attention_probs_dropout_prob``); active only with a ``dropout_rng``,
+      and then only the reference route runs it (``auto`` picks it).
+    dropout_rng: PRNG key for the dropout; None means deterministic.
 
   Returns:
     ``[B, Lq, H, D]``.
@@ -123,13 +133,16 @@ def attend(
   scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
   for term in terms:
     q, k = term.transform_qk(q, k)
+  dropout = dropout_rate > 0.0 and dropout_rng is not None
   if route == "auto":
-    route = "fused" if all(t.fusable for t in terms) else "reference"
+    route = "fused" if all(t.fusable for t in terms) and not dropout else "reference"
   if route == "reference":
-    return _reference(q, k, v, terms, mask, causal, scale)
+    return _reference(q, k, v, terms, mask, causal, scale, dropout_rate, dropout_rng)
   unfusable = [type(t).__name__ for t in terms if not t.fusable]
   if unfusable:
     raise ValueError(f"route: 'fused' cannot run {', '.join(unfusable)}; use route='reference'")
+  if dropout:
+    raise ValueError("route: 'fused' has no attention dropout; use route='reference' or 'auto'")
   return _fused(q, k, v, terms, mask, causal, scale, implementation)
 
 
@@ -141,18 +154,21 @@ class MultiHeadAttention(nn.Module):
     head_dim: D; the output projection maps ``H * D`` back to the input width.
     route: see :func:`attend`.
     dtype: compute dtype (parameters stay float32).
+    dropout_rate: attention-probability dropout (needs a ``dropout`` rng
+      when ``deterministic`` is False).
   """
 
   num_heads: int
   head_dim: int
   route: Route = "auto"
   dtype: jnp.dtype = jnp.float32
+  dropout_rate: float = 0.0
   kernel_init: nn.initializers.Initializer = nn.initializers.normal(0.02)
 
   @nn.compact
   def __call__(self, x: Array, terms: Sequence[Term] = (), *, context: Array | None = None,
                mask: Array | None = None, causal: bool = False,
-               scale: float | None = None) -> Array:
+               scale: float | None = None, deterministic: bool = True) -> Array:
     """Args: ``x`` ``[B, Lq, d]``; ``context`` ``[B, Lk, d]`` (None: ``x``).
 
     Returns ``[B, Lq, d]``.
@@ -163,7 +179,11 @@ class MultiHeadAttention(nn.Module):
         kernel_init=nn.with_logical_partitioning(self.kernel_init, ("embed", "heads", "kv")),
         bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("heads", "kv")))
     q, k, v = dense("query")(x), dense("key")(context), dense("value")(context)
-    out = attend(q, k, v, terms, mask=mask, causal=causal, scale=scale, route=self.route)
+    dropout_rng = None
+    if not deterministic and self.dropout_rate > 0.0:
+      dropout_rng = self.make_rng("dropout")
+    out = attend(q, k, v, terms, mask=mask, causal=causal, scale=scale, route=self.route,
+                 dropout_rate=self.dropout_rate, dropout_rng=dropout_rng)
     return nn.DenseGeneral(
         x.shape[-1], axis=(-2, -1), dtype=self.dtype, name="out",
         kernel_init=nn.with_logical_partitioning(self.kernel_init, ("heads", "kv", "embed")),

@@ -1,0 +1,186 @@
+"""BERT (Devlin et al.) with any positional and segment scheme, and its heads.
+
+The scheme is built once per model from ``config.scheme`` and called once
+per forward pass; each layer gets its own (or the shared) terms. Parameter
+layout of :class:`BertEncoder`::
+
+  token_embed/embedding               [V, d]
+  position/...                        the scheme's parameters
+  segment/...                         the segment scheme's parameters
+  embed_norm/{scale,bias}             [d]      (post-LN only)
+  layers_{i}/attention/{query,key,value}/{kernel [d, H, D], bias [H, D]}
+  layers_{i}/attention/out/{kernel [H, D, d], bias [d]}
+  layers_{i}/{attention_norm,mlp_norm}/{scale,bias}
+  layers_{i}/mlp/wi/{kernel [d, F], bias [F]}, mlp/wo/{kernel [F, d], bias [d]}
+  final_norm/{scale,bias}             [d]      (pre-LN only)
+  pooler/{kernel [d, d], bias [d]}              (config.pooler)
+
+The heads wrap the encoder as ``bert/...``.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from posenc_jax.models.config import ModelConfig, ModelConfigError
+from posenc_jax.models.layers import (ACTIVATION_FNS, EncoderLayer, as_mask, dense, layer_norm,
+                                      scheme_dims, token_embedding)
+from posenc_jax.schemes import build_scheme
+from posenc_jax.terms import SchemeTerms
+
+Array = jax.Array
+
+
+class BertEncoder(nn.Module):
+  """Embeddings, the scheme's terms, N encoder layers and the pooler.
+
+  Attributes:
+    config: a validated :class:`ModelConfig`.
+  """
+
+  config: ModelConfig
+
+  def setup(self):
+    cfg = self.config
+    self.token_embed = token_embedding(cfg)
+    self.position = build_scheme(cfg.scheme, **scheme_dims(cfg))
+    if cfg.segment is not None:
+      self.segment = build_scheme(cfg.segment, **scheme_dims(cfg))
+    if cfg.pre_ln:
+      self.final_norm = layer_norm(cfg)
+    else:
+      self.embed_norm = layer_norm(cfg)
+    self.dropout = nn.Dropout(cfg.dropout_rate)
+    self.layers = [EncoderLayer(cfg) for _ in range(cfg.num_layers)]
+    if cfg.pooler:
+      self.pooler = dense(cfg.d_model, ("embed", "mlp"), cfg)
+
+  def terms(self, length: int, segment_ids: Array) -> SchemeTerms:
+    """The position (and segment) scheme's terms for one forward pass."""
+    terms = self.position(length, segment_ids)
+    if self.config.segment is not None:
+      terms = terms + self.segment(length, segment_ids)
+    return terms
+
+  def __call__(self, input_ids: Array, segment_ids: Array | None = None,
+               mask: Array | None = None, *, deterministic: bool = True
+               ) -> tuple[Array, Array | None]:
+    """Encodes a batch.
+
+    Args:
+      input_ids: ``[B, L]`` int token ids.
+      segment_ids: ``[B, L]`` int token types (None: all 0).
+      mask: ``[B, L]`` padding mask, True (or 1) at real tokens (None: no padding).
+      deterministic: False enables dropout (needs a ``dropout`` rng).
+
+    Returns:
+      ``hidden`` ``[B, L, d]`` and the pooled [CLS] vector ``[B, d]`` (None
+      without a pooler).
+    """
+    cfg = self.config
+    batch, length = input_ids.shape
+    segment_ids = jnp.zeros_like(input_ids) if segment_ids is None else segment_ids
+    mask = as_mask(mask, (batch, length))
+    terms = self.terms(length, segment_ids)
+    x = terms.embed(self.token_embed(input_ids).astype(jnp.float32))
+    if not cfg.pre_ln:
+      x = self.embed_norm(x)
+    x = self.dropout(x, deterministic=deterministic).astype(cfg.compute_dtype)
+    for index, layer in enumerate(self.layers):
+      x = layer(x, terms.for_layer(index), mask, terms.content_scale, deterministic)
+    if cfg.pre_ln:
+      x = self.final_norm(x)
+    pooled = jnp.tanh(self.pooler(x[:, 0])) if cfg.pooler else None
+    return x, pooled
+
+  def attend_tokens(self, h: Array) -> Array:
+    """Logits against the word embeddings (the tied decoder): ``[.., d] -> [.., V]``."""
+    return self.token_embed.attend(h)
+
+
+class MaskedLMHead(nn.Module):
+  """BERT's MLM head: dense + activation + LayerNorm, tied decoder, output bias.
+
+  Parameters: ``transform/{kernel,bias}``, ``norm/{scale,bias}``, ``bias`` ``[V]``.
+  """
+
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, h: Array, encoder: BertEncoder) -> Array:
+    """``h`` ``[.., d]`` -> logits ``[.., V]`` (float32)."""
+    cfg = self.config
+    h = ACTIVATION_FNS[cfg.activation](dense(cfg.d_model, ("embed", "mlp"), cfg, "transform")(h))
+    h = layer_norm(cfg, "norm")(h)
+    bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, ("vocab",)),
+                      (cfg.vocab_size,))
+    return encoder.attend_tokens(h).astype(jnp.float32) + bias
+
+
+class BertForMaskedLM(nn.Module):
+  """Masked-LM pre-training model (no NSP, as DIET and RoBERTa)."""
+
+  config: ModelConfig
+
+  def setup(self):
+    self.bert = BertEncoder(self.config)
+    self.mlm = MaskedLMHead(self.config)
+
+  def __call__(self, input_ids, segment_ids=None, mask=None, *, masked_positions=None,
+               deterministic=True) -> Array:
+    """Logits ``[B, L, V]``, or ``[B, P, V]`` at ``masked_positions`` ``[B, P]``."""
+    hidden, _ = self.bert(input_ids, segment_ids, mask, deterministic=deterministic)
+    if masked_positions is not None:
+      hidden = jnp.take_along_axis(hidden, masked_positions[..., None], axis=1)
+    return self.mlm(hidden, self.bert)
+
+
+def _require_pooler(config: ModelConfig, head: str) -> None:
+  if not config.pooler:
+    raise ModelConfigError(f"model.pooler: {head} classifies the pooled [CLS]; set pooler=True")
+
+
+class BertForSequenceClassification(nn.Module):
+  """Classification (``num_labels`` > 1) or regression (``num_labels`` = 1) on the pooled [CLS].
+
+  Attributes:
+    config: the encoder's config.
+    num_labels: classes, or 1 for regression (STS-B).
+  """
+
+  config: ModelConfig
+  num_labels: int = 2
+
+  def setup(self):
+    _require_pooler(self.config, "BertForSequenceClassification")
+    self.bert = BertEncoder(self.config)
+    self.dropout = nn.Dropout(self.config.dropout_rate)
+    self.classifier = dense(self.num_labels, ("embed", "labels"), self.config)
+
+  def __call__(self, input_ids, segment_ids=None, mask=None, *, deterministic=True) -> Array:
+    """Logits ``[B, num_labels]`` (float32); for regression ``[B]``."""
+    _, pooled = self.bert(input_ids, segment_ids, mask, deterministic=deterministic)
+    logits = self.classifier(self.dropout(pooled, deterministic=deterministic))
+    logits = logits.astype(jnp.float32)
+    return logits[:, 0] if self.num_labels == 1 else logits
+
+
+class BertForQuestionAnswering(nn.Module):
+  """Span prediction: start and end logits per token (SQuAD, XQuAD, MLQA, TyDiQA)."""
+
+  config: ModelConfig
+
+  def setup(self):
+    self.bert = BertEncoder(self.config)
+    self.qa_outputs = dense(2, ("embed", "labels"), self.config)
+
+  def __call__(self, input_ids, segment_ids=None, mask=None, *, deterministic=True
+               ) -> tuple[Array, Array]:
+    """``start_logits``, ``end_logits``, each ``[B, L]`` float32; padding gets a large negative."""
+    hidden, _ = self.bert(input_ids, segment_ids, mask, deterministic=deterministic)
+    logits = self.qa_outputs(hidden).astype(jnp.float32)
+    mask = as_mask(mask, input_ids.shape)
+    logits = jnp.where(mask[..., None], logits, jnp.finfo(jnp.float32).min)
+    return logits[..., 0], logits[..., 1]

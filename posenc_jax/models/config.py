@@ -1,0 +1,183 @@
+"""The model config: one validated, hashable record for every model in the library.
+
+Configs arrive as ``ml_collections.ConfigDict`` (from ``configs/``), plain
+dicts, or keyword arguments; :func:`model_config` checks every field and
+returns a frozen :class:`ModelConfig` that Flax modules can hold. Bad input
+raises one :class:`ModelConfigError` line naming the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax.numpy as jnp
+from flax.core import FrozenDict
+
+from posenc_jax.schemes import SchemeConfigError, validate_scheme_config
+
+ACTIVATIONS = ("gelu", "gelu_tanh", "relu")
+DTYPES = ("float32", "bfloat16")
+ATTENTIONS = ("full", "linformer")
+LINFORMER_SHARING = ("none", "kv", "layer")
+ROUTES = ("auto", "reference", "fused")
+
+
+class ModelConfigError(ValueError):
+  """A model config has an unknown field or an invalid value."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Dimensions and choices of a BERT encoder or an encoder-decoder Transformer.
+
+  Defaults are BERT-base (Devlin et al.) with its learned input APE and
+  input token types.
+
+  Attributes:
+    vocab_size: V.
+    d_model: d.
+    num_layers: encoder layers.
+    num_heads: H.
+    head_dim: D; None gives ``d_model // num_heads``.
+    mlp_dim: feed-forward width F.
+    max_len: L_max, the positions absolute tables cover.
+    dropout_rate: hidden dropout.
+    attention_dropout_rate: attention-probability dropout.
+    layer_norm_eps: LayerNorm epsilon (BERT: 1e-12).
+    pre_ln: LayerNorm before each sublayer (and a final one) instead of after.
+    activation: ``gelu`` (exact erf form, as BERT), ``gelu_tanh``, ``relu``.
+    dtype: compute dtype; parameters stay float32.
+    scheme: position scheme config (registry name and hyperparameters), or a
+      tuple of them to compose.
+    segment: segment scheme config (``segment_input``, ``segment_per_head``)
+      or None for single-segment models.
+    pooler: BERT's tanh pooler over [CLS].
+    attention: ``full`` or ``linformer`` (Wang et al. 2020).
+    linformer_k: Linformer's projected length k.
+    linformer_sharing: ``none`` (E, F per layer), ``kv`` (E = F per layer),
+      ``layer`` (one E = F for all layers).
+    route: attention route (see :func:`posenc_jax.attend`).
+    num_decoder_layers: decoder layers of an encoder-decoder model (0: none).
+    share_embeddings: encoder-decoder: one table for source, target and the
+      output projection.
+  """
+
+  vocab_size: int = 30522
+  d_model: int = 768
+  num_layers: int = 12
+  num_heads: int = 12
+  head_dim: int | None = None
+  mlp_dim: int = 3072
+  max_len: int = 512
+  dropout_rate: float = 0.1
+  attention_dropout_rate: float = 0.1
+  layer_norm_eps: float = 1e-12
+  pre_ln: bool = False
+  activation: str = "gelu"
+  dtype: str = "float32"
+  scheme: Any = FrozenDict(name="learned_ape")
+  segment: Any = FrozenDict(name="segment_input")
+  pooler: bool = True
+  attention: str = "full"
+  linformer_k: int = 128
+  linformer_sharing: str = "none"
+  route: str = "auto"
+  num_decoder_layers: int = 0
+  share_embeddings: bool = True
+
+  @property
+  def dim_per_head(self) -> int:
+    return self.d_model // self.num_heads if self.head_dim is None else self.head_dim
+
+  @property
+  def compute_dtype(self):
+    return jnp.dtype(self.dtype)
+
+  def replace(self, **changes) -> ModelConfig:
+    """A validated copy with ``changes``."""
+    return model_config(dataclasses.asdict(self) | changes)
+
+  def to_dict(self) -> dict[str, Any]:
+    return {f.name: _thaw(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+
+FIELDS = {f.name for f in dataclasses.fields(ModelConfig)}
+
+
+def _freeze(value):
+  """dicts -> FrozenDict, lists -> tuples (so the config is hashable)."""
+  if hasattr(value, "to_dict"):
+    value = value.to_dict()
+  if isinstance(value, Mapping):
+    return FrozenDict({k: _freeze(v) for k, v in value.items()})
+  if isinstance(value, Sequence) and not isinstance(value, str):
+    return tuple(_freeze(v) for v in value)
+  return value
+
+
+def _thaw(value):
+  if isinstance(value, Mapping):
+    return {k: _thaw(v) for k, v in value.items()}
+  if isinstance(value, tuple):
+    return [_thaw(v) for v in value]
+  return value
+
+
+def _is_int(x):
+  return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check(field: str, ok: bool, value: Any, allowed: str) -> None:
+  if not ok:
+    raise ModelConfigError(f"model.{field}: got {value!r}; allowed: {allowed}")
+
+
+def model_config(config: Any = None, **overrides) -> ModelConfig:
+  """Validates a model config (ConfigDict, dict or keywords) into a :class:`ModelConfig`."""
+  if hasattr(config, "to_dict"):
+    config = config.to_dict()
+  values = dict(config or {}) | overrides
+  for field in values:
+    if field not in FIELDS:
+      raise ModelConfigError(f"model.{field}: unknown field; allowed fields: "
+                             f"{', '.join(sorted(FIELDS))}")
+  cfg = ModelConfig(**{k: _freeze(v) for k, v in values.items()})
+  for field in ("vocab_size", "d_model", "num_layers", "num_heads", "mlp_dim", "max_len",
+                "linformer_k"):
+    value = getattr(cfg, field)
+    _check(field, _is_int(value) and value > 0, value, "a positive integer")
+  _check("num_decoder_layers", _is_int(cfg.num_decoder_layers) and cfg.num_decoder_layers >= 0,
+         cfg.num_decoder_layers, "an integer >= 0")
+  if cfg.head_dim is None:
+    _check("num_heads", cfg.d_model % cfg.num_heads == 0, cfg.num_heads,
+           f"a divisor of d_model={cfg.d_model} (or set head_dim)")
+  else:
+    _check("head_dim", _is_int(cfg.head_dim) and cfg.head_dim > 0, cfg.head_dim,
+           "a positive integer or None")
+  for field in ("dropout_rate", "attention_dropout_rate"):
+    value = getattr(cfg, field)
+    _check(field, isinstance(value, (int, float)) and 0 <= value < 1, value, "a number in [0, 1)")
+  _check("layer_norm_eps", isinstance(cfg.layer_norm_eps, float) and cfg.layer_norm_eps > 0,
+         cfg.layer_norm_eps, "a positive float")
+  for field, allowed in (("activation", ACTIVATIONS), ("dtype", DTYPES),
+                         ("attention", ATTENTIONS), ("linformer_sharing", LINFORMER_SHARING),
+                         ("route", ROUTES)):
+    value = getattr(cfg, field)
+    _check(field, value in allowed, value, ", ".join(allowed))
+  for field in ("pre_ln", "pooler", "share_embeddings"):
+    _check(field, isinstance(getattr(cfg, field), bool), getattr(cfg, field), "true or false")
+  _check_scheme("scheme", cfg.scheme)
+  if cfg.segment is not None:
+    _check_scheme("segment", cfg.segment)
+  return cfg
+
+
+def _check_scheme(field: str, config: Any) -> None:
+  parts = config if isinstance(config, tuple) else (config,)
+  for part in parts:
+    try:
+      validate_scheme_config(part)
+    except SchemeConfigError as e:
+      raise ModelConfigError(f"model.{field}: {e}") from None

@@ -1,0 +1,119 @@
+"""Transformer building blocks shared by the BERT encoder and the translation model.
+
+Every parameter carries logical axis names (``embed``, ``heads``, ``kv``,
+``mlp``, ``vocab``) for mesh sharding; compute runs in ``config.dtype`` with
+float32 parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from posenc_jax.attention import MultiHeadAttention
+from posenc_jax.models.config import ModelConfig
+from posenc_jax.terms import Term
+
+Array = jax.Array
+
+INIT = nn.initializers.normal(0.02)  # BERT's truncated-normal scale, as plain normal
+
+ACTIVATION_FNS = {
+    "gelu": lambda x: nn.gelu(x, approximate=False),
+    "gelu_tanh": lambda x: nn.gelu(x, approximate=True),
+    "relu": nn.relu,
+}
+
+
+def dense(features: int, axes: tuple[str, str], config: ModelConfig,
+          name: str | None = None) -> nn.Dense:
+  """A Dense layer ``[.., in] -> [.., features]`` with logical axes ``axes`` on its kernel."""
+  return nn.Dense(features, dtype=config.compute_dtype, name=name,
+                  kernel_init=nn.with_logical_partitioning(INIT, axes),
+                  bias_init=nn.with_logical_partitioning(nn.initializers.zeros, axes[1:]))
+
+
+def layer_norm(config: ModelConfig, name: str | None = None) -> nn.LayerNorm:
+  return nn.LayerNorm(epsilon=config.layer_norm_eps, dtype=config.compute_dtype, name=name,
+                      scale_init=nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
+                      bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)))
+
+
+def token_embedding(config: ModelConfig, name: str | None = None) -> nn.Embed:
+  """The ``[V, d]`` word-embedding table (also the tied output projection)."""
+  return nn.Embed(config.vocab_size, config.d_model, dtype=config.compute_dtype, name=name,
+                  embedding_init=nn.with_logical_partitioning(INIT, ("vocab", "embed")))
+
+
+class FeedForward(nn.Module):
+  """``wo(act(wi(x)))``: ``[B, L, d] -> [B, L, F] -> [B, L, d]``."""
+
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, x: Array, deterministic: bool = True) -> Array:
+    cfg = self.config
+    h = ACTIVATION_FNS[cfg.activation](dense(cfg.mlp_dim, ("embed", "mlp"), cfg, "wi")(x))
+    h = nn.Dropout(cfg.dropout_rate)(h, deterministic=deterministic)
+    return dense(cfg.d_model, ("mlp", "embed"), cfg, "wo")(h)
+
+
+def self_attention(config: ModelConfig, name: str | None = None) -> nn.Module:
+  """The self-attention module the config asks for (full or Linformer)."""
+  if config.attention == "linformer":
+    from posenc_jax.models.linformer import LinformerSelfAttention  # noqa: PLC0415
+    return LinformerSelfAttention(config, name=name)
+  return MultiHeadAttention(config.num_heads, config.dim_per_head, route=config.route,
+                            dtype=config.compute_dtype,
+                            dropout_rate=config.attention_dropout_rate, name=name)
+
+
+def residual(config: ModelConfig, norm: nn.LayerNorm, dropout: nn.Dropout, sublayer, x: Array,
+             deterministic: bool) -> Array:
+  """One sublayer with its residual and LayerNorm, post-LN (BERT) or pre-LN.
+
+  post-LN: ``LN(x + dropout(f(x)))``; pre-LN: ``x + dropout(f(LN(x)))``.
+  """
+  y = sublayer(norm(x) if config.pre_ln else x)
+  y = dropout(y, deterministic=deterministic)
+  return x + y if config.pre_ln else norm(x + y)
+
+
+class EncoderLayer(nn.Module):
+  """Self-attention with the scheme's terms, then the feed-forward block.
+
+  Parameters: ``attention``, ``attention_norm``, ``mlp``, ``mlp_norm``.
+  """
+
+  config: ModelConfig
+
+  def setup(self):
+    self.attention = self_attention(self.config)
+    self.attention_norm = layer_norm(self.config)
+    self.mlp = FeedForward(self.config)
+    self.mlp_norm = layer_norm(self.config)
+    self.dropout = nn.Dropout(self.config.dropout_rate)
+
+  def __call__(self, x: Array, terms: Sequence[Term], mask: Array | None,
+               scale: float | None, deterministic: bool = True) -> Array:
+    """Args: ``x`` ``[B, L, d]``, ``mask`` ``[B, L]`` (True = token). Returns ``[B, L, d]``."""
+    attend = lambda y: self.attention(y, terms, mask=mask, scale=scale,  # noqa: E731
+                                      deterministic=deterministic)
+    x = residual(self.config, self.attention_norm, self.dropout, attend, x, deterministic)
+    return residual(self.config, self.mlp_norm, self.dropout,
+                    lambda y: self.mlp(y, deterministic), x, deterministic)
+
+
+def scheme_dims(config: ModelConfig, num_layers: int | None = None) -> dict[str, int]:
+  """The model dimensions a scheme is built with."""
+  return dict(num_layers=config.num_layers if num_layers is None else num_layers,
+              num_heads=config.num_heads, head_dim=config.dim_per_head, d_model=config.d_model,
+              max_len=config.max_len)
+
+
+def as_mask(mask: Array | None, shape: tuple[int, int]) -> Array:
+  """``[B, L]`` bool padding mask (True = token); None means no padding."""
+  return jnp.ones(shape, bool) if mask is None else mask.astype(bool)
