@@ -1,0 +1,96 @@
+"""Named model sizes and scheme presets (the papers' rows), combinable by name.
+
+``preset_config("bert_base,diet_abs_share")`` gives an ``ml_collections``
+``ConfigDict`` with ``model`` (the :class:`~posenc_jax.models.ModelConfig`
+fields) and ``head`` (which model to build). One size preset comes first;
+scheme and modifier presets follow and are applied in order. Config files
+in ``configs/`` call this; ``--config.model.<field>=...`` overrides any field.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+from posenc_jax.models.config import ModelConfigError
+
+HEADS = ("mlm", "encoder", "classification", "span", "translation")
+
+# Model sizes. Unset fields keep the ModelConfig defaults (BERT-base).
+SIZES: dict[str, dict] = {
+    # Runs in seconds on a CPU.
+    "bert_tiny": dict(vocab_size=8192, d_model=128, num_layers=2, num_heads=2, mlp_dim=512,
+                      max_len=128),
+    # DIET Table 1's BERT-small: 4 layers, 512 wide, 8 heads.
+    "bert_small": dict(d_model=512, num_layers=4, num_heads=8, mlp_dim=2048),
+    "bert_base": dict(),
+    # DIET's multilingual (XTREME) models: SentencePiece vocabulary of 120k.
+    "bert_base_multilingual": dict(vocab_size=120000),
+    # Vaswani et al. base and big, shared source/target vocabulary.
+    "transformer_base": dict(vocab_size=32000, d_model=512, num_layers=6, num_decoder_layers=6,
+                             num_heads=8, mlp_dim=2048, max_len=256, activation="relu",
+                             layer_norm_eps=1e-6, attention_dropout_rate=0.0,
+                             scheme={"name": "sinusoidal_ape"}, segment=None, pooler=False),
+    "transformer_big": dict(vocab_size=32000, d_model=1024, num_layers=6, num_decoder_layers=6,
+                            num_heads=16, mlp_dim=4096, max_len=256, activation="relu",
+                            layer_norm_eps=1e-6, dropout_rate=0.3, attention_dropout_rate=0.0,
+                            scheme={"name": "sinusoidal_ape"}, segment=None, pooler=False),
+}
+
+LINFORMER_K = 32  # DIET Tables 2-3 label Linformer rows by k: 32 and 256.
+
+# Position schemes named after the papers' rows, plus modifiers.
+SCHEMES: dict[str, dict] = {
+    "bert": dict(scheme={"name": "learned_ape"}),
+    "none": dict(scheme={"name": "none"}),
+    "sinusoidal": dict(scheme={"name": "sinusoidal_ape"}),
+    "sinusoidal_learnable": dict(scheme={"name": "sinusoidal_ape", "learnable": True}),
+    "shaw": dict(scheme={"name": "shaw"}),
+    "sinusoidal_rpe": dict(scheme={"name": "sinusoidal_rpe"}),
+    "t5": dict(scheme={"name": "t5"}),
+    "tupe_a": dict(scheme={"name": "tupe_a"}),
+    "tupe_a_tie_cls": dict(scheme={"name": "tupe_a", "untie_cls": False}),
+    "tupe_r": dict(scheme={"name": "tupe_r"}),
+    "bert_ad": dict(scheme={"name": "bert_ad"}),
+    "diet_rel": dict(scheme={"name": "diet_rel"}),
+    "diet_rel_share": dict(scheme={"name": "diet_rel", "sharing": "layer"}),
+    "diet_abs": dict(scheme={"name": "diet_abs", "rank": 128}),
+    "diet_abs_share": dict(scheme={"name": "diet_abs", "rank": 128, "sharing": "layer"}),
+    "linformer": dict(scheme={"name": "learned_ape"}, attention="linformer",
+                      linformer_k=LINFORMER_K),
+    "diet_abs_lin": dict(scheme={"name": "diet_abs_lin", "k": LINFORMER_K}, attention="linformer",
+                         linformer_k=LINFORMER_K),
+    "alibi": dict(scheme={"name": "alibi"}),
+    "rope": dict(scheme={"name": "rope"}),
+    # Modifiers.
+    "segment_per_head": dict(segment={"name": "segment_per_head"}),
+    "no_segment": dict(segment=None),
+    "pre_ln": dict(pre_ln=True),
+    "bf16": dict(dtype="bfloat16"),
+}
+
+
+def default_head(size: str) -> str:
+  return "translation" if size.startswith("transformer") else "mlm"
+
+
+def preset_config(arg: str = "bert_base,bert") -> ml_collections.ConfigDict:
+  """``"<size>[,<scheme or modifier>...]"`` -> ConfigDict(model=..., head=...).
+
+  Raises:
+    ModelConfigError: one line naming an unknown preset and the allowed ones.
+  """
+  names = [n.strip() for n in arg.split(",") if n.strip()]
+  if not names or names[0] not in SIZES:
+    raise ModelConfigError(f"config preset: {names[0] if names else arg!r} is not a model size; "
+                           f"allowed: {', '.join(SIZES)}")
+  model = dict(SIZES[names[0]])
+  for name in names[1:]:
+    if name not in SCHEMES:
+      raise ModelConfigError(f"config preset: {name!r} is unknown; allowed: "
+                             f"{', '.join(SCHEMES)}")
+    model.update(SCHEMES[name])
+  config = ml_collections.ConfigDict()
+  # Fields that may be None or change type (a scheme dict) stay unlocked-typed.
+  config.model = ml_collections.ConfigDict(model, type_safe=False)
+  config.head = default_head(names[0])
+  return config
