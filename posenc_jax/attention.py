@@ -131,6 +131,7 @@ def attend(
   if route not in ROUTES:
     raise ValueError(f"route: unknown route {route!r}; allowed: {', '.join(ROUTES)}")
   scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+  terms = [term.with_key_length(k.shape[1]) for term in terms]
   for term in terms:
     q, k = term.transform_qk(q, k)
   dropout = dropout_rate > 0.0 and dropout_rng is not None
@@ -146,6 +147,27 @@ def attend(
   return _fused(q, k, v, terms, mask, causal, scale, implementation)
 
 
+def head_projection(module, name: str) -> nn.DenseGeneral:
+  """``[.., d] -> [.., H, D]``: the query/key/value projection of ``module``.
+
+  ``module`` provides ``num_heads``, ``head_dim``, ``dtype`` and ``kernel_init``
+  (:class:`MultiHeadAttention` and the Linformer layer share these pieces);
+  logical axes ``(embed, heads, kv)``.
+  """
+  return nn.DenseGeneral(
+      (module.num_heads, module.head_dim), dtype=module.dtype, name=name,
+      kernel_init=nn.with_logical_partitioning(module.kernel_init, ("embed", "heads", "kv")),
+      bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("heads", "kv")))
+
+
+def output_projection(module, features: int, name: str = "out") -> nn.DenseGeneral:
+  """``[.., H, D] -> [.., features]``: the output projection of ``module`` (see above)."""
+  return nn.DenseGeneral(
+      features, axis=(-2, -1), dtype=module.dtype, name=name,
+      kernel_init=nn.with_logical_partitioning(module.kernel_init, ("heads", "kv", "embed")),
+      bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)))
+
+
 class MultiHeadAttention(nn.Module):
   """Multi-head self- or cross-attention whose logits take a list of terms.
 
@@ -156,6 +178,22 @@ class MultiHeadAttention(nn.Module):
     dtype: compute dtype (parameters stay float32).
     dropout_rate: attention-probability dropout (needs a ``dropout`` rng
       when ``deterministic`` is False).
+
+  Incremental decoding (``decode=True``, self-attention only) keeps a KV
+  cache in the ``cache`` collection, as flax's ``decode`` pattern does:
+
+    cached_key, cached_value  ``[B, L_dec, H, D]``  raw projections (before
+                                                    any term's q/k transform)
+    cache_index               int32 scalar, the next position to write
+
+  The first ``decode=True`` call (made with the full-length input, e.g. by
+  ``init``) only creates the cache and otherwise runs as usual. Each later
+  call takes one position ``x`` ``[B, 1, d]``: it writes k/v at
+  ``cache_index``, attends the query against every cached key with the keys
+  ``<= cache_index`` unmasked, and slices the terms with
+  ``slice_queries(cache_index, 1)``. The terms must be built for the full
+  decode length ``L_dec``, so the keys keep their absolute positions (RoPE
+  and BERT-A^d transform every cached key by its own position each step).
   """
 
   num_heads: int
@@ -168,23 +206,56 @@ class MultiHeadAttention(nn.Module):
   @nn.compact
   def __call__(self, x: Array, terms: Sequence[Term] = (), *, context: Array | None = None,
                mask: Array | None = None, causal: bool = False,
-               scale: float | None = None, deterministic: bool = True) -> Array:
+               scale: float | None = None, deterministic: bool = True,
+               decode: bool = False) -> Array:
     """Args: ``x`` ``[B, Lq, d]``; ``context`` ``[B, Lk, d]`` (None: ``x``).
+
+    ``decode``: one incremental-decoding step (see the class docstring); a
+    ``mask`` is then ``[B, L_dec]`` over the cache positions, ``causal`` is
+    implied.
 
     Returns ``[B, Lq, d]``.
     """
+    if decode and context is not None:
+      raise ValueError("decode: the KV cache is for self-attention; cross-attention "
+                       "(context given) recomputes its keys")
     context = x if context is None else context
-    dense = lambda name: nn.DenseGeneral(  # noqa: E731
-        (self.num_heads, self.head_dim), dtype=self.dtype, name=name,
-        kernel_init=nn.with_logical_partitioning(self.kernel_init, ("embed", "heads", "kv")),
-        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("heads", "kv")))
+    dense = lambda name: head_projection(self, name)  # noqa: E731
     q, k, v = dense("query")(x), dense("key")(context), dense("value")(context)
+    if decode:
+      k, v, terms, mask, causal = self._decode_step(q, k, v, terms, mask, causal)
     dropout_rng = None
     if not deterministic and self.dropout_rate > 0.0:
       dropout_rng = self.make_rng("dropout")
     out = attend(q, k, v, terms, mask=mask, causal=causal, scale=scale, route=self.route,
                  dropout_rate=self.dropout_rate, dropout_rng=dropout_rng)
-    return nn.DenseGeneral(
-        x.shape[-1], axis=(-2, -1), dtype=self.dtype, name="out",
-        kernel_init=nn.with_logical_partitioning(self.kernel_init, ("heads", "kv", "embed")),
-        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)))(out)
+    return output_projection(self, x.shape[-1])(out)
+
+  def _decode_step(self, q, k, v, terms, mask, causal):
+    """Writes this step's k/v into the cache; returns what :func:`attend` needs.
+
+    Returns ``(k, v, terms, mask, causal)``: on the first (cache-creating)
+    call the inputs unchanged; afterwards the full cache ``[B, L_dec, H, D]``,
+    the terms' row at ``cache_index``, the mask of keys ``<= cache_index``
+    and ``causal=False`` (the mask already is causal).
+    """
+    initialized = self.has_variable("cache", "cached_key")
+    cached_key = self.variable("cache", "cached_key", jnp.zeros, k.shape, k.dtype)
+    cached_value = self.variable("cache", "cached_value", jnp.zeros, v.shape, v.dtype)
+    cache_index = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
+    if not initialized:
+      return k, v, terms, mask, causal
+    batch, length, heads, head_dim = cached_key.value.shape
+    chex.assert_shape([q, k, v], (batch, 1, heads, head_dim))
+    index = cache_index.value
+    k = jax.lax.dynamic_update_slice(cached_key.value, k.astype(cached_key.value.dtype),
+                                     (0, index, 0, 0))
+    v = jax.lax.dynamic_update_slice(cached_value.value, v.astype(cached_value.value.dtype),
+                                     (0, index, 0, 0))
+    cached_key.value, cached_value.value = k, v
+    cache_index.value = index + 1
+    step_mask = (jnp.arange(length) <= index)[None, None, None, :]  # [1, 1, 1, L_dec]
+    mask = step_mask if mask is None else jnp.logical_and(_mask_4d(mask, False, 1, length),
+                                                          step_mask)
+    terms = [term.slice_queries(index, 1) for term in terms]
+    return k, v, terms, mask, False

@@ -30,6 +30,17 @@ Each attention term implements the same small protocol, used by
 * ``fused(q, scale) -> FusedPart``: what the fused route needs instead.
 * ``value_output(probs) -> [B, Lq, H, D] | None``: an extra contribution to
   the attention output (Shaw's value term).
+* ``slice_queries(start, size) -> Term``: the same term restricted to query
+  rows ``[start, start + size)``, keys unchanged (incremental decoding: the
+  term is built once for the whole decode length and each step takes its
+  row, so keys keep their absolute positions). ``start`` may be traced.
+* ``with_key_length(k_len) -> Term``: tells a term whose arrays carry no key
+  axis (Shaw's, which holds only an offset table) how many keys the
+  attention has; :func:`posenc_jax.attend` calls it. Others return self.
+
+Slicing counts the query axis from the end of each array (``-2`` for
+``[.., Lq, Lk]``, ``-3`` for ``[.., Lq, H, r]``), so it works on a term of
+one layer and on a :class:`SchemeTerms` term with its leading layer axis.
 """
 
 from __future__ import annotations
@@ -41,6 +52,7 @@ import chex
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax import lax
 
 Array = jax.Array
 
@@ -81,6 +93,37 @@ class Term:
     del probs
     return None
 
+  def slice_queries(self, start: int | Array, size: int) -> Term:
+    """The term restricted to query rows ``[start, start + size)``.
+
+    The base term is the identity and has no query axis, so it is its own
+    slice. A subclass that holds arrays must say where its query axis is:
+    returning ``self`` there would silently keep every row, so this raises.
+    """
+    del start, size
+    if any(hasattr(leaf, "shape") for leaf in jax.tree.leaves(self) if leaf is not self):
+      raise NotImplementedError(f"{type(self).__name__} holds arrays but does not implement "
+                                "slice_queries; it cannot be used for incremental decoding")
+    return self
+
+  def with_key_length(self, k_len: int) -> Term:
+    """The term for attention over ``k_len`` keys (only length-free terms need it)."""
+    del k_len
+    return self
+
+
+def slice_rows(x: Array, start: int | Array, size: int, axis: int) -> Array:
+  """``size`` entries of ``x`` from ``start`` along ``axis`` (negative: from the end).
+
+  A size-1 axis is a broadcast axis (the same value for every query row) and
+  is returned whole. ``start`` may be traced; as with
+  :func:`jax.lax.dynamic_slice`, a start past ``dim - size`` is clamped.
+  """
+  axis = axis % x.ndim
+  if x.shape[axis] == 1:
+    return x
+  return lax.dynamic_slice_in_dim(x, start, size, axis)
+
 
 def _as_4d_bias(value: Array) -> Array:
   """``[H, Lq, Lk]`` -> ``[1, H, Lq, Lk]``; ``[B, H, Lq, Lk]`` unchanged."""
@@ -106,6 +149,9 @@ class Bias(Term):
   def fused(self, q, scale):
     del q, scale
     return FusedPart(bias=_as_4d_bias(self.value))
+
+  def slice_queries(self, start, size):
+    return self.replace(value=slice_rows(self.value, start, size, -2))
 
 
 @struct.dataclass
@@ -145,6 +191,9 @@ class Factored(Term):
     v = jnp.broadcast_to(v, v.shape[:2] + (heads, v.shape[3]))
     return FusedPart(q_extra=(u / scale).astype(q.dtype), k_extra=v.astype(q.dtype))
 
+  def slice_queries(self, start, size):
+    return self.replace(u=slice_rows(self.u, start, size, -3))
+
 
 def relative_offsets(q_len: int, k_len: int, q_offset: int = 0) -> Array:
   """``[Lq, Lk]`` int32 matrix of ``j - i`` (key position minus query position)."""
@@ -162,22 +211,43 @@ class QueryRelative(Term):
       ``r + t`` holds offset ``r = j - i``.
     value_table: optional table of the same shape; adds
       ``sum_j alpha_ij a^V_{clip(j-i)}`` to the output (reference route only).
+    q_offset: position of query row 0 (int scalar, may be traced); None
+      means 0. :meth:`slice_queries` sets it, so a decoding step's single
+      query sits at its absolute position.
     clip: ``t``, the largest offset with its own row.
+    k_len: number of keys; None means ``Lq`` (self-attention over the
+      query positions). :func:`posenc_jax.attend` sets it from ``k`` via
+      :meth:`with_key_length`.
 
-  Self-attention only (``Lk = Lq``): offsets are taken between positions
-  ``0..L-1`` of the same sequence.
+  Keys sit at positions ``0..Lk-1`` and queries at
+  ``q_offset..q_offset+Lq-1`` of the same sequence (self-attention).
   """
 
   key_table: Array
   value_table: Array | None = None
+  q_offset: Array | int | None = None
   clip: int = struct.field(pytree_node=False, default=16)
+  k_len: int | None = struct.field(pytree_node=False, default=None)
 
   @property
   def fusable(self):
     return self.value_table is None
 
+  def slice_queries(self, start, size):
+    del size  # the table has no query axis; the rows are the queries given to logits
+    offset = start if self.q_offset is None else self.q_offset + start
+    return self.replace(q_offset=jnp.asarray(offset, jnp.int32))
+
+  def with_key_length(self, k_len):
+    return self.replace(k_len=k_len)
+
   def _index(self, q_len: int, k_len: int) -> Array:
-    return jnp.clip(relative_offsets(q_len, k_len), -self.clip, self.clip) + self.clip
+    """``[Lq, Lk]`` table row of each (query, key) pair."""
+    offset = 0 if self.q_offset is None else self.q_offset
+    return jnp.clip(relative_offsets(q_len, k_len, offset), -self.clip, self.clip) + self.clip
+
+  def _k_len(self, q_len: int) -> int:
+    return q_len if self.k_len is None else self.k_len
 
   @staticmethod
   def _per_head(table: Array, heads: int) -> Array:
@@ -186,7 +256,7 @@ class QueryRelative(Term):
 
   def logits(self, q, scale):
     b, q_len, heads, _ = q.shape
-    k_len = q_len  # self-attention
+    k_len = self._k_len(q_len)
     table = self._per_head(self.key_table, heads).astype(q.dtype)
     # q . a_r for every offset r, then pick r = clip(j - i) per (i, j).
     per_offset = jnp.einsum("bihd,hrd->bhir", q, table) * scale
@@ -245,6 +315,9 @@ class Rotation(Term):
   def transform_qk(self, q, k):
     return rotate_pairs(q, self.q_angles), rotate_pairs(k, self.k_angles)
 
+  def slice_queries(self, start, size):
+    return self.replace(q_angles=slice_rows(self.q_angles, start, size, -2))
+
 
 @struct.dataclass
 class QKShift(Term):
@@ -266,6 +339,9 @@ class QKShift(Term):
     chex.assert_shape(self.k_shift, k.shape[1:])
     return q + self.q_shift.astype(q.dtype), k + self.k_shift.astype(k.dtype)
 
+  def slice_queries(self, start, size):
+    return self.replace(q_shift=slice_rows(self.q_shift, start, size, -3))
+
 
 @struct.dataclass
 class InputEmbedding:
@@ -276,6 +352,10 @@ class InputEmbedding:
   """
 
   value: Array
+
+  def slice_queries(self, start: int | Array, size: int) -> InputEmbedding:
+    """Positions ``[start, start + size)`` (a decoding step's input row)."""
+    return self.replace(value=slice_rows(self.value, start, size, -2))
 
 
 @struct.dataclass
@@ -299,9 +379,22 @@ class SchemeTerms:
     """The terms of layer ``layer`` (shared terms are reused, not recomputed)."""
 
     def pick(x):
+      if jnp.ndim(x) == 0:  # a scalar shared by all layers (QueryRelative.q_offset)
+        return x
       return x[0] if x.shape[0] == 1 else x[layer]
 
     return [jax.tree.map(pick, t) for t in self.terms]
+
+  def slice_queries(self, start: int | Array, size: int) -> SchemeTerms:
+    """Every term (and the input embedding) restricted to query rows ``[start, start + size)``.
+
+    Used by incremental decoding: the terms are built once for the whole
+    decode length, so a step's query keeps its absolute position and the
+    keys keep theirs.
+    """
+    embedding = None if self.embedding is None else self.embedding.slice_queries(start, size)
+    terms = tuple(t.slice_queries(start, size) for t in self.terms)
+    return self.replace(embedding=embedding, terms=terms)
 
   def embed(self, x: Array) -> Array:
     """Adds the input-level term (if any) to embeddings ``x`` ``[B, L, d]``."""

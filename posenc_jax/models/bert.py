@@ -10,6 +10,8 @@ layout of :class:`BertEncoder`::
   embed_norm/{scale,bias}             [d]      (post-LN only)
   layers_{i}/attention/{query,key,value}/{kernel [d, H, D], bias [H, D]}
   layers_{i}/attention/out/{kernel [H, D, d], bias [d]}
+  layers_{i}/attention/{E,F}          [k, L_max] (Linformer; E only if sharing='kv')
+  linformer/E                         [k, L_max] (Linformer, sharing='layer')
   layers_{i}/{attention_norm,mlp_norm}/{scale,bias}
   layers_{i}/mlp/wi/{kernel [d, F], bias [F]}, mlp/wo/{kernel [F, d], bias [d]}
   final_norm/{scale,bias}             [d]      (pre-LN only)
@@ -27,6 +29,7 @@ import jax.numpy as jnp
 from posenc_jax.models.config import ModelConfig, ModelConfigError
 from posenc_jax.models.layers import (ACTIVATION_FNS, EncoderLayer, as_mask, dense, layer_norm,
                                       scheme_dims, token_embedding)
+from posenc_jax.models.linformer import shared_projection
 from posenc_jax.schemes import build_scheme
 from posenc_jax.terms import SchemeTerms
 
@@ -48,6 +51,7 @@ class BertEncoder(nn.Module):
     self.position = build_scheme(cfg.scheme, **scheme_dims(cfg))
     if cfg.segment is not None:
       self.segment = build_scheme(cfg.segment, **scheme_dims(cfg))
+    self.linformer = shared_projection(cfg)  # None unless linformer_sharing='layer'
     if cfg.pre_ln:
       self.final_norm = layer_norm(cfg)
     else:
@@ -58,10 +62,15 @@ class BertEncoder(nn.Module):
       self.pooler = dense(cfg.d_model, ("embed", "mlp"), cfg)
 
   def terms(self, length: int, segment_ids: Array) -> SchemeTerms:
-    """The position (and segment) scheme's terms for one forward pass."""
+    """The position (and segment) scheme's terms for one forward pass.
+
+    Under Linformer's ``layer`` sharing they also carry the shared ``E``.
+    """
     terms = self.position(length, segment_ids)
     if self.config.segment is not None:
       terms = terms + self.segment(length, segment_ids)
+    if self.linformer is not None:
+      terms = terms + self.linformer(length)
     return terms
 
   def __call__(self, input_ids: Array, segment_ids: Array | None = None,

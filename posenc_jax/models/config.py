@@ -16,12 +16,17 @@ import jax.numpy as jnp
 from flax.core import FrozenDict
 
 from posenc_jax.schemes import SchemeConfigError, validate_scheme_config
+from posenc_jax.schemes.linformer import DietAbsLin
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu")
 DTYPES = ("float32", "bfloat16")
 ATTENTIONS = ("full", "linformer")
 LINFORMER_SHARING = ("none", "kv", "layer")
 ROUTES = ("auto", "reference", "fused")
+# Schemes whose terms fit Linformer's projected keys: input-level ones, and
+# DIET-ABS-LIN (key side of k rows). Relative, query-dependent, RoPE and
+# [L, L] absolute terms index key positions that the projection removes.
+LINFORMER_SCHEMES = ("none", "learned_ape", "sinusoidal_ape", "diet_abs_lin", "segment_input")
 
 
 class ModelConfigError(ValueError):
@@ -171,6 +176,7 @@ def model_config(config: Any = None, **overrides) -> ModelConfig:
   _check_scheme("scheme", cfg.scheme)
   if cfg.segment is not None:
     _check_scheme("segment", cfg.segment)
+  _check_linformer(cfg)
   return cfg
 
 
@@ -181,3 +187,27 @@ def _check_scheme(field: str, config: Any) -> None:
       validate_scheme_config(part)
     except SchemeConfigError as e:
       raise ModelConfigError(f"model.{field}: {e}") from None
+
+
+def _check_linformer(cfg: ModelConfig) -> None:
+  """Linformer takes only schemes whose terms have k key rows; DIET-ABS-LIN needs Linformer."""
+  for field in ("scheme", "segment"):
+    config = getattr(cfg, field)
+    for part in () if config is None else config if isinstance(config, tuple) else (config,):
+      name = part["name"]
+      if cfg.attention == "linformer" and name not in LINFORMER_SCHEMES:
+        raise ModelConfigError(
+            f"model.{field}: {name!r} has attention terms over the L key positions, which "
+            f"attention='linformer' projects away; allowed with linformer: "
+            f"{', '.join(LINFORMER_SCHEMES)}")
+      if name == "diet_abs_lin":
+        k = part.get("k", DietAbsLin.k)
+        if cfg.attention != "linformer":
+          raise ModelConfigError(f"model.{field}: 'diet_abs_lin' needs attention='linformer' "
+                                 f"(its key side has linformer_k rows), got {cfg.attention!r}")
+        if k != cfg.linformer_k:
+          raise ModelConfigError(f"model.{field}: diet_abs_lin k={k} must equal "
+                                 f"model.linformer_k={cfg.linformer_k}")
+        if cfg.num_decoder_layers:
+          raise ModelConfigError(f"model.{field}: 'diet_abs_lin' has no decoder form (decoder "
+                                 "self-attention is full); set num_decoder_layers=0")

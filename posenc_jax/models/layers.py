@@ -1,5 +1,9 @@
 """Transformer building blocks shared by the BERT encoder and the translation model.
 
+:class:`EncoderLayer` serves both encoders; :class:`DecoderLayer` is the
+translation decoder's (causal self-attention with an optional KV cache,
+cross-attention, feed-forward).
+
 Every parameter carries logical axis names (``embed``, ``heads``, ``kv``,
 ``mlp``, ``vocab``) for mesh sharding; compute runs in ``config.dtype`` with
 float32 parameters.
@@ -42,10 +46,11 @@ def layer_norm(config: ModelConfig, name: str | None = None) -> nn.LayerNorm:
                       bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)))
 
 
-def token_embedding(config: ModelConfig, name: str | None = None) -> nn.Embed:
+def token_embedding(config: ModelConfig, name: str | None = None,
+                    init: nn.initializers.Initializer = INIT) -> nn.Embed:
   """The ``[V, d]`` word-embedding table (also the tied output projection)."""
   return nn.Embed(config.vocab_size, config.d_model, dtype=config.compute_dtype, name=name,
-                  embedding_init=nn.with_logical_partitioning(INIT, ("vocab", "embed")))
+                  embedding_init=nn.with_logical_partitioning(init, ("vocab", "embed")))
 
 
 class FeedForward(nn.Module):
@@ -66,6 +71,11 @@ def self_attention(config: ModelConfig, name: str | None = None) -> nn.Module:
   if config.attention == "linformer":
     from posenc_jax.models.linformer import LinformerSelfAttention  # noqa: PLC0415
     return LinformerSelfAttention(config, name=name)
+  return full_attention(config, name)
+
+
+def full_attention(config: ModelConfig, name: str | None = None) -> MultiHeadAttention:
+  """Full multi-head attention (decoder self-attention and cross-attention)."""
   return MultiHeadAttention(config.num_heads, config.dim_per_head, route=config.route,
                             dtype=config.compute_dtype,
                             dropout_rate=config.attention_dropout_rate, name=name)
@@ -105,6 +115,59 @@ class EncoderLayer(nn.Module):
     x = residual(self.config, self.attention_norm, self.dropout, attend, x, deterministic)
     return residual(self.config, self.mlp_norm, self.dropout,
                     lambda y: self.mlp(y, deterministic), x, deterministic)
+
+
+class DecoderLayer(nn.Module):
+  """Causal self-attention with the scheme's terms, content-only cross-attention, feed-forward.
+
+  Parameters: ``self_attention``, ``self_attention_norm``, ``cross_attention``,
+  ``cross_attention_norm``, ``mlp``, ``mlp_norm``.
+  """
+
+  config: ModelConfig
+
+  def setup(self):
+    self.self_attention = full_attention(self.config)
+    self.self_attention_norm = layer_norm(self.config)
+    self.cross_attention = full_attention(self.config)
+    self.cross_attention_norm = layer_norm(self.config)
+    self.mlp = FeedForward(self.config)
+    self.mlp_norm = layer_norm(self.config)
+    self.dropout = nn.Dropout(self.config.dropout_rate)
+
+  def __call__(self, x: Array, encoded: Array, terms: Sequence[Term], mask: Array | None,
+               encoded_mask: Array | None, scale: float | None, *, decode: bool = False,
+               deterministic: bool = True) -> Array:
+    """One decoder layer.
+
+    Args:
+      x: ``[B, Lt, d]`` (``[B, 1, d]`` in a decoding step).
+      encoded: ``[B, Ls, d]`` encoder output.
+      terms: this layer's self-attention terms (for the full decode length
+        when ``decode``).
+      mask: ``[B, Lt]`` target padding mask or None (causality is added).
+      encoded_mask: ``[B, Ls]`` source padding mask or None.
+      scale: the scheme's content scale for the self-attention (None: ``1/sqrt(D)``).
+      decode: one incremental step with the self-attention KV cache.
+      deterministic: False enables dropout.
+
+    Returns:
+      ``[B, Lt, d]``.
+    """
+    cfg = self.config
+
+    def attend_self(y):
+      return self.self_attention(y, terms, mask=mask, causal=True, scale=scale,
+                                 deterministic=deterministic, decode=decode)
+
+    def attend_source(y):
+      return self.cross_attention(y, context=encoded, mask=encoded_mask,
+                                  deterministic=deterministic)
+
+    x = residual(cfg, self.self_attention_norm, self.dropout, attend_self, x, deterministic)
+    x = residual(cfg, self.cross_attention_norm, self.dropout, attend_source, x, deterministic)
+    return residual(cfg, self.mlp_norm, self.dropout, lambda y: self.mlp(y, deterministic), x,
+                    deterministic)
 
 
 def scheme_dims(config: ModelConfig, num_layers: int | None = None) -> dict[str, int]:

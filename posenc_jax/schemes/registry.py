@@ -19,6 +19,7 @@ from posenc_jax.schemes.absolute import LearnedAPE, SinusoidalAPE
 from posenc_jax.schemes.alibi import Alibi
 from posenc_jax.schemes.base import SHARING, Composite, NoPosition, Scheme, SchemeConfigError
 from posenc_jax.schemes.diet import DietAbs, DietRel
+from posenc_jax.schemes.linformer import DietAbsLin
 from posenc_jax.schemes.rope import Rope
 from posenc_jax.schemes.segment import SegmentInput, SegmentPerHead
 from posenc_jax.schemes.shaw import ShawRPE, SinusoidalRPE
@@ -77,6 +78,8 @@ SCHEMES: dict[str, SchemeSpec] = {
                                      "sharing": one_of(*SHARING)}),
     "diet_abs": SchemeSpec(DietAbs, {"rank": optional(POSITIVE_INT), "sharing": one_of(*SHARING),
                                      "content_scale": optional(POSITIVE_FLOAT)}),
+    "diet_abs_lin": SchemeSpec(DietAbsLin, {"rank": optional(POSITIVE_INT), "k": POSITIVE_INT,
+                                            "sharing": one_of(*SHARING)}),
     "tupe_a": SchemeSpec(Tupe, _TUPE_FIELDS, {"relative": False}),
     "tupe_r": SchemeSpec(Tupe, _TUPE_FIELDS, {"relative": True}),
     "bert_ad": SchemeSpec(BertAd, {}),
