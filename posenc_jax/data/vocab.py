@@ -1,0 +1,177 @@
+"""SentencePiece vocabularies with the special pieces masked-LM pre-training needs.
+
+Every vocabulary this tool trains has the same reserved ids, so the model, the data pipeline
+and the tests can name them as constants:
+
+    0  <pad>    PAD_ID   (seqio's padding id)
+    1  </s>     EOS_ID   (seqio's end of sequence)
+    2  <unk>    UNK_ID
+    3  [CLS]    CLS_ID   first token of every pre-training sequence
+    4  [SEP]    SEP_ID   between packed lines
+    5  [MASK]   MASK_ID  the masked-LM replacement
+    6 ...       learned pieces (unigram model)
+
+There is no BOS. ``[CLS]``, ``[SEP]`` and ``[MASK]`` are user-defined pieces: SentencePiece
+always encodes the literal strings ``"[CLS]"``, ``"[SEP]"``, ``"[MASK]"`` in text as those ids.
+
+Training is deterministic: one thread, a fixed random seed, and at most
+``input_sentence_size`` lines (sampled with that seed when the input has more). Train from
+text files (``.gz`` read as gzip) or from the raw text feature of any registered seqio task
+(its preprocessors up to tokenisation are applied)::
+
+    python -m posenc_jax.data.vocab --files=a.txt.gz,b.txt --vocab_size=8000 --output=path/spm
+    python -m posenc_jax.data.vocab --task=wordnet_glosses --split=train --feature=text \\
+        --vocab_size=8192 --output=/tmp/spm
+
+Both write ``<output>.model`` and ``<output>.vocab``. The bundled
+``bundled/wordnet/spm8k.model`` was made with the first form on
+``bundled/wordnet/pretrain_train.txt.gz`` (``scripts/make_wordnet_corpus.py`` has the
+command). ``vocabulary(path)`` loads a model as a ``seqio.SentencePieceVocabulary``.
+"""
+
+import argparse
+import functools
+import gzip
+import io
+import os
+import pathlib
+import sys
+from collections.abc import Iterable, Iterator, Sequence
+
+PAD_ID, EOS_ID, UNK_ID, CLS_ID, SEP_ID, MASK_ID = range(6)
+NUM_RESERVED = 6
+SPECIAL_PIECES = {"<pad>": PAD_ID, "</s>": EOS_ID, "<unk>": UNK_ID, "[CLS]": CLS_ID,
+                  "[SEP]": SEP_ID, "[MASK]": MASK_ID}
+
+BUNDLED_DIR = pathlib.Path(__file__).resolve().parent / "bundled" / "wordnet"
+BUNDLED_VOCAB = BUNDLED_DIR / "spm8k.model"
+
+
+def read_text_files(paths: Sequence[str | os.PathLike]) -> Iterator[str]:
+  """Lines (without the newline) of text files in order; ``*.gz`` files are read as gzip."""
+  for path in paths:
+    path = str(path)
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
+      for line in f:
+        yield line.rstrip("\n")
+
+
+def _is_tokenization(preprocessor) -> bool:
+  """True for seqio's tokenising preprocessors and the cache placeholder (where raw text ends)."""
+  import seqio  # pylint: disable=g-import-not-at-top
+  fn = preprocessor.func if isinstance(preprocessor, functools.partial) else preprocessor
+  return (fn in (seqio.preprocessors.tokenize, seqio.preprocessors.tokenize_and_append_eos)
+          or isinstance(preprocessor, seqio.CacheDatasetPlaceholder))
+
+
+def read_task_text(task_name: str, split: str = "train", feature: str = "text") -> Iterator[str]:
+  """The raw string ``feature`` of a registered seqio task's ``split``, in source order.
+
+  Applies the task's preprocessors that come before its first tokenising one, so rekeying
+  and text cleaning are seen, and stops there.
+  """
+  import seqio  # pylint: disable=g-import-not-at-top
+  from seqio import utils as seqio_utils  # pylint: disable=g-import-not-at-top
+  from posenc_jax.data import tasks  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
+  task = seqio.get_mixture_or_task(task_name)
+  dataset = task.source.get_dataset(split=split, shuffle=False)
+  for preprocessor in task.preprocessors:
+    if _is_tokenization(preprocessor):
+      break
+    dataset = seqio_utils.add_kwargs_to_transform(
+        preprocessor, sequence_length=None, output_features=task.output_features)(dataset)
+  for example in dataset.as_numpy_iterator():
+    yield example[feature].decode("utf-8")
+
+
+def train(lines: Iterable[str], output: str | os.PathLike, vocab_size: int,
+          input_sentence_size: int = 2_000_000, seed: int = 0,
+          character_coverage: float = 1.0) -> pathlib.Path:
+  """Trains a unigram SentencePiece model on ``lines``; returns the ``<output>.model`` path.
+
+  Args:
+    lines: training text, one sentence or paragraph per item (empty ones are skipped).
+    output: path prefix; ``<output>.model`` and ``<output>.vocab`` are written.
+    vocab_size: pieces in total, the six reserved ones included.
+    input_sentence_size: at most this many lines are used (a seeded sample of them if more).
+    seed: SentencePiece's random seed (sampling and training).
+    character_coverage: fraction of the characters in the text that the alphabet covers; the
+      rarest beyond it map to ``<unk>``. 1.0 (every character) suits small alphabets such
+      as the ASCII WordNet text; SentencePiece suggests 0.9995 for large ones.
+  """
+  import sentencepiece as spm  # pylint: disable=g-import-not-at-top
+  output = pathlib.Path(output)
+  output.parent.mkdir(parents=True, exist_ok=True)
+  spm.set_random_generator_seed(seed)
+  model = io.BytesIO()
+  spm.SentencePieceTrainer.train(
+      sentence_iterator=(line for line in lines if line.strip()),
+      model_writer=model,
+      model_type="unigram",
+      vocab_size=vocab_size,
+      character_coverage=character_coverage,
+      input_sentence_size=input_sentence_size,
+      shuffle_input_sentence=True,
+      num_threads=1,
+      pad_id=PAD_ID, pad_piece="<pad>",
+      eos_id=EOS_ID, eos_piece="</s>",
+      unk_id=UNK_ID, unk_piece="<unk>",
+      bos_id=-1,
+      user_defined_symbols=["[CLS]", "[SEP]", "[MASK]"],
+      minloglevel=2,
+  )
+  model_path = output.with_name(output.name + ".model")
+  model_path.write_bytes(model.getvalue())
+  processor = spm.SentencePieceProcessor(model_proto=model.getvalue())
+  check_special_ids(processor)
+  with open(output.with_name(output.name + ".vocab"), "w", encoding="utf-8") as f:
+    for i in range(processor.get_piece_size()):
+      f.write(f"{processor.id_to_piece(i)}\t{processor.get_score(i):g}\n")
+  return model_path
+
+
+def check_special_ids(processor) -> None:
+  """Raises ``ValueError`` unless a ``SentencePieceProcessor`` has the reserved ids above."""
+  got = {piece: processor.piece_to_id(piece) for piece in SPECIAL_PIECES}
+  if got != SPECIAL_PIECES:
+    raise ValueError(f"SentencePiece model has special ids {got}; expected {SPECIAL_PIECES}")
+
+
+def vocabulary(path: str | os.PathLike = BUNDLED_VOCAB):
+  """A ``seqio.SentencePieceVocabulary`` (no extra ids) of a model trained by this tool.
+
+  Raises ``ValueError`` if the model lacks the reserved ids of this module's docstring.
+  """
+  import seqio  # pylint: disable=g-import-not-at-top
+  import sentencepiece as spm  # pylint: disable=g-import-not-at-top
+  check_special_ids(spm.SentencePieceProcessor(model_file=str(path)))
+  return seqio.SentencePieceVocabulary(str(path))
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+  parser = argparse.ArgumentParser(
+      prog="python -m posenc_jax.data.vocab",
+      description="Train a SentencePiece unigram vocabulary with [CLS]/[SEP]/[MASK] pieces.")
+  source = parser.add_mutually_exclusive_group(required=True)
+  source.add_argument("--files", help="comma-separated text files (.gz read as gzip)")
+  source.add_argument("--task", help="a registered seqio task name")
+  parser.add_argument("--split", default="train", help="task split (with --task)")
+  parser.add_argument("--feature", default="text", help="raw string feature (with --task)")
+  parser.add_argument("--vocab_size", type=int, required=True)
+  parser.add_argument("--output", required=True, help="path prefix of .model and .vocab")
+  parser.add_argument("--input_sentence_size", type=int, default=2_000_000)
+  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--character_coverage", type=float, default=1.0)
+  args = parser.parse_args(argv)
+  if args.files:
+    lines = read_text_files([f for f in args.files.split(",") if f])
+  else:
+    lines = read_task_text(args.task, args.split, args.feature)
+  path = train(lines, args.output, args.vocab_size, args.input_sentence_size, args.seed,
+               args.character_coverage)
+  print(f"wrote {path} ({path.stat().st_size:,} bytes)", file=sys.stderr)
+
+
+if __name__ == "__main__":
+  main()
