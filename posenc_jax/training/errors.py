@@ -1,0 +1,11 @@
+"""The errors a user's config or run can raise: entry points print them as one line."""
+
+from posenc_jax.models.config import ModelConfigError
+from posenc_jax.schemes import SchemeConfigError
+from posenc_jax.training.config import TrainConfigError
+from posenc_jax.training.loop import NonFiniteLossError
+from posenc_jax.training.mesh import MeshConfigError
+from posenc_jax.training.optim import OptimizerConfigError
+
+USER_ERRORS = (ModelConfigError, SchemeConfigError, TrainConfigError, MeshConfigError,
+               OptimizerConfigError, NonFiniteLossError)

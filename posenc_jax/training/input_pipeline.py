@@ -1,0 +1,77 @@
+"""Host-local batches for the trainer from seqio tasks (TensorFlow stays in here).
+
+Every host reads its own shard of the global stream, and a run resumed at
+step ``s`` starts from exactly the batch an uninterrupted run would see at
+step ``s`` (the pipelines are deterministic in the seed and the step).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import ml_collections
+import numpy as np
+
+from posenc_jax.models.config import model_config
+from posenc_jax.training.config import TrainConfigError
+
+
+def _task(name: str):
+  import tensorflow as tf  # noqa: PLC0415
+
+  tf.config.set_visible_devices([], "GPU")  # the input pipeline must not take accelerator memory
+  import posenc_jax.data.tasks  # noqa: F401, PLC0415 - registers the tasks
+  import seqio  # noqa: PLC0415
+
+  try:
+    return seqio.get_mixture_or_task(name)
+  except ValueError:
+    raise TrainConfigError(f"task: {name!r} is not a registered seqio task; registered: "
+                           f"{', '.join(sorted(seqio.TaskRegistry.names()))}") from None
+
+
+def check_data_config(config: ml_collections.ConfigDict) -> None:
+  """The task exists and its vocabulary fits the model (before anything compiles)."""
+  task = _task(config.task)
+  vocab_size = model_config(config.model).vocab_size
+  for name, feature in task.output_features.items():
+    if feature.vocabulary.vocab_size > vocab_size:
+      raise TrainConfigError(
+          f"model.vocab_size: {vocab_size} is smaller than task {config.task!r}'s "
+          f"{name!r} vocabulary ({feature.vocabulary.vocab_size})")
+
+
+def _translation(config, split, start_step, shard_id, num_shards):
+  import seqio  # noqa: PLC0415
+
+  task = _task(config.task)
+  lengths = {"inputs": config.input_len, "targets": config.target_len}
+  train = split == "train"
+  ds = task.get_dataset(lengths, split=split, shuffle=train, seed=config.seed,
+                        num_epochs=None if train else 1,
+                        shard_info=seqio.ShardInfo(shard_id, num_shards))
+  ds = seqio.utils.trim_and_pad_dataset(ds, lengths)
+  ds = ds.map(lambda x: {"inputs": x["inputs"], "targets": x["targets"]})
+  ds = ds.batch(config.batch_size // num_shards, drop_remainder=True)
+  return ds.skip(start_step) if train else ds.take(config.eval_steps)
+
+
+def make_batches(config: ml_collections.ConfigDict, split: str, start_step: int,
+                 shard_id: int = 0, num_shards: int = 1) -> Iterator[dict[str, np.ndarray]]:
+  """Endless training batches from ``start_step``, or ``eval_steps`` evaluation batches.
+
+  Each batch is this host's ``batch_size / num_shards`` rows (numpy).
+  """
+  if config.objective == "translation":
+    ds = _translation(config, split, start_step, shard_id, num_shards)
+  else:
+    _task(config.task)
+    from posenc_jax.data.preprocessors import mlm_dataset  # noqa: PLC0415
+
+    train = split == "train"
+    ds = mlm_dataset(config.task, split, config.seq_len, config.batch_size // num_shards,
+                     config.seed, shard_id=shard_id, num_shards=num_shards, repeat=train,
+                     start_step=start_step if train else 0, cache=train)
+    if not train:
+      ds = ds.take(config.eval_steps)
+  return ds.as_numpy_iterator()

@@ -1,0 +1,243 @@
+"""The training loop, read top to bottom: config, mesh, data, state with shardings,
+jitted step with donated state, periodic eval, checkpoint, metrics.
+
+``train(config, workdir)`` is what ``train.py`` runs. A run resumes from the
+newest complete checkpoint in ``workdir``: state and data position, so it
+sees exactly the examples an uninterrupted run would. A NaN or Inf loss is
+never applied (the step keeps the old state), and stops the run with one
+message naming the step and the last good checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from flax.training import train_state
+
+from posenc_jax.models.build import build_model
+from posenc_jax.training import mesh as mesh_lib
+from posenc_jax.training.checkpoint import Checkpointer
+from posenc_jax.training.config import validate_train_config
+from posenc_jax.training.metrics import MetricWriter, Throughput, console_line
+from posenc_jax.training.objectives import objective
+from posenc_jax.training.optim import make_optimizer
+
+Batch = dict[str, Any]
+
+
+class NonFiniteLossError(RuntimeError):
+  """The loss or the gradients became NaN or Inf."""
+
+
+class TrainState(train_state.TrainState):
+  """Step, parameters (float32) and optimizer state."""
+
+
+def _sum_metrics(a: dict[str, jax.Array], b: dict[str, jax.Array]) -> dict[str, jax.Array]:
+  return {k: a[k] + b[k] for k in a}
+
+
+def make_train_step(model: nn.Module, config: ml_collections.ConfigDict,
+                    schedule: optax.Schedule) -> Callable:
+  """``step(state, batch, rng) -> (state, metrics)``, accumulating ``grad_accum_steps``
+  micro-batches; the update is skipped (state kept) when loss or gradients are not finite."""
+  loss_fn = objective(config.objective)
+  accum = config.grad_accum_steps
+  smoothing = config.get("label_smoothing", 0.0)
+
+  def micro_grads(params, micro, rng):
+    return jax.grad(lambda p: loss_fn(model, p, micro, rng, smoothing), has_aux=True)(params)
+
+  def step(state: TrainState, batch: Batch, rng: jax.Array):
+    rng = jax.random.fold_in(rng, state.step)
+    if accum == 1:
+      grads, sums = micro_grads(state.params, batch, rng)
+    else:
+      micro = jax.tree.map(lambda x: x.reshape((accum, -1) + x.shape[1:]), batch)
+
+      def body(carry, xs):
+        index, micro_batch = xs
+        g, m = micro_grads(state.params, micro_batch, jax.random.fold_in(rng, index))
+        return (jax.tree.map(jnp.add, carry[0], g), _sum_metrics(carry[1], m)), None
+
+      zeros = jax.tree.map(jnp.zeros_like, state.params)
+      first = {k: jnp.zeros((), jnp.float32) for k in ("loss", "weight", "correct")}
+      (grads, sums), _ = jax.lax.scan(body, (zeros, first), (jnp.arange(accum), micro))
+    weight = jnp.maximum(sums["weight"], 1.0)
+    grads = jax.tree.map(lambda g: g / weight, grads)  # gradient of the mean loss
+    grad_norm = optax.global_norm(grads)
+    finite = jnp.isfinite(sums["loss"]) & jnp.isfinite(grad_norm)
+    updated = state.apply_gradients(grads=grads)
+    state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), updated, state)
+    state = state.replace(step=updated.step)  # the step (and data position) always advance
+    metrics = {"loss": sums["loss"] / weight, "accuracy": sums["correct"] / weight,
+               "grad_norm": grad_norm, "learning_rate": schedule(state.step - 1),
+               "finite": finite.astype(jnp.float32), "tokens": sums["weight"]}
+    return state, metrics
+
+  return step
+
+
+def make_eval_step(model: nn.Module, config: ml_collections.ConfigDict) -> Callable:
+  """``eval_step(params, batch) -> summed metrics`` (deterministic)."""
+  loss_fn = objective(config.objective)
+
+  def eval_step(params, batch):
+    _, sums = loss_fn(model, params, batch, None)
+    return sums
+
+  return eval_step
+
+
+def init_state(model: nn.Module, tx: optax.GradientTransformation, init_batch: Batch,
+               mesh: jax.sharding.Mesh, config: ml_collections.ConfigDict, seed: int
+               ) -> tuple[TrainState, Any]:
+  """Initialises the state directly into its shardings; returns it and the shardings."""
+  inputs = model_inputs(init_batch, config.objective)
+
+  def init(rng):
+    variables = model.init(rng, *inputs)
+    return TrainState.create(apply_fn=model.apply, params=variables["params"], tx=tx)
+
+  abstract = jax.eval_shape(init, jax.random.key(seed))
+  shardings = mesh_lib.shardings(abstract, mesh, mesh_lib.rules(config.mesh))
+  unboxed_init = jax.jit(lambda rng: nn.unbox(init(rng)), out_shardings=shardings)
+  return unboxed_init(jax.random.key(seed)), shardings
+
+
+def model_inputs(batch: Batch, objective_name: str) -> tuple[Any, ...]:
+  """The positional inputs of ``model.init`` for one batch."""
+  if objective_name == "translation":
+    return batch["inputs"], batch["targets"], batch["inputs"] > 0
+  return batch["input_ids"], batch["segment_ids"], batch["mask"]
+
+
+def _global(batch: dict[str, np.ndarray], sharding) -> Batch:
+  """Host-local numpy batch -> global arrays sharded over ``data``."""
+  return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v))
+          for k, v in batch.items()}
+
+
+def _host_scalars(metrics: dict[str, jax.Array]) -> dict[str, float]:
+  return {k: float(v) for k, v in jax.device_get(metrics).items()}
+
+
+def evaluate(eval_step, params, batches: Iterator, sharding) -> dict[str, float]:
+  """Mean loss and accuracy over the eval batches."""
+  total = None
+  for batch in batches:
+    sums = eval_step(params, _global(batch, sharding))
+    total = sums if total is None else _sum_metrics(total, sums)
+  if total is None:
+    return {}
+  total = _host_scalars(total)
+  weight = max(total["weight"], 1.0)
+  return {"eval_loss": total["loss"] / weight, "eval_accuracy": total["correct"] / weight}
+
+
+def train(config: ml_collections.ConfigDict, workdir: str,
+          data: Callable[..., Iterator[dict[str, np.ndarray]]] | None = None) -> dict[str, Any]:
+  """Trains ``config`` in ``workdir``; returns the final state and metrics.
+
+  Args:
+    config: a train config (``configs/pretrain.py``, ``configs/translate.py``).
+    workdir: checkpoints, ``metrics.jsonl`` and TensorBoard events go here.
+    data: ``data(config, split, start_step, shard_id, num_shards)`` -> iterator of
+      host-local numpy batches; None uses :mod:`posenc_jax.training.input_pipeline`.
+
+  Raises:
+    NonFiniteLossError: the loss became NaN or Inf (the last good checkpoint stays).
+  """
+  validate_train_config(config)  # before anything is compiled
+  mesh = mesh_lib.make_mesh(config.mesh.shape, config.mesh.axes)
+  mesh_lib.check_batch(config.batch_size, mesh)
+  if data is None:
+    from posenc_jax.training.input_pipeline import check_data_config, make_batches  # noqa: PLC0415
+    check_data_config(config)
+    data = make_batches
+  model = build_model(config.model, config.head)
+  tx, schedule = make_optimizer(config.optimizer, config.total_steps)
+  batch_sharding = mesh_lib.batch_sharding(mesh)
+  host = dict(shard_id=jax.process_index(), num_shards=jax.process_count())
+
+  checkpointer = Checkpointer(workdir, save_interval_steps=config.checkpoint_every,
+                              max_to_keep=config.keep_checkpoints,
+                              async_save=config.async_checkpointing)
+  first_batch = next(data(config, "train", 0, **host))
+  state, state_shardings = init_state(model, tx, _global(first_batch, batch_sharding), mesh,
+                                      config, config.seed)
+  start_step = 0
+  restored = checkpointer.restore_latest(
+      jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                   state, state_shardings))
+  if restored is not None:
+    start_step, state, data_state = restored
+    logging.info("resumed from step %d (data position %s)", start_step, data_state)
+  train_batches = data(config, "train", start_step, **host)
+
+  step_fn = jax.jit(make_train_step(model, config, schedule),
+                    in_shardings=(state_shardings, batch_sharding, mesh_lib.replicated(mesh)),
+                    out_shardings=(state_shardings, mesh_lib.replicated(mesh)),
+                    donate_argnums=(0,))
+  eval_fn = jax.jit(make_eval_step(model, config))
+  writer = MetricWriter(workdir)
+  tokens_per_step = config.batch_size * config.seq_len
+  throughput = Throughput(config.total_steps, tokens_per_step)
+  rng = jax.random.key(config.seed + 1)
+  history: list[dict[str, float]] = []
+  last_saved = start_step if restored is not None else None
+  say = print if jax.process_index() == 0 else (lambda *a, **k: None)
+  say(f"training {config.total_steps} steps from step {start_step} on {jax.device_count()} "
+        f"devices, mesh {dict(mesh.shape)}, workdir {workdir}", flush=True)
+
+  step = start_step
+  all_finite = jnp.array(True)  # combined on device, read only when logging or saving
+  while step < config.total_steps:
+    batch = _global(next(train_batches), batch_sharding)
+    compile_start = time.perf_counter()
+    state, metrics = step_fn(state, batch, rng)
+    step += 1
+    if throughput.compile_seconds is None:
+      jax.block_until_ready(metrics)
+      throughput.compile_seconds = time.perf_counter() - compile_start
+      throughput.start(step)
+    all_finite = all_finite & (metrics["finite"] > 0)
+    log_now = step % config.log_every == 0 or step == config.total_steps or step == start_step + 1
+    save_now = step % config.checkpoint_every == 0 or step == config.total_steps
+    if log_now or save_now:
+      scalars = _host_scalars(metrics)
+      scalars.pop("finite")
+      if not bool(all_finite):
+        checkpointer.wait()
+        raise NonFiniteLossError(
+            f"loss or gradients became NaN/Inf by step {step} (last loss {scalars['loss']}, "
+            f"grad norm {scalars['grad_norm']}): stopping; no such update was applied and "
+            f"the last good checkpoint is step {last_saved} in {checkpointer.directory}")
+      if log_now:
+        scalars.pop("tokens")
+        scalars |= throughput.report(step)
+        scalars["compile_s"] = throughput.compile_seconds
+        if config.eval_every and (step % config.eval_every == 0 or step == config.total_steps):
+          scalars |= evaluate(eval_fn, state.params,
+                              data(config, "validation", 0, **host), batch_sharding)
+        writer.write(step, scalars)
+        history.append({"step": step, **scalars})
+        say(console_line(step, config.total_steps, scalars), flush=True)
+      if save_now and checkpointer.save(step, state, {"step": step}, force=True):
+        last_saved = step
+  checkpointer.close()
+  writer.close()
+  if history:
+    say(f"first loss {history[0]['loss']:.4f} (step {history[0]['step']}), last loss "
+        f"{history[-1]['loss']:.4f} (step {history[-1]['step']})", flush=True)
+  return {"state": state, "history": history, "mesh": mesh}

@@ -1,0 +1,95 @@
+"""Optimisers as the papers used them.
+
+* TUPE / BERT: AdamW (b1 0.9, b2 0.999, eps 1e-6), LR 1e-4, linear warm-up
+  over 10k steps then linear decay to 0, weight decay 0.01, clip 1.0.
+* DIET: a LAMB-style large-batch optimiser, LR 0.0018 at batch 4096,
+  warm-up 2.5% of the steps.
+
+Weight decay skips biases and LayerNorm parameters (BERT's mask). Gradient
+accumulation is the training step's (it scans micro-batches), so one step is
+one optimizer update whatever ``grad_accum_steps`` is.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import ml_collections
+import optax
+
+OPTIMIZERS = ("adamw", "adam", "lamb")
+SCHEDULES = ("linear", "constant", "rsqrt")
+
+
+class OptimizerConfigError(ValueError):
+  """An invalid optimizer config field."""
+
+
+def default_optimizer_config() -> ml_collections.ConfigDict:
+  """TUPE's AdamW settings; DIET's LAMB in ``configs/pretrain.py``'s ``diet`` protocol."""
+  return ml_collections.ConfigDict(dict(
+      name="adamw", learning_rate=1e-4, warmup_steps=10_000, warmup_fraction=0.0,
+      schedule="linear", b1=0.9, b2=0.999, eps=1e-6, weight_decay=0.01, grad_clip_norm=1.0))
+
+
+def warmup_steps(config: ml_collections.ConfigDict, total_steps: int) -> int:
+  """``warmup_fraction`` of ``total_steps`` if set, else ``warmup_steps``."""
+  if config.warmup_fraction:
+    return int(round(config.warmup_fraction * total_steps))
+  return int(config.warmup_steps)
+
+
+def learning_rate_schedule(config: ml_collections.ConfigDict, total_steps: int) -> optax.Schedule:
+  """Linear warm-up to ``learning_rate``, then linear decay to 0 at ``total_steps``
+  (``linear``), a constant, or inverse square root (``rsqrt``, Vaswani et al.)."""
+  warmup = warmup_steps(config, total_steps)
+  peak = config.learning_rate
+  warm = optax.linear_schedule(0.0, peak, max(warmup, 1))
+  if config.schedule == "linear":
+    after = optax.linear_schedule(peak, 0.0, max(total_steps - warmup, 1))
+  elif config.schedule == "constant":
+    after = optax.constant_schedule(peak)
+  else:
+    after = lambda step: peak * (max(warmup, 1) / (step + max(warmup, 1))) ** 0.5  # noqa: E731
+  return optax.join_schedules([warm, after], [warmup])
+
+
+def decay_mask(params: Any) -> Any:
+  """True for weights that take weight decay: not biases, not LayerNorm scales."""
+  def decays(path, _):
+    name = str(path[-1].key) if hasattr(path[-1], "key") else str(path[-1])
+    return name not in ("bias", "scale")
+  return jax.tree_util.tree_map_with_path(decays, params)
+
+
+def _check(config: ml_collections.ConfigDict, total_steps: int) -> None:
+  def fail(field, value, allowed):
+    raise OptimizerConfigError(f"optimizer.{field}: got {value!r}; allowed: {allowed}")
+  if config.name not in OPTIMIZERS:
+    fail("name", config.name, ", ".join(OPTIMIZERS))
+  if config.schedule not in SCHEDULES:
+    fail("schedule", config.schedule, ", ".join(SCHEDULES))
+  if not config.learning_rate > 0:
+    fail("learning_rate", config.learning_rate, "a positive number")
+  if not 0 <= config.warmup_fraction < 1:
+    fail("warmup_fraction", config.warmup_fraction, "a number in [0, 1)")
+  if not 0 <= warmup_steps(config, total_steps) <= total_steps:
+    fail("warmup_steps", config.warmup_steps, f"an integer in [0, total_steps={total_steps}]")
+
+
+def make_optimizer(config: ml_collections.ConfigDict, total_steps: int
+                   ) -> tuple[optax.GradientTransformation, optax.Schedule]:
+  """The optimizer (clipping, decay mask, schedule) and its LR schedule."""
+  _check(config, total_steps)
+  schedule = learning_rate_schedule(config, total_steps)
+  if config.name == "lamb":
+    inner = optax.lamb(schedule, b1=config.b1, b2=config.b2, eps=config.eps,
+                       weight_decay=config.weight_decay, mask=decay_mask)
+  elif config.name == "adamw":
+    inner = optax.adamw(schedule, b1=config.b1, b2=config.b2, eps=config.eps,
+                        weight_decay=config.weight_decay, mask=decay_mask)
+  else:
+    inner = optax.adam(schedule, b1=config.b1, b2=config.b2, eps=config.eps)
+  chain = [optax.clip_by_global_norm(config.grad_clip_norm)] if config.grad_clip_norm else []
+  return optax.chain(*chain, inner), schedule

@@ -1,0 +1,103 @@
+"""Runs a few training steps of a tiny BERT and saves losses and parameters (for subprocess tests).
+
+  python tests/drivers/train_driver.py --out=/tmp/x.npz --workdir=/tmp/w --mesh=4,2 [--steps=6]
+      [--devices=8] [--coordinator=localhost:1234 --num_processes=2 --process_id=0]
+      [--step_sleep=0.0] [--nan_at=-1]
+
+Data is synthetic and deterministic in (seed, step): the global batch of a
+step is the same whatever the mesh or the number of hosts; each host takes
+its rows. Set XLA flags before JAX is imported, hence a separate process.
+"""
+
+import argparse
+import os
+import sys
+import time
+
+
+def parse():
+  p = argparse.ArgumentParser()
+  p.add_argument("--out", required=True)
+  p.add_argument("--workdir", required=True)
+  p.add_argument("--mesh", default="-1,1")
+  p.add_argument("--steps", type=int, default=6)
+  p.add_argument("--devices", type=int, default=1)
+  p.add_argument("--coordinator", default=None)
+  p.add_argument("--num_processes", type=int, default=1)
+  p.add_argument("--process_id", type=int, default=0)
+  p.add_argument("--step_sleep", type=float, default=0.0)
+  p.add_argument("--nan_at", type=int, default=-1)
+  p.add_argument("--checkpoint_every", type=int, default=2)
+  p.add_argument("--accum", type=int, default=1)
+  return p.parse_args()
+
+
+ARGS = parse()
+os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={ARGS.devices}"
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+if ARGS.coordinator:
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(ARGS.coordinator, num_processes=ARGS.num_processes,
+                             process_id=ARGS.process_id)
+
+import flax.linen as nn  # noqa: E402
+
+from posenc_jax.presets import preset_config  # noqa: E402
+from posenc_jax.training.config import base_train_config  # noqa: E402
+from posenc_jax.training.loop import train  # noqa: E402
+
+VOCAB, LENGTH, BATCH = 64, 16, 8
+
+
+def config():
+  c = base_train_config()
+  c.update(preset_config("bert_tiny,diet_abs_share"))
+  c.model.update(dict(vocab_size=VOCAB, d_model=32, num_heads=4, mlp_dim=64, max_len=LENGTH,
+                      dropout_rate=0.0, attention_dropout_rate=0.0))
+  c.model.scheme = dict(name="diet_abs", rank=8, sharing="layer")
+  c.update(dict(seq_len=LENGTH, batch_size=BATCH, total_steps=ARGS.steps, log_every=1,
+                eval_every=0, checkpoint_every=ARGS.checkpoint_every, grad_accum_steps=ARGS.accum,
+                async_checkpointing=True))
+  c.mesh.shape = tuple(int(s) for s in ARGS.mesh.split(","))
+  c.optimizer.update(dict(learning_rate=3e-3, warmup_steps=2))
+  return c
+
+
+def synthetic(config, split, start_step, shard_id=0, num_shards=1):
+  """Global batch of step s from seed s; this host's rows."""
+  step = start_step
+  while True:
+    rng = np.random.default_rng(1000 + step)
+    ids = rng.integers(6, VOCAB, (BATCH, LENGTH)).astype(np.int32)
+    weights = (rng.random((BATCH, LENGTH)) < 0.3).astype(np.float32)
+    if step == ARGS.nan_at:
+      weights[:] = np.nan  # poisons the loss
+    batch = {"input_ids": np.where(weights > 0, 5, ids), "segment_ids": np.zeros_like(ids),
+             "mask": np.ones_like(ids), "mlm_targets": ids * (weights > 0),
+             "mlm_weights": weights}
+    rows = slice(shard_id * BATCH // num_shards, (shard_id + 1) * BATCH // num_shards)
+    yield {k: v[rows] for k, v in batch.items()}
+    step += 1
+    if ARGS.step_sleep:
+      time.sleep(ARGS.step_sleep)
+
+
+def main():
+  result = train(config(), ARGS.workdir, data=synthetic)
+  params = jax.tree.map(lambda x: np.asarray(jax.device_get(
+      jax.experimental.multihost_utils.process_allgather(x, tiled=True))),
+                        nn.unbox(result["state"].params))
+  flat = {"/".join(str(getattr(k, "key", k)) for k in path): v
+          for path, v in jax.tree_util.tree_leaves_with_path(params)}
+  losses = np.array([h["loss"] for h in result["history"]])
+  steps = np.array([h["step"] for h in result["history"]])
+  if jax.process_index() == 0:
+    np.savez(ARGS.out, losses=losses, steps=steps, **flat)
+
+
+if __name__ == "__main__":
+  import jax.experimental.multihost_utils  # noqa: F401
+  sys.exit(main())

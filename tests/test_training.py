@@ -1,0 +1,222 @@
+"""train.py and the loop: sharding, multi-host, resume after SIGKILL, NaN stop, config errors,
+the default run learning, and the pieces (schedule, decay mask, loss, accumulation)."""
+
+import json
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+
+from posenc_jax.training.config import TrainConfigError, base_train_config, validate_train_config
+from posenc_jax.training.mesh import MeshConfigError, mesh_shape
+from posenc_jax.training.objectives import weighted_cross_entropy
+from posenc_jax.training.optim import decay_mask, make_optimizer
+
+ROOT = pathlib.Path(__file__).parent.parent
+DRIVER = str(ROOT / "tests" / "drivers" / "train_driver.py")
+
+
+def run_driver(tmp_path, name, *args, check=True, **popen):
+  out = tmp_path / f"{name}.npz"
+  cmd = [sys.executable, DRIVER, f"--out={out}", f"--workdir={tmp_path / name}", *args]
+  if popen:
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+  proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+  if check:
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  return (np.load(out) if out.exists() else None), proc
+
+
+def assert_same_run(a, b, atol=1e-5):
+  """Same parameters, and the same loss at every step ``a`` logged (a resumed run logs a tail)."""
+  steps = list(b["steps"])
+  assert len(a["steps"]) and set(a["steps"]) <= set(steps)
+  expected = b["losses"][[steps.index(s) for s in a["steps"]]]
+  np.testing.assert_allclose(a["losses"], expected, rtol=0, atol=atol)
+  params = [k for k in a.files if k not in ("steps", "losses")]
+  assert params and set(params) == set(b.files) - {"steps", "losses"}
+  for key in params:
+    np.testing.assert_allclose(a[key], b[key], rtol=0, atol=atol, err_msg=key)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+  """One device, 8 steps."""
+  tmp = tmp_path_factory.mktemp("reference")
+  result, _ = run_driver(tmp, "single", "--steps=8", "--devices=1")
+  return result
+
+
+@pytest.mark.parametrize("mesh", ["8,1", "4,2", "2,4"])
+def test_sharded_equals_single_device(tmp_path, reference, mesh):
+  result, proc = run_driver(tmp_path, "sharded", f"--mesh={mesh}", "--devices=8", "--steps=8")
+  assert "mesh {'data': %s, 'model': %s}" % tuple(mesh.split(",")) in proc.stdout
+  assert_same_run(result, reference)
+
+
+def test_gradient_accumulation_equals_the_full_batch(tmp_path, reference):
+  result, _ = run_driver(tmp_path, "accum", "--accum=2", "--steps=8")
+  assert_same_run(result, reference)
+
+
+def _free_port():
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]
+
+
+def test_two_hosts_match_one(tmp_path, reference):
+  """Two processes joined by jax.distributed (CPU collectives), 4 devices each, mesh (4, 2)."""
+  address = f"localhost:{_free_port()}"
+  procs = [run_driver(tmp_path, "multihost", "--mesh=4,2", "--devices=4", "--steps=8",
+                      f"--coordinator={address}", "--num_processes=2", f"--process_id={i}",
+                      popen=True) for i in range(2)]
+  outputs = [p.communicate(timeout=300)[0] for p in procs]
+  assert all(p.returncode == 0 for p in procs), outputs[0][-3000:] + outputs[1][-3000:]
+  assert "on 8 devices" in outputs[0]
+  assert "step 8/8" not in outputs[1]  # only host 0 prints
+  assert_same_run(np.load(tmp_path / "multihost.npz"), reference)
+
+
+def test_resume_after_sigkill_matches_uninterrupted(tmp_path, reference):
+  workdir = tmp_path / "killed"
+  proc = run_driver(tmp_path, "killed", "--steps=8", "--step_sleep=0.4", popen=True)
+  deadline = time.time() + 240
+  while not (workdir / "checkpoints" / "4").exists():
+    assert proc.poll() is None, proc.stdout.read()[-3000:]
+    assert time.time() < deadline
+    time.sleep(0.05)
+  proc.send_signal(signal.SIGKILL)
+  proc.wait()
+  assert not (tmp_path / "killed.npz").exists()
+  # A save cut short leaves an unfinished temporary directory: it must be ignored.
+  partial = workdir / "checkpoints" / "6.orbax-checkpoint-tmp-1234"
+  partial.mkdir(parents=True, exist_ok=True)
+  (partial / "junk").write_text("half written")
+  result, resumed = run_driver(tmp_path, "killed", "--steps=8")
+  assert "from step 4" in resumed.stdout or "from step 6" in resumed.stdout
+  assert_same_run(result, reference)
+  assert result["steps"][0] in (5, 7)
+  steps = [json.loads(line)["step"] for line in (workdir / "metrics.jsonl").open()]
+  assert steps[-1] == 8 and set(range(1, 9)) <= set(steps)
+
+
+def test_nan_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path):
+  _, proc = run_driver(tmp_path, "nan", "--steps=8", "--nan_at=4", "--checkpoint_every=2",
+                       check=False)
+  assert proc.returncode != 0
+  last_line = (proc.stdout + proc.stderr).strip().splitlines()[-1]
+  assert "NaN/Inf by step 5" in last_line and "last good checkpoint is step 4" in last_line
+  checkpoints = sorted(int(p.name) for p in (tmp_path / "nan" / "checkpoints").iterdir()
+                       if p.name.isdigit())
+  assert checkpoints[-1] == 4
+
+
+def _train_cli(tmp_path, *overrides, timeout=600):
+  cmd = [sys.executable, "train.py", "--config=configs/pretrain.py",
+         f"--workdir={tmp_path / 'run'}", *overrides]
+  return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["--config.mesh.shape=(3,1)"], "mesh.shape: (3, 1) does not divide the 1 devices"),
+    (["--config.batch_size=10", "--config.grad_accum_steps=4"],
+     "batch_size: got 10; allowed: a multiple of grad_accum_steps=4"),
+    (["--config.seq_len=512"], "seq_len: 512 exceeds model.max_len=128, the length scheme "
+                               "'diet_abs' covers"),
+    (["--config.model.num_heads=3"], "model.num_heads: got 3"),
+    (["--config.optimizer.name=sgd"], "optimizer.name: got 'sgd'"),
+    (["--config.task=glue_nope"], "task: 'glue_nope' is not a registered seqio task"),
+])
+def test_bad_config_fails_before_compiling_with_one_line(tmp_path, overrides, message):
+  proc = _train_cli(tmp_path, *overrides)
+  assert proc.returncode != 0
+  last = proc.stderr.strip().splitlines()[-1]
+  assert last.startswith("train.py: ") and message in last, proc.stderr[-2000:]
+  assert not (tmp_path / "run" / "checkpoints").exists() or not any(
+      (tmp_path / "run" / "checkpoints").iterdir())
+
+
+def test_default_run_learns(tmp_path):
+  """The bundled default, shortened: MLM loss falls clearly; checkpoints, metrics, events."""
+  proc = _train_cli(tmp_path, "--config.total_steps=80", "--config.log_every=10",
+                    "--config.eval_every=80", "--config.checkpoint_every=40",
+                    "--config.optimizer.warmup_steps=10")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "first loss" in proc.stdout and "step 80/80" in proc.stdout
+  records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+  first, last = records[0], records[-1]
+  assert first["step"] == 1 and last["step"] == 80
+  assert last["loss"] < first["loss"] - 1.0, (first["loss"], last["loss"])
+  assert {"steps_per_s", "tokens_per_s", "tokens_per_s_per_device", "eta_s", "compile_s",
+          "learning_rate", "grad_norm", "accuracy", "eval_loss"} <= set(last)
+  assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()
+                if p.name.isdigit()) == ["40", "80"]
+  assert any((tmp_path / "run" / "tensorboard").iterdir())
+
+
+def test_learning_rate_schedule_and_decay_mask():
+  opt = ml_collections.ConfigDict(dict(
+      name="adamw", learning_rate=1e-3, warmup_steps=10, warmup_fraction=0.0, schedule="linear",
+      b1=0.9, b2=0.999, eps=1e-6, weight_decay=0.01, grad_clip_norm=1.0))
+  _, schedule = make_optimizer(opt, total_steps=110)
+  assert float(schedule(0)) == 0.0
+  assert float(schedule(5)) == pytest.approx(5e-4)
+  assert float(schedule(10)) == pytest.approx(1e-3)
+  assert float(schedule(60)) == pytest.approx(5e-4)
+  assert float(schedule(110)) == pytest.approx(0.0, abs=1e-12)
+  opt.warmup_fraction = 0.025
+  _, schedule = make_optimizer(opt, total_steps=400)
+  assert float(schedule(10)) == pytest.approx(1e-3)  # 2.5% of 400
+  mask = decay_mask({"dense": {"kernel": 1, "bias": 2}, "norm": {"scale": 3, "bias": 4}})
+  assert mask == {"dense": {"kernel": True, "bias": False}, "norm": {"scale": False,
+                                                                     "bias": False}}
+
+
+def test_weighted_cross_entropy_against_numpy():
+  logits = jax.random.normal(jax.random.key(0), (3, 5, 7))
+  targets = jax.random.randint(jax.random.key(1), (3, 5), 0, 7)
+  weights = (jnp.arange(15).reshape(3, 5) % 3 == 0).astype(jnp.float32)
+  x = np.asarray(logits, np.float64)
+  logp = x - np.log(np.exp(x).sum(-1, keepdims=True))
+  nll = -np.take_along_axis(logp, np.asarray(targets)[..., None], -1)[..., 0]
+  loss, weight, correct = weighted_cross_entropy(logits, targets, weights)
+  assert float(weight) == 5
+  np.testing.assert_allclose(loss, (nll * np.asarray(weights)).sum(), rtol=1e-5)
+  expected_correct = ((x.argmax(-1) == np.asarray(targets)) * np.asarray(weights)).sum()
+  assert float(correct) == expected_correct
+  # Label smoothing: cross-entropy against the smoothed target minus its entropy.
+  eps = 0.1
+  soft = np.full((3, 5, 7), eps / 6)
+  np.put_along_axis(soft, np.asarray(targets)[..., None], 1 - eps, -1)
+  kl = (soft * (np.log(soft) - logp)).sum(-1)
+  smoothed, _, _ = weighted_cross_entropy(logits, targets, weights, 0.1)
+  np.testing.assert_allclose(smoothed, (kl * np.asarray(weights)).sum(), rtol=1e-5)
+
+
+def test_mesh_shape_resolution_and_validation():
+  assert mesh_shape((-1, 2), 8) == (4, 2)
+  assert mesh_shape((2, -1), 8) == (2, 4)
+  with pytest.raises(MeshConfigError, match=r"mesh.shape: \(3, -1\) does not divide the 8"):
+    mesh_shape((3, -1), 8)
+  with pytest.raises(MeshConfigError, match="uses 4 of the 8 devices"):
+    mesh_shape((2, 2), 8)
+  with pytest.raises(MeshConfigError, match="at most one -1"):
+    mesh_shape((-1, -1), 8)
+
+
+def test_translation_config_checks_lengths():
+  config = base_train_config()
+  config.update(dict(objective="translation", head="mlm"))
+  with pytest.raises(TrainConfigError, match="head: got 'mlm'; allowed: 'translation'"):
+    validate_train_config(config)
