@@ -220,3 +220,18 @@ def test_translation_config_checks_lengths():
   config.update(dict(objective="translation", head="mlm"))
   with pytest.raises(TrainConfigError, match="head: got 'mlm'; allowed: 'translation'"):
     validate_train_config(config)
+
+
+def test_translation_training_learns_a_reversal_task(tmp_path):
+  """Teacher-forced encoder-decoder training through the loop: past the unigram plateau."""
+  result, proc = run_driver(tmp_path, "translation", "--translation", "--steps=500", "--batch=64",
+                            "--checkpoint_every=500")
+  losses = result["losses"]
+  assert losses[0] > 6.0 and losses[-1] < 2.6, losses[[0, -1]]
+  assert "last loss" in proc.stdout
+
+
+def test_decode_batches_cut_at_eos():
+  from posenc_jax.training.decode_eval import _cut
+  np.testing.assert_array_equal(_cut(np.array([7, 8, 1, 9, 0]), 1), [7, 8])
+  np.testing.assert_array_equal(_cut(np.array([7, 0, 8, 0]), 1), [7, 8])

@@ -10,8 +10,8 @@ message naming the step and the last good checkpoint.
 
 from __future__ import annotations
 
+import itertools
 import logging
-import os
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -25,10 +25,12 @@ import optax
 from flax.training import train_state
 
 from posenc_jax.models.build import build_model
+from posenc_jax.models.config import model_config
 from posenc_jax.training import mesh as mesh_lib
 from posenc_jax.training.checkpoint import Checkpointer
 from posenc_jax.training.config import validate_train_config
-from posenc_jax.training.metrics import MetricWriter, Throughput, console_line
+from posenc_jax.training.metrics import (MetricWriter, Throughput, console_line,
+                                         train_flops_per_step)
 from posenc_jax.training.objectives import objective
 from posenc_jax.training.optim import make_optimizer
 
@@ -145,6 +147,21 @@ def evaluate(eval_step, params, batches: Iterator, sharding) -> dict[str, float]
   return {"eval_loss": total["loss"] / weight, "eval_accuracy": total["correct"] / weight}
 
 
+def decode_evaluation(config, model, params, data, host) -> dict[str, float]:
+  """Translation: beam-search ``config.decode.eval_batches`` validation batches and score
+  them with the task's metrics (BLEU for WMT). Single-process runs only, for now."""
+  decode = config.get("decode")
+  if config.objective != "translation" or not decode or not decode.eval_batches:
+    return {}
+  if jax.process_count() > 1:
+    logging.warning("decoding evaluation runs in single-process jobs only; skipped")
+    return {}
+  from posenc_jax.training.decode_eval import decode_batches, task_metrics  # noqa: PLC0415
+  batches = itertools.islice(data(config, "validation", 0, **host), decode.eval_batches)
+  predictions, references = decode_batches(model, params, batches, decode)
+  return task_metrics(config.task, predictions, references)
+
+
 def train(config: ml_collections.ConfigDict, workdir: str,
           data: Callable[..., Iterator[dict[str, np.ndarray]]] | None = None) -> dict[str, Any]:
   """Trains ``config`` in ``workdir``; returns the final state and metrics.
@@ -191,8 +208,13 @@ def train(config: ml_collections.ConfigDict, workdir: str,
                     donate_argnums=(0,))
   eval_fn = jax.jit(make_eval_step(model, config))
   writer = MetricWriter(workdir)
-  tokens_per_step = config.batch_size * config.seq_len
-  throughput = Throughput(config.total_steps, tokens_per_step)
+  length = config.get("target_len") or config.seq_len
+  tokens_per_step = config.batch_size * length
+  cfg = model_config(config.model)
+  num_params = sum(x.size for x in jax.tree.leaves(state.params))
+  flops = train_flops_per_step(num_params, tokens_per_step,
+                               cfg.num_layers + cfg.num_decoder_layers, length, cfg.d_model)
+  throughput = Throughput(config.total_steps, tokens_per_step, flops)
   rng = jax.random.key(config.seed + 1)
   history: list[dict[str, float]] = []
   last_saved = start_step if restored is not None else None
@@ -230,6 +252,7 @@ def train(config: ml_collections.ConfigDict, workdir: str,
         if config.eval_every and (step % config.eval_every == 0 or step == config.total_steps):
           scalars |= evaluate(eval_fn, state.params,
                               data(config, "validation", 0, **host), batch_sharding)
+          scalars |= decode_evaluation(config, model, state.params, data, host)
         writer.write(step, scalars)
         history.append({"step": step, **scalars})
         say(console_line(step, config.total_steps, scalars), flush=True)

@@ -39,6 +39,20 @@ def peak_flops(device: jax.Device | None = None) -> float | None:
   return None
 
 
+def train_flops_per_step(num_params: int, tokens: int, num_layers: int, length: int,
+                         d_model: int) -> float:
+  """Analytic FLOPs of one training step (forward + backward = 3 x forward).
+
+  ``6 N T`` for the weights (Kaplan et al.; the word-embedding table counts
+  once, as the tied output projection) plus the attention scores and
+  mixing, ``12 n_layers L d`` per token. Position tables are counted as
+  weights, a small overestimate.
+  """
+  dense = 6.0 * num_params * tokens
+  attention = 12.0 * num_layers * length * d_model * tokens
+  return dense + attention
+
+
 class Throughput:
   """Rates over the steps since the last report, compilation excluded.
 

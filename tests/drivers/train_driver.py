@@ -29,6 +29,8 @@ def parse():
   p.add_argument("--nan_at", type=int, default=-1)
   p.add_argument("--checkpoint_every", type=int, default=2)
   p.add_argument("--accum", type=int, default=1)
+  p.add_argument("--translation", action="store_true", help="a reversal task, encoder-decoder")
+  p.add_argument("--batch", type=int, default=8)
   return p.parse_args()
 
 
@@ -49,7 +51,7 @@ from posenc_jax.presets import preset_config  # noqa: E402
 from posenc_jax.training.config import base_train_config  # noqa: E402
 from posenc_jax.training.loop import train  # noqa: E402
 
-VOCAB, LENGTH, BATCH = 64, 16, 8
+VOCAB, LENGTH, BATCH = 64, 16, ARGS.batch
 
 
 def config():
@@ -63,7 +65,26 @@ def config():
                 async_checkpointing=True))
   c.mesh.shape = tuple(int(s) for s in ARGS.mesh.split(","))
   c.optimizer.update(dict(learning_rate=3e-3, warmup_steps=2))
+  if ARGS.translation:
+    c.model = preset_config("transformer_base,t5").model
+    c.model.update(dict(vocab_size=VOCAB, d_model=64, num_heads=4, mlp_dim=128, max_len=LENGTH,
+                        num_layers=2, num_decoder_layers=2, dropout_rate=0.0))
+    c.optimizer.update(dict(learning_rate=1e-3, warmup_steps=20, schedule="constant"))
+    c.update(dict(objective="translation", head="translation", input_len=LENGTH,
+                  target_len=LENGTH, label_smoothing=0.1))
   return c
+
+
+def reversal(rng):
+  """Source: random ids and EOS (1); target: the ids reversed and EOS; 0-padded to LENGTH."""
+  lengths = rng.integers(3, LENGTH - 1, BATCH)
+  inputs = np.zeros((BATCH, LENGTH), np.int32)
+  targets = np.zeros((BATCH, LENGTH), np.int32)
+  for row, n in enumerate(lengths):
+    ids = rng.integers(6, VOCAB, n)
+    inputs[row, :n + 1] = np.append(ids, 1)
+    targets[row, :n + 1] = np.append(ids[::-1], 1)
+  return {"inputs": inputs, "targets": targets}
 
 
 def synthetic(config, split, start_step, shard_id=0, num_shards=1):
@@ -71,6 +92,11 @@ def synthetic(config, split, start_step, shard_id=0, num_shards=1):
   step = start_step
   while True:
     rng = np.random.default_rng(1000 + step)
+    if ARGS.translation:
+      rows = slice(shard_id * BATCH // num_shards, (shard_id + 1) * BATCH // num_shards)
+      yield {k: v[rows] for k, v in reversal(rng).items()}
+      step += 1
+      continue
     ids = rng.integers(6, VOCAB, (BATCH, LENGTH)).astype(np.int32)
     weights = (rng.random((BATCH, LENGTH)) < 0.3).astype(np.float32)
     if step == ARGS.nan_at:
