@@ -232,6 +232,6 @@ def test_translation_training_learns_a_reversal_task(tmp_path):
 
 
 def test_decode_batches_cut_at_eos():
-  from posenc_jax.training.decode_eval import _cut
+  from posenc_jax.training.task_eval import _cut
   np.testing.assert_array_equal(_cut(np.array([7, 8, 1, 9, 0]), 1), [7, 8])
   np.testing.assert_array_equal(_cut(np.array([7, 0, 8, 0]), 1), [7, 8])

@@ -7,7 +7,18 @@ load TensorFlow/seqio when they are imported (``tasks``, ``preprocessors``) or c
 
     vocab           reserved ids (pad 0, eos 1, unk 2, [CLS] 3, [SEP] 4, [MASK] 5), the
                     vocabulary trainer ``python -m posenc_jax.data.vocab``, ``vocabulary(path)``
-    tasks           seqio task registrations (``wordnet_glosses``); importing registers them
+    tasks           ``register`` helpers and the ``wordnet_glosses`` corpus task
+    wordnet_tasks   ``wordnet_supersense``, ``wordnet_hypernym`` (held-out synsets)
+    pretraining     ``wikipedia_en``, ``c4_en``, ``wiki40b_<lang>``
+    glue            GLUE and XNLI tasks, ``encode_classification`` (BERT inputs)
+    xtreme_qa       SQuAD v1.1, XQuAD, MLQA, TyDiQA-GoldP span tasks
+    qa              span features (document stride) and answers from logits
+    wmt             WMT18 translation tasks
+    metrics         GLUE/BLEU metrics as the papers report them (0-100)
+    squad_metrics   SQuAD F1/EM and MLQA's per-language variant
+    wordpiece       BERT ``vocab.txt`` as a seqio Vocabulary
     preprocessors   full-sentence packing, BERT masking, ``mlm_dataset`` for the trainer
     bundled/        the corpus files, their licence and the bundled vocabulary
+
+``import posenc_jax.tasks`` registers every family.
 """

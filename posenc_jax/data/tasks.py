@@ -85,3 +85,4 @@ register_text_lines(
      "validation": WORDNET_DIR / "pretrain_validation.txt.gz"},
     vocab_lib.vocabulary(vocab_lib.BUNDLED_VOCAB),
 )
+

@@ -73,7 +73,7 @@ def read_task_text(task_name: str, split: str = "train", feature: str = "text") 
   """
   import seqio  # pylint: disable=g-import-not-at-top
   from seqio import utils as seqio_utils  # pylint: disable=g-import-not-at-top
-  from posenc_jax.data import tasks  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
+  import posenc_jax.tasks  # noqa: F401, PLC0415 - registers every task
   task = seqio.get_mixture_or_task(task_name)
   dataset = task.source.get_dataset(split=split, shuffle=False)
   for preprocessor in task.preprocessors:

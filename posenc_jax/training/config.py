@@ -8,7 +8,7 @@ import ml_collections
 from posenc_jax.models.build import HEADS
 from posenc_jax.models.config import model_config
 from posenc_jax.schemes import build_scheme
-from posenc_jax.training.objectives import OBJECTIVES
+from posenc_jax.training.objectives import HEAD_OF, OBJECTIVES
 from posenc_jax.training.optim import default_optimizer_config
 
 
@@ -70,7 +70,7 @@ def validate_train_config(config: ml_collections.ConfigDict) -> None:
     _fail("objective", config.objective, ", ".join(OBJECTIVES))
   if config.head not in HEADS:
     _fail("head", config.head, ", ".join(HEADS))
-  expected_head = "translation" if config.objective == "translation" else "mlm"
+  expected_head = HEAD_OF[config.objective]
   if config.head != expected_head:
     _fail("head", config.head, f"{expected_head!r} for objective {config.objective!r}")
   for field in ("seq_len", "batch_size", "total_steps", "grad_accum_steps", "log_every",

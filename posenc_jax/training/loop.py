@@ -11,7 +11,9 @@ message naming the step and the last good checkpoint.
 from __future__ import annotations
 
 import itertools
+import json
 import logging
+import os
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -28,7 +30,7 @@ from posenc_jax.models.build import build_model
 from posenc_jax.models.config import model_config
 from posenc_jax.training import mesh as mesh_lib
 from posenc_jax.training.checkpoint import Checkpointer
-from posenc_jax.training.config import validate_train_config
+from posenc_jax.training.config import TrainConfigError, validate_train_config
 from posenc_jax.training.metrics import (MetricWriter, Throughput, console_line,
                                          train_flops_per_step)
 from posenc_jax.training.objectives import objective
@@ -47,6 +49,44 @@ class TrainState(train_state.TrainState):
 
 def _sum_metrics(a: dict[str, jax.Array], b: dict[str, jax.Array]) -> dict[str, jax.Array]:
   return {k: a[k] + b[k] for k in a}
+
+
+class BestKeeper:
+  """Keeps the parameters of the best evaluation (``metric`` higher is better)."""
+
+  def __init__(self, workdir: str, metric: str | None):
+    self.metric = metric
+    self.path = os.path.join(workdir, "best.json")
+    self.record: dict[str, float] | None = None
+    if metric and os.path.exists(self.path):
+      with open(self.path) as f:
+        self.record = json.load(f)
+    self.manager = None
+    if metric:
+      import orbax.checkpoint as ocp  # noqa: PLC0415
+      self.manager = ocp.CheckpointManager(
+          os.path.join(os.path.abspath(workdir), "best"),
+          options=ocp.CheckpointManagerOptions(max_to_keep=1, create=True))
+
+  def update(self, step: int, scalars: dict[str, float], params: Any) -> None:
+    if not self.metric:
+      return
+    if self.metric not in scalars:
+      raise TrainConfigError(f"best_metric: {self.metric!r} is not among the evaluation "
+                             f"metrics {sorted(k for k in scalars if k.startswith('eval_'))}")
+    score = scalars[self.metric]
+    if self.record is None or score > self.record["score"]:
+      import orbax.checkpoint as ocp  # noqa: PLC0415
+      self.manager.save(step, args=ocp.args.StandardSave(params), force=True)
+      self.manager.wait_until_finished()
+      self.record = {"step": step, "metric": self.metric, "score": score}
+      if jax.process_index() == 0:
+        with open(self.path, "w") as f:
+          json.dump(self.record, f)
+
+  def close(self) -> None:
+    if self.manager is not None:
+      self.manager.close()
 
 
 def make_train_step(model: nn.Module, config: ml_collections.ConfigDict,
@@ -147,23 +187,34 @@ def evaluate(eval_step, params, batches: Iterator, sharding) -> dict[str, float]
   return {"eval_loss": total["loss"] / weight, "eval_accuracy": total["correct"] / weight}
 
 
-def decode_evaluation(config, model, params, data, host) -> dict[str, float]:
-  """Translation: beam-search ``config.decode.eval_batches`` validation batches and score
-  them with the task's metrics (BLEU for WMT). Single-process runs only, for now."""
-  decode = config.get("decode")
-  if config.objective != "translation" or not decode or not decode.eval_batches:
+def task_evaluation(config, model, params, data, host) -> dict[str, float]:
+  """The task's own metrics on the validation split (single-process runs for now).
+
+  Translation: beam search on ``config.decode.eval_batches`` batches (BLEU for
+  WMT). Classification and regression: predictions on the whole split, scored
+  by the task's ``metric_fns`` (MCC, F1, Pearson/Spearman, accuracy).
+  """
+  if config.objective not in ("translation", "classification", "regression"):
     return {}
   if jax.process_count() > 1:
-    logging.warning("decoding evaluation runs in single-process jobs only; skipped")
+    logging.warning("task-metric evaluation runs in single-process jobs only; skipped")
     return {}
-  from posenc_jax.training.decode_eval import decode_batches, task_metrics  # noqa: PLC0415
-  batches = itertools.islice(data(config, "validation", 0, **host), decode.eval_batches)
-  predictions, references = decode_batches(model, params, batches, decode)
-  return task_metrics(config.task, predictions, references)
+  from posenc_jax.training import task_eval  # noqa: PLC0415
+  if config.objective == "translation":
+    decode = config.get("decode")
+    if not decode or not decode.eval_batches:
+      return {}
+    batches = itertools.islice(data(config, "validation", 0, **host), decode.eval_batches)
+    predictions, references = task_eval.decode_batches(model, params, batches, decode)
+  else:
+    predictions, references = task_eval.predict_batches(
+        model, params, data(config, "validation", 0, **host), config.objective)
+  return task_eval.task_metrics(config.task, predictions, references)
 
 
 def train(config: ml_collections.ConfigDict, workdir: str,
-          data: Callable[..., Iterator[dict[str, np.ndarray]]] | None = None) -> dict[str, Any]:
+          data: Callable[..., Iterator[dict[str, np.ndarray]]] | None = None,
+          init_params: Callable[[Any], Any] | None = None) -> dict[str, Any]:
   """Trains ``config`` in ``workdir``; returns the final state and metrics.
 
   Args:
@@ -171,6 +222,12 @@ def train(config: ml_collections.ConfigDict, workdir: str,
     workdir: checkpoints, ``metrics.jsonl`` and TensorBoard events go here.
     data: ``data(config, split, start_step, shard_id, num_shards)`` -> iterator of
       host-local numpy batches; None uses :mod:`posenc_jax.training.input_pipeline`.
+    init_params: maps the fresh parameters to the starting ones (fine-tuning from a
+      pre-trained model); not applied when resuming from a checkpoint.
+
+  With ``config.best_metric`` set (e.g. ``eval_accuracy``), the parameters of the
+  best evaluation so far are kept in ``<workdir>/best`` and the score in
+  ``<workdir>/best.json``.
 
   Raises:
     NonFiniteLossError: the loss became NaN or Inf (the last good checkpoint stays).
@@ -182,7 +239,7 @@ def train(config: ml_collections.ConfigDict, workdir: str,
     from posenc_jax.training.input_pipeline import check_data_config, make_batches  # noqa: PLC0415
     check_data_config(config)
     data = make_batches
-  model = build_model(config.model, config.head)
+  model = build_model(config.model, config.head, num_labels=config.get("num_labels", 2))
   tx, schedule = make_optimizer(config.optimizer, config.total_steps)
   batch_sharding = mesh_lib.batch_sharding(mesh)
   host = dict(shard_id=jax.process_index(), num_shards=jax.process_count())
@@ -200,6 +257,9 @@ def train(config: ml_collections.ConfigDict, workdir: str,
   if restored is not None:
     start_step, state, data_state = restored
     logging.info("resumed from step %d (data position %s)", start_step, data_state)
+  elif init_params is not None:
+    params = init_params(jax.device_get(state.params))  # on the host, then placed
+    state = state.replace(params=jax.device_put(params, state_shardings.params))
   train_batches = data(config, "train", start_step, **host)
 
   step_fn = jax.jit(make_train_step(model, config, schedule),
@@ -208,6 +268,7 @@ def train(config: ml_collections.ConfigDict, workdir: str,
                     donate_argnums=(0,))
   eval_fn = jax.jit(make_eval_step(model, config))
   writer = MetricWriter(workdir)
+  best = BestKeeper(workdir, config.get("best_metric"))
   length = config.get("target_len") or config.seq_len
   tokens_per_step = config.batch_size * length
   cfg = model_config(config.model)
@@ -252,15 +313,17 @@ def train(config: ml_collections.ConfigDict, workdir: str,
         if config.eval_every and (step % config.eval_every == 0 or step == config.total_steps):
           scalars |= evaluate(eval_fn, state.params,
                               data(config, "validation", 0, **host), batch_sharding)
-          scalars |= decode_evaluation(config, model, state.params, data, host)
+          scalars |= task_evaluation(config, model, state.params, data, host)
+          best.update(step, scalars, state.params)
         writer.write(step, scalars)
         history.append({"step": step, **scalars})
         say(console_line(step, config.total_steps, scalars), flush=True)
       if save_now and checkpointer.save(step, state, {"step": step}, force=True):
         last_saved = step
   checkpointer.close()
+  best.close()
   writer.close()
   if history:
     say(f"first loss {history[0]['loss']:.4f} (step {history[0]['step']}), last loss "
         f"{history[-1]['loss']:.4f} (step {history[-1]['step']})", flush=True)
-  return {"state": state, "history": history, "mesh": mesh}
+  return {"state": state, "history": history, "mesh": mesh, "best": best.record}

@@ -9,6 +9,12 @@ real tokens), ``mlm_targets`` (original id at masked positions),
 
 Translation batch: ``inputs`` ``[B, Ls]``, ``targets`` ``[B, Lt]`` (0 is
 padding; the decoder input is ``targets`` shifted right by one).
+
+Fine-tuning batches carry ``input_ids``, ``segment_ids``, ``mask`` and
+``label`` ``[B]`` (int for classification, float for regression), or
+``start_positions``/``end_positions`` ``[B]`` for span prediction. A
+``weight`` ``[B]`` feature, if present, marks padding rows of a last
+partial evaluation batch with 0.
 """
 
 from __future__ import annotations
@@ -24,7 +30,10 @@ from posenc_jax.models.transformer import shift_right
 
 Array = jax.Array
 
-OBJECTIVES = ("mlm", "translation")
+OBJECTIVES = ("mlm", "translation", "classification", "regression", "span")
+# The model head each objective trains.
+HEAD_OF = {"mlm": "mlm", "translation": "translation", "classification": "classification",
+           "regression": "classification", "span": "span"}
 
 
 def weighted_cross_entropy(logits: Array, targets: Array, weights: Array,
@@ -75,5 +84,53 @@ def translation_objective(model: nn.Module, params: Any, batch: dict[str, Array]
   return loss, {"loss": loss, "weight": weight, "correct": correct}
 
 
+def _encoder_inputs(batch):
+  return batch["input_ids"], batch["segment_ids"], batch["mask"]
+
+
+def _apply(model, params, batch, rng):
+  deterministic = rng is None
+  return model.apply({"params": params}, *_encoder_inputs(batch), deterministic=deterministic,
+                     rngs=None if deterministic else {"dropout": rng})
+
+
+def _row_weights(batch) -> Array:
+  return batch.get("weight", jnp.ones(batch["input_ids"].shape[:1], jnp.float32))
+
+
+def classification_objective(model, params, batch, rng, label_smoothing=0.0):
+  """Cross-entropy of ``label`` from the pooled [CLS] logits ``[B, C]``."""
+  logits = _apply(model, params, batch, rng)
+  loss, weight, correct = weighted_cross_entropy(logits, batch["label"], _row_weights(batch),
+                                                 label_smoothing)
+  return loss, {"loss": loss, "weight": weight, "correct": correct}
+
+
+def regression_objective(model, params, batch, rng, label_smoothing=0.0):
+  """Squared error of a scalar prediction ``[B]`` (STS-B); ``correct`` counts |error| < 0.5."""
+  del label_smoothing
+  prediction = _apply(model, params, batch, rng)
+  weights = _row_weights(batch)
+  error = prediction - batch["label"].astype(jnp.float32)
+  loss = jnp.sum(weights * error ** 2)
+  correct = jnp.sum(weights * (jnp.abs(error) < 0.5))
+  return loss, {"loss": loss, "weight": jnp.sum(weights), "correct": correct}
+
+
+def span_objective(model, params, batch, rng, label_smoothing=0.0):
+  """Mean of the start and end cross-entropies; ``correct`` counts exact spans."""
+  start, end = _apply(model, params, batch, rng)
+  weights = _row_weights(batch)
+  start_loss, weight, _ = weighted_cross_entropy(start, batch["start_positions"], weights,
+                                                 label_smoothing)
+  end_loss, _, _ = weighted_cross_entropy(end, batch["end_positions"], weights, label_smoothing)
+  exact = ((jnp.argmax(start, -1) == batch["start_positions"])
+           & (jnp.argmax(end, -1) == batch["end_positions"]))
+  loss = (start_loss + end_loss) / 2
+  return loss, {"loss": loss, "weight": weight, "correct": jnp.sum(weights * exact)}
+
+
 def objective(name: str):
-  return {"mlm": mlm_objective, "translation": translation_objective}[name]
+  return {"mlm": mlm_objective, "translation": translation_objective,
+          "classification": classification_objective, "regression": regression_objective,
+          "span": span_objective}[name]

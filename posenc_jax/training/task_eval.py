@@ -1,0 +1,75 @@
+"""Evaluation with the task's own metrics.
+
+* Translation: beam search on validation batches, then the task's metric
+  functions (SacreBLEU for WMT) on the detokenised text.
+* Classification / regression: the model's predictions on the whole
+  validation split (padding rows of the last batch, ``weight`` 0, dropped),
+  scored by the task's metric functions (MCC, F1, Pearson/Spearman, ...).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import ml_collections
+import numpy as np
+
+from posenc_jax.models.decoding import translate
+
+
+def decode_batches(model: nn.Module, params: Any, batches: Iterable[dict[str, np.ndarray]],
+                   decode: ml_collections.ConfigDict, eos_id: int = 1
+                   ) -> tuple[list[np.ndarray], list[np.ndarray]]:
+  """(predicted ids, reference ids) per example, cut at EOS; ``translate``'s best beam."""
+  predictions, references = [], []
+  run = jax.jit(lambda p, src: translate(model, p, src, src > 0,
+                                         max_decode_len=decode.max_decode_len,
+                                         beam_size=decode.beam_size, alpha=decode.alpha,
+                                         eos_id=eos_id)[0][:, 0])
+  for batch in batches:
+    tokens = np.asarray(run(params, batch["inputs"]))
+    for row, ref in zip(tokens, batch["targets"]):
+      predictions.append(_cut(row, eos_id))
+      references.append(_cut(np.asarray(ref), eos_id))
+  return predictions, references
+
+
+def predict_batches(model: nn.Module, params: Any, batches: Iterable[dict[str, np.ndarray]],
+                    objective: str) -> tuple[list, list]:
+  """(predictions, labels) over all real rows: class ids, or floats for regression."""
+  run = jax.jit(lambda p, b: model.apply({"params": p}, b["input_ids"], b["segment_ids"],
+                                         b["mask"]))
+  predictions, labels = [], []
+  for batch in batches:
+    out = np.asarray(run(params, batch))
+    out = out if objective == "regression" else out.argmax(-1)
+    keep = np.asarray(batch.get("weight", np.ones(len(out)))) > 0
+    predictions.extend(out[keep].tolist())
+    labels.extend(np.asarray(batch["label"])[keep].tolist())
+  return predictions, labels
+
+
+def _cut(ids: np.ndarray, eos_id: int) -> np.ndarray:
+  """Ids before the first EOS, padding removed."""
+  ends = np.flatnonzero(ids == eos_id)
+  ids = ids[:ends[0]] if ends.size else ids
+  return ids[ids > 0]
+
+
+def task_metrics(task_name: str, predictions: list, references: list) -> dict[str, float]:
+  """The task's ``metric_fns`` as ``eval_<name>``; token-id sequences are first
+  detokenised with the task's ``targets`` vocabulary."""
+  import seqio  # noqa: PLC0415
+
+  task = seqio.get_mixture_or_task(task_name)
+  if predictions and isinstance(predictions[0], np.ndarray):
+    vocab = task.output_features["targets"].vocabulary
+    predictions = [vocab.decode(p.tolist()) for p in predictions]
+    references = [vocab.decode(r.tolist()) for r in references]
+  scores: dict[str, float] = {}
+  for fn in task.metric_fns:
+    scores |= {f"eval_{k}": float(v) for k, v in fn(references, predictions).items()}
+  return scores
