@@ -14,6 +14,8 @@ writes the median-of-best table (sweep.json, sweep.md) as DIET reports it.
 import os
 import sys
 
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # quiet the input pipeline's TensorFlow
+
 from absl import app, flags, logging
 from ml_collections import config_flags
 
@@ -28,7 +30,6 @@ def main(argv):
   if not _WORKDIR.value or _CONFIG.value is None:
     sys.exit("finetune.py: --config and --workdir are required")
   logging.set_verbosity(logging.WARNING)
-  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
   from posenc_jax.training.errors import USER_ERRORS  # noqa: PLC0415
   from posenc_jax.training.finetune import finetune, sweep, sweep_table  # noqa: PLC0415
 

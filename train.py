@@ -13,6 +13,8 @@ JAX_PROCESS_ID). Each host feeds its own shard of the global batch.
 import os
 import sys
 
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # quiet the input pipeline's TensorFlow
+
 from absl import app, flags, logging
 from ml_collections import config_flags
 
@@ -42,7 +44,6 @@ def main(argv):
   if not _WORKDIR.value:
     sys.exit("train.py: --workdir is required")
   logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO
-  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # the input pipeline's TensorFlow
   initialise_distributed()
   from posenc_jax.training.errors import USER_ERRORS  # noqa: PLC0415
   from posenc_jax.training.loop import train  # noqa: PLC0415

@@ -20,7 +20,7 @@ def _task(name: str):
   import tensorflow as tf  # noqa: PLC0415
 
   tf.config.set_visible_devices([], "GPU")  # the input pipeline must not take accelerator memory
-  import posenc_jax.data.tasks  # noqa: F401, PLC0415 - registers the tasks
+  import posenc_jax.tasks  # noqa: F401, PLC0415 - registers every task
   import seqio  # noqa: PLC0415
 
   try:
@@ -56,14 +56,48 @@ def _translation(config, split, start_step, shard_id, num_shards):
   return ds.skip(start_step) if train else ds.take(config.eval_steps)
 
 
+FINETUNE_FEATURES = {"classification": ("label",), "regression": ("label",),
+                     "span": ("start_positions", "end_positions")}
+
+
+def _finetune(config, split, start_step, shard_id, num_shards):
+  """Task examples with fixed-length BERT inputs. Training: endless and shuffled, skipped to
+  ``start_step``. Evaluation: one pass, the last batch padded with ``weight`` 0 rows."""
+  import seqio  # noqa: PLC0415
+  import tensorflow as tf  # noqa: PLC0415
+
+  train = split == "train"
+  task = _task(config.task if train else config.get("eval_task") or config.task)
+  split = split if train else config.get("eval_split") or split
+  length = config.seq_len
+  ds = task.get_dataset({"input_ids": length, "segment_ids": length, "mask": length},
+                        split=split, shuffle=train, seed=config.seed,
+                        num_epochs=None if train else 1,
+                        shard_info=seqio.ShardInfo(shard_id, num_shards))
+  keys = ("input_ids", "segment_ids", "mask") + FINETUNE_FEATURES[config.objective]
+  ds = ds.map(lambda x: {k: x[k] for k in keys} | {"weight": tf.constant(1.0)})
+  local = config.batch_size // num_shards
+  if train:
+    return ds.batch(local, drop_remainder=True).skip(start_step)
+
+  def pad_rows(batch):
+    missing = local - tf.shape(batch["weight"])[0]
+    return {k: tf.pad(v, [[0, missing]] + [[0, 0]] * (len(v.shape) - 1))
+            for k, v in batch.items()}
+  return ds.batch(local).map(pad_rows)
+
+
 def make_batches(config: ml_collections.ConfigDict, split: str, start_step: int,
                  shard_id: int = 0, num_shards: int = 1) -> Iterator[dict[str, np.ndarray]]:
-  """Endless training batches from ``start_step``, or ``eval_steps`` evaluation batches.
+  """Endless training batches from ``start_step``, or the evaluation batches (``eval_steps``
+  of them for pre-training and translation, the whole split for fine-tuning).
 
   Each batch is this host's ``batch_size / num_shards`` rows (numpy).
   """
   if config.objective == "translation":
     ds = _translation(config, split, start_step, shard_id, num_shards)
+  elif config.objective in FINETUNE_FEATURES:
+    ds = _finetune(config, split, start_step, shard_id, num_shards)
   else:
     _task(config.task)
     from posenc_jax.data.preprocessors import mlm_dataset  # noqa: PLC0415

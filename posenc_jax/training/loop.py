@@ -72,8 +72,9 @@ class BestKeeper:
     if not self.metric:
       return
     if self.metric not in scalars:
+      names = sorted(k for k in scalars if k.startswith(("eval_", "task_")))
       raise TrainConfigError(f"best_metric: {self.metric!r} is not among the evaluation "
-                             f"metrics {sorted(k for k in scalars if k.startswith('eval_'))}")
+                             f"metrics {names}")
     score = scalars[self.metric]
     if self.record is None or score > self.record["score"]:
       import orbax.checkpoint as ocp  # noqa: PLC0415
@@ -192,14 +193,19 @@ def task_evaluation(config, model, params, data, host) -> dict[str, float]:
 
   Translation: beam search on ``config.decode.eval_batches`` batches (BLEU for
   WMT). Classification and regression: predictions on the whole split, scored
-  by the task's ``metric_fns`` (MCC, F1, Pearson/Spearman, accuracy).
+  by the task's ``metric_fns`` (MCC, F1, Pearson/Spearman, accuracy). Span
+  prediction: SQuAD/MLQA F1 and EM of the answers decoded from the logits.
   """
-  if config.objective not in ("translation", "classification", "regression"):
+  if config.objective not in ("translation", "classification", "regression", "span"):
     return {}
   if jax.process_count() > 1:
     logging.warning("task-metric evaluation runs in single-process jobs only; skipped")
     return {}
   from posenc_jax.training import task_eval  # noqa: PLC0415
+  task = config.get("eval_task") or config.task
+  if config.objective == "span":
+    return task_eval.span_metrics(model, params, task, config.get("eval_split") or "validation",
+                                  config.seq_len, config.batch_size, config.get("eval_batches"))
   if config.objective == "translation":
     decode = config.get("decode")
     if not decode or not decode.eval_batches:
@@ -209,7 +215,7 @@ def task_evaluation(config, model, params, data, host) -> dict[str, float]:
   else:
     predictions, references = task_eval.predict_batches(
         model, params, data(config, "validation", 0, **host), config.objective)
-  return task_eval.task_metrics(config.task, predictions, references)
+  return task_eval.task_metrics(task, predictions, references)
 
 
 def train(config: ml_collections.ConfigDict, workdir: str,

@@ -5,6 +5,9 @@
 * Classification / regression: the model's predictions on the whole
   validation split (padding rows of the last batch, ``weight`` 0, dropped),
   scored by the task's metric functions (MCC, F1, Pearson/Spearman, ...).
+* Span prediction (SQuAD, XQuAD, MLQA, TyDiQA): start/end logits of every
+  window of the split, mapped back to answer text and scored with SQuAD's
+  (or MLQA's) F1/EM.
 """
 
 from __future__ import annotations
@@ -52,6 +55,36 @@ def predict_batches(model: nn.Module, params: Any, batches: Iterable[dict[str, n
   return predictions, labels
 
 
+def span_metrics(model: nn.Module, params: Any, task_name: str, split: str, seq_len: int,
+                 batch_size: int, max_batches: int | None = None) -> dict[str, float]:
+  """SQuAD-style F1/EM (``task_f1``, ``task_exact_match``) of the model on a QA task's split."""
+  import seqio  # noqa: PLC0415
+
+  from posenc_jax.data import xtreme_qa  # noqa: PLC0415
+
+  task = seqio.get_mixture_or_task(task_name)
+  ds = task.get_dataset({"input_ids": seq_len}, split=split, shuffle=False, num_epochs=1)
+  ds = ds.batch(batch_size)
+  if max_batches:
+    ds = ds.take(max_batches)
+  run = jax.jit(lambda p, b: model.apply({"params": p}, b["input_ids"], b["segment_ids"],
+                                         b["mask"]))
+  features: dict[str, list[np.ndarray]] = {}
+  starts, ends = [], []
+  for batch in ds.as_numpy_iterator():
+    start, end = run(params, {k: batch[k] for k in ("input_ids", "segment_ids", "mask")})
+    starts.append(np.asarray(start))
+    ends.append(np.asarray(end))
+    for key in ("example_id", "context", "token_offsets", "max_context"):
+      features.setdefault(key, []).append(batch[key])
+  if not starts:
+    return {}
+  features = {k: np.concatenate(v) for k, v in features.items()}
+  scores = xtreme_qa.evaluate_logits(task_name, split, features, np.concatenate(starts),
+                                     np.concatenate(ends))
+  return {f"task_{k}": float(v) for k, v in scores.items()}
+
+
 def _cut(ids: np.ndarray, eos_id: int) -> np.ndarray:
   """Ids before the first EOS, padding removed."""
   ends = np.flatnonzero(ids == eos_id)
@@ -60,7 +93,7 @@ def _cut(ids: np.ndarray, eos_id: int) -> np.ndarray:
 
 
 def task_metrics(task_name: str, predictions: list, references: list) -> dict[str, float]:
-  """The task's ``metric_fns`` as ``eval_<name>``; token-id sequences are first
+  """The task's ``metric_fns`` as ``task_<name>`` (0-100); token-id sequences are first
   detokenised with the task's ``targets`` vocabulary."""
   import seqio  # noqa: PLC0415
 
@@ -71,5 +104,5 @@ def task_metrics(task_name: str, predictions: list, references: list) -> dict[st
     references = [vocab.decode(r.tolist()) for r in references]
   scores: dict[str, float] = {}
   for fn in task.metric_fns:
-    scores |= {f"eval_{k}": float(v) for k, v in fn(references, predictions).items()}
+    scores |= {f"task_{k}": float(v) for k, v in fn(references, predictions).items()}
   return scores

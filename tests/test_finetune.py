@@ -1,0 +1,139 @@
+"""Fine-tuning: the bundled WordNet tasks, starting from a pre-trained encoder, the sweep
+statistic, and a short run that beats the majority class."""
+
+import collections
+import gzip
+import json
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import seqio
+
+from posenc_jax.data import wordnet_tasks
+from posenc_jax.data.vocab import BUNDLED_DIR, CLS_ID, SEP_ID
+from posenc_jax.models import BertForSequenceClassification, model_config
+from posenc_jax.training import finetune as finetune_lib
+
+ROOT = pathlib.Path(__file__).parent.parent
+
+
+def _pretraining_definitions():
+  """The gloss of every pre-training line ("lemmas: gloss"), examples cut off."""
+  definitions = set()
+  for name in ("pretrain_train.txt.gz", "pretrain_validation.txt.gz"):
+    with gzip.open(BUNDLED_DIR / name, "rt") as f:
+      for line in f:
+        gloss = line.rstrip("\n").partition(": ")[2]
+        definitions.add(gloss.split('; "')[0].split(' "')[0].strip())
+  return definitions
+
+
+def test_bundled_tasks_are_disjoint_from_pretraining_and_split_deterministically():
+  seen = _pretraining_definitions()
+  assert len(seen) > 90_000
+  splits = {s: wordnet_tasks.supersense_examples(s) for s in wordnet_tasks.SPLITS}
+  sizes = {s: len(v) for s, v in splits.items()}
+  assert sum(sizes.values()) == len(wordnet_tasks.heldout_synsets())
+  assert 0.75 < sizes["train"] / sum(sizes.values()) < 0.85
+  for split in ("validation", "test"):
+    assert not {definition for definition, _ in splits[split]} & seen
+  keys = {s: {r["key"] for r in wordnet_tasks.heldout_synsets()
+              if wordnet_tasks.split_of(r["key"]) == s} for s in wordnet_tasks.SPLITS}
+  assert not keys["train"] & keys["test"] and not keys["train"] & keys["validation"]
+  assert wordnet_tasks.supersense_examples("test") == splits["test"]
+
+
+def test_hypernym_pairs_are_balanced_and_true_to_wordnet():
+  examples = wordnet_tasks.hypernym_examples("train")
+  labels = collections.Counter(label for _, _, label in examples)
+  assert labels[0] == labels[1] > 300
+  by_definition = {r["definition"]: r for r in wordnet_tasks.heldout_synsets()}
+  for a, b, label in examples[:100]:
+    ra, rb = by_definition[a], by_definition[b]
+    is_hypernym = rb["offset"] in ra["hypernyms"] + ra["instance_hypernyms"]
+    assert is_hypernym == bool(label) and ra["pos"] == rb["pos"]
+
+
+@pytest.mark.parametrize("task,pair", [("wordnet_supersense", False), ("wordnet_hypernym", True)])
+def test_bundled_task_features(task, pair):
+  ds = seqio.get_mixture_or_task(task).get_dataset(
+      {"input_ids": 32, "segment_ids": 32, "mask": 32}, split="validation", shuffle=False)
+  for example in ds.take(20).as_numpy_iterator():
+    ids, segments, mask = example["input_ids"], example["segment_ids"], example["mask"]
+    assert ids.shape == segments.shape == mask.shape == (32,) and ids.dtype == np.int32
+    n = int(mask.sum())
+    assert ids[0] == CLS_ID and ids[n - 1] == SEP_ID and np.all(ids[n:] == 0)
+    assert np.all(mask[:n] == 1)
+    assert (segments.max() == 1) == pair and np.all(segments[n:] == 0)
+    if pair:
+      first_sep = int(np.argmax(ids == SEP_ID))
+      assert np.all(segments[:first_sep + 1] == 0) and np.all(segments[first_sep + 1:n] == 1)
+    assert 0 <= example["label"] < wordnet_tasks.TASK_INFO[task]["num_labels"]
+
+
+def test_merge_encoder_copies_matching_parameters_only():
+  cfg = model_config(vocab_size=50, d_model=32, num_layers=2, num_heads=4, mlp_dim=48,
+                     max_len=16, segment={"name": "segment_per_head"})
+  model = BertForSequenceClassification(cfg, num_labels=3)
+  ids = jnp.ones((1, 8), jnp.int32)
+  target = jax.device_get(jax.tree.map(lambda x: x, model.init(jax.random.key(0), ids)))
+  import flax.linen as nn
+  target = nn.unbox(target["params"])
+  source = jax.tree.map(lambda x: np.full(x.shape, 7.0, np.float32), target["bert"])
+  source.pop("segment")
+  source["segment"] = {"segment_embedding": np.zeros((2, 32), np.float32)}  # input segments
+  merged, report = finetune_lib.merge_encoder(target, source, "pretrained")
+  assert np.all(merged["bert"]["layers_1"]["mlp"]["wi"]["kernel"] == 7.0)
+  np.testing.assert_array_equal(merged["classifier"]["kernel"], target["classifier"]["kernel"])
+  assert "bert/segment/segment_bias" in report.fresh and "classifier/kernel" in report.fresh
+  assert report.unused == ["segment/segment_embedding"]
+
+
+def test_sweep_reports_the_median_over_seeds_of_the_best_learning_rate(monkeypatch, tmp_path):
+  scores = {(1e-5, 0): 50.0, (1e-5, 1): 70.0, (1e-5, 2): 60.0,
+            (2e-5, 0): 65.0, (2e-5, 1): 90.0, (2e-5, 2): 64.0}
+
+  def fake_finetune(config, workdir, init_checkpoint=None, data=None):
+    score = scores[(config.optimizer.learning_rate, config.seed)]
+    return {"best": {"step": 10, "metric": "task_accuracy", "score": score}}
+
+  monkeypatch.setattr(finetune_lib, "finetune", fake_finetune)
+  sys.path.insert(0, str(ROOT / "configs"))
+  import finetune_wordnet
+  config = finetune_wordnet.get_config("wordnet_supersense")
+  config.sweep.learning_rates = [1e-5, 2e-5]
+  config.sweep.seeds = [0, 1, 2]
+  summary = finetune_lib.sweep(config, str(tmp_path))
+  assert summary["by_learning_rate"] == {"1e-05": 60.0, "2e-05": 65.0}
+  assert summary["best_learning_rate"] == 2e-5 and summary["score"] == 65.0
+  table = (tmp_path / "sweep.md").read_text()
+  assert "| 2e-05 | 65.0000 | 90.0000 | 64.0000 | 65.0000 |" in table
+  assert json.loads((tmp_path / "sweep.json").read_text())["score"] == 65.0
+
+
+def test_pretrain_then_finetune_beats_the_majority_class(tmp_path):
+  """train.py (a few steps) -> finetune.py from its checkpoint on wordnet_supersense."""
+  pre = subprocess.run([sys.executable, "train.py", "--config=configs/pretrain.py",
+                        f"--workdir={tmp_path / 'pre'}", "--config.total_steps=10",
+                        "--config.checkpoint_every=10", "--config.eval_every=0",
+                        "--config.optimizer.warmup_steps=2"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert pre.returncode == 0, pre.stderr[-3000:]
+  ft = subprocess.run([sys.executable, "finetune.py",
+                       "--config=configs/finetune_wordnet.py:wordnet_supersense",
+                       f"--init_checkpoint={tmp_path / 'pre'}", f"--workdir={tmp_path / 'ft'}",
+                       "--config.total_steps=300", "--config.eval_every=150"],
+                      cwd=ROOT, capture_output=True, text=True, timeout=900)
+  assert ft.returncode == 0, ft.stderr[-3000:]
+  assert "encoder parameters loaded" in ft.stdout
+  labels = [label for _, label in wordnet_tasks.supersense_examples("validation")]
+  majority = collections.Counter(labels).most_common(1)[0][1] / len(labels)
+  best = json.loads((tmp_path / "ft" / "best.json").read_text())
+  assert best["metric"] == "task_accuracy"
+  assert best["score"] > 100 * majority + 5, (best, majority)
+  assert any((tmp_path / "ft" / "best").iterdir())
