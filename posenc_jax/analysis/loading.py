@@ -1,0 +1,259 @@
+"""A BERT encoder and its parameters from a preset (fresh), a train.py checkpoint, or a
+Hugging Face folder.
+
+Every loader returns a :class:`LoadedModel`: the :class:`ModelConfig`, the
+:class:`~posenc_jax.models.BertEncoder`, its variables ``{'params': ...}``
+(unboxed) and the vocabulary's probing tokens::
+
+  model = from_config("bert_tiny,diet_abs_share")             # fresh initialisation
+  model = from_checkpoint("/tmp/run", "configs/pretrain.py:bert_tiny,diet_abs_share")
+  model = from_hf(package_model_dir())                        # e.g. MiniLM
+
+A checkpoint is read from ``<workdir>/checkpoints`` (the layout of
+:class:`posenc_jax.training.checkpoint.Checkpointer`, used by train.py): only
+the ``params`` of the ``state`` item are restored (no optimizer state is
+needed), onto the local device, checked against the config's model; the
+encoder is the ``bert`` subtree (any BERT head: MLM, classification, span).
+The workdir holds no config, so the config the run used must be given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import logging
+import os
+import pathlib
+from collections.abc import Mapping
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from posenc_jax.analysis.probing import (AnalysisError, ProbeTokens, bundled_tokens,
+                                         wordpiece_tokens)
+from posenc_jax.models import BertEncoder, ModelConfig, model_config
+
+
+@dataclasses.dataclass
+class LoadedModel:
+  """An encoder ready for analysis.
+
+  Attributes:
+    config: the encoder's :class:`ModelConfig`.
+    encoder: the :class:`BertEncoder` module.
+    variables: ``{'params': ...}`` of the encoder (unboxed arrays).
+    tokens: ``[CLS]``/``[SEP]`` ids and candidate probing words of its vocabulary.
+    source: where it came from (``fresh:<preset>``, ``checkpoint:<dir>@<step>``, ``hf:<dir>``).
+    step: the checkpoint step, if any.
+  """
+
+  config: ModelConfig
+  encoder: BertEncoder
+  variables: dict[str, Any]
+  tokens: ProbeTokens
+  source: str
+  step: int | None = None
+
+  def describe(self) -> dict[str, Any]:
+    """JSON-ready summary: source, step and the model's dimensions and schemes."""
+    cfg = self.config.to_dict()
+    keys = ("d_model", "num_layers", "num_heads", "max_len", "scheme", "segment", "attention")
+    return {"source": self.source, "step": self.step, **{k: cfg[k] for k in keys},
+            "head_dim": self.config.dim_per_head}
+
+
+def read_config(spec: str) -> ml_collections.ConfigDict:
+  """A config file with its argument, ``configs/pretrain.py:bert_tiny,alibi``, as
+  ``--config=`` reads it (``get_config(arg)``)."""
+  path, _, arg = spec.partition(":")
+  if not os.path.isfile(path):
+    raise AnalysisError(f"config: no such file {path!r}")
+  module_spec = importlib.util.spec_from_file_location("posenc_analysis_config", path)
+  module = importlib.util.module_from_spec(module_spec)
+  module_spec.loader.exec_module(module)
+  return module.get_config(arg) if arg else module.get_config()
+
+
+def _resolve(config: Any) -> tuple[ModelConfig, str, int, str]:
+  """(model config, head, num_labels, label) from a preset string, a ``file.py:arg`` spec,
+  a ConfigDict with ``model`` (and ``head``), or a model config."""
+  if isinstance(config, str):
+    label = config
+    if ".py" in config.split(":")[0]:
+      config = read_config(config)
+    else:
+      from posenc_jax.presets import preset_config  # noqa: PLC0415
+      config = preset_config(config)
+  else:
+    label = "config"
+  if isinstance(config, ModelConfig):
+    return config, "encoder", 2, label
+  if isinstance(config, Mapping) and "model" in config or hasattr(config, "model"):
+    get = config.get if hasattr(config, "get") else lambda key, default: default
+    return model_config(config["model"]), get("head", "mlm"), get("num_labels", 2), label
+  return model_config(config), "encoder", 2, label
+
+
+def _init_ids(cfg: ModelConfig) -> jax.Array:
+  return jnp.ones((1, min(8, cfg.max_len)), jnp.int32)
+
+
+def _check_encoder(cfg: ModelConfig, head: str) -> None:
+  if cfg.num_decoder_layers or head == "translation":
+    raise AnalysisError("model: the analysis works on BERT encoders; this config is an "
+                        "encoder-decoder (translation) model")
+
+
+def from_config(config: Any, *, seed: int = 0, name: str | None = None) -> LoadedModel:
+  """A freshly initialised encoder (``jax.random.key(seed)``).
+
+  Args:
+    config: a preset (``"bert_tiny,alibi"``), a config file spec
+      (``"configs/pretrain.py:bert_tiny,alibi"``), a ConfigDict with ``model``,
+      or a :class:`ModelConfig`/dict of its fields.
+    seed: initialisation seed.
+    name: the config's name in ``source`` (default: the preset or file spec).
+  """
+  cfg, head, _, label = _resolve(config)
+  label = name or label
+  _check_encoder(cfg, head)
+  encoder = BertEncoder(cfg)
+  params = nn.unbox(jax.jit(encoder.init)(jax.random.key(seed), _init_ids(cfg))["params"])
+  return LoadedModel(cfg, encoder, {"params": params}, bundled_tokens(cfg.vocab_size),
+                     f"fresh:{label} (seed {seed})")
+
+
+def _manager(workdir: str):
+  import orbax.checkpoint as ocp  # noqa: PLC0415
+  directory = pathlib.Path(workdir).absolute() / "checkpoints"
+  if not directory.is_dir():
+    raise AnalysisError(f"workdir: {workdir} has no checkpoints/ folder (train.py writes "
+                        "<workdir>/checkpoints)")
+  return ocp.CheckpointManager(
+      directory, options=ocp.CheckpointManagerOptions(create=False),
+      item_names=("state", "data"),
+      item_handlers={"state": ocp.PyTreeCheckpointHandler(), "data": ocp.JsonCheckpointHandler()})
+
+
+def checkpoint_steps(workdir: str) -> list[int]:
+  """Steps saved under ``<workdir>/checkpoints``, oldest first."""
+  manager = _manager(workdir)
+  try:
+    return sorted(manager.all_steps())
+  finally:
+    manager.close()
+
+
+def _shapes(tree: Any) -> dict[str, tuple[int, ...]]:
+  return {"/".join(str(getattr(k, "key", k)) for k in path): tuple(leaf.shape)
+          for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def _compare(saved: dict[str, tuple], expected: dict[str, tuple]) -> str | None:
+  """One line naming what differs between the saved and the expected parameters, or None."""
+  missing = sorted(set(expected) - set(saved))
+  extra = sorted(set(saved) - set(expected))
+  shapes = [f"{k} {saved[k]} vs {expected[k]}" for k in sorted(set(saved) & set(expected))
+            if saved[k] != expected[k]]
+  problems = [f"{what}: {', '.join(items[:4])}{' ...' if len(items) > 4 else ''}"
+              for what, items in (("missing in the checkpoint", missing),
+                                  ("not in the config's model", extra),
+                                  ("shape (checkpoint vs model)", shapes)) if items]
+  return "; ".join(problems) or None
+
+
+def restore_params(workdir: str, abstract_params: Any, *, step: int | None = None
+                   ) -> tuple[int, Any]:
+  """``(step, params)``: the ``params`` of the ``state`` item of the newest checkpoint that
+  restores (or of ``step``), placed on the local device, shaped as ``abstract_params``.
+
+  Only the parameters are read (Orbax partial restore): no optimizer state,
+  whatever optimizer the run used. The saved parameter tree must be exactly
+  the model's (names and shapes), else :class:`AnalysisError` says what differs.
+  """
+  import orbax.checkpoint as ocp  # noqa: PLC0415
+  manager = _manager(workdir)
+  try:
+    steps = sorted(manager.all_steps())
+    if not steps:
+      raise AnalysisError(f"workdir: {workdir}/checkpoints holds no complete checkpoint")
+    if step is not None and step not in steps:
+      raise AnalysisError(f"step: {step} is not saved in {workdir}/checkpoints; saved: "
+                          f"{', '.join(map(str, steps))}")
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    target = {"params": jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), abstract_params)}
+    restore_args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=device), target)
+    errors = []
+    for candidate in [step] if step is not None else sorted(steps, reverse=True):
+      try:
+        metadata = manager.item_metadata(candidate)["state"]
+        saved = _shapes(getattr(metadata, "tree", metadata)["params"])
+        mismatch = _compare(saved, _shapes(abstract_params))
+        if mismatch:
+          raise AnalysisError(f"checkpoint step {candidate} does not hold the config's model "
+                              f"(is --config the run's?): {mismatch}")
+        restored = manager.restore(candidate, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+            item=target, restore_args=restore_args, partial_restore=True)))
+      except AnalysisError:
+        raise
+      except Exception as e:  # noqa: BLE001 - reported below, or an older step is tried
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        errors.append(f"step {candidate}: {first}")
+        logging.warning("checkpoint %s does not restore (%s)", candidate, first)
+        continue
+      return candidate, restored.state["params"]
+  finally:
+    manager.close()
+  raise AnalysisError(f"workdir: no checkpoint in {workdir}/checkpoints restores: "
+                      f"{'; '.join(errors)}")
+
+
+def from_checkpoint(workdir: str, config: Any, *, step: int | None = None) -> LoadedModel:
+  """The encoder of a train.py (or fine-tuning) checkpoint.
+
+  Args:
+    workdir: the run's ``--workdir``.
+    config: the run's config (``"configs/pretrain.py:bert_tiny,diet_abs_share"``, a
+      ConfigDict with ``model`` and ``head``, ...); the workdir does not store it.
+    step: a saved step; None takes the newest that restores.
+  """
+  from posenc_jax.models.build import abstract_params, build_model  # noqa: PLC0415
+  cfg, head, num_labels, _ = _resolve(config)
+  _check_encoder(cfg, head)
+  model = build_model(cfg, head, num_labels=num_labels)
+  step, params = restore_params(workdir, abstract_params(model), step=step)
+  if head != "encoder":
+    params = params["bert"]
+  return LoadedModel(cfg, BertEncoder(cfg), {"params": params}, bundled_tokens(cfg.vocab_size),
+                     f"checkpoint:{pathlib.Path(workdir).absolute()}@{step}", step)
+
+
+def from_hf(model_dir: str | os.PathLike | None = None) -> LoadedModel:
+  """A pretrained Hugging Face BERT folder (``config.json``, ``model.safetensors``,
+  ``vocab.txt``) via :func:`posenc_jax.convert.load_hf_bert`; None: the MiniLM package's."""
+  from posenc_jax.convert import load_hf_bert, package_model_dir, vocab_path  # noqa: PLC0415
+  model_dir = package_model_dir() if model_dir is None else pathlib.Path(model_dir)
+  cfg, variables, _ = load_hf_bert(model_dir)
+  return LoadedModel(cfg, BertEncoder(cfg), {"params": nn.unbox(variables["params"])},
+                     wordpiece_tokens(vocab_path(model_dir)), f"hf:{model_dir}")
+
+
+def load(*, config: Any = None, workdir: str | None = None, hf_dir: str | None = None,
+         seed: int = 0, step: int | None = None, name: str | None = None) -> LoadedModel:
+  """One of the three sources: ``hf_dir``; ``workdir`` with ``config``; or ``config`` alone
+  (fresh, named ``name`` in its ``source``)."""
+  if hf_dir is not None:
+    if workdir is not None or config is not None:
+      raise AnalysisError("hf_dir: give either a Hugging Face folder, or a config "
+                          "(with a workdir for a checkpoint), not both")
+    return from_hf(hf_dir)
+  if config is None:
+    raise AnalysisError("config: required (a preset or configs/<file>.py:<presets>), or give "
+                        "hf_dir")
+  if workdir is not None:
+    return from_checkpoint(workdir, config, step=step)
+  return from_config(config, seed=seed, name=name)

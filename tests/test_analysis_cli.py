@@ -1,0 +1,156 @@
+"""``python -m posenc_jax.analysis``: fresh bert_tiny models and a train.py-style checkpoint."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from matplotlib import image as mpimg
+
+from posenc_jax import params as params_tool
+from posenc_jax.analysis import TABLE2_COLUMNS, from_checkpoint, read_config
+from posenc_jax.analysis.__main__ import main
+from posenc_jax.models.build import build_model
+from posenc_jax.training.checkpoint import Checkpointer
+from posenc_jax.training.loop import TrainState
+from posenc_jax.training.optim import make_optimizer
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+RUN_CONFIG = "configs/pretrain.py:bert_tiny,diet_abs_share"
+FAST = ["--num_words=6", "--length=32", "--batch_size=6", "--rank_batch=2"]
+
+
+@pytest.fixture(autouse=True)
+def _repo_cwd(monkeypatch):
+  monkeypatch.chdir(ROOT)  # config paths are relative to the repository
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+  """A train.py checkpoint at step 5, written by train.py's own Checkpointer."""
+  path = tmp_path_factory.mktemp("run")
+  config = read_config(str(ROOT / RUN_CONFIG))
+  model = build_model(config.model, config.head)
+  variables = jax.jit(model.init)(jax.random.key(3), jnp.ones((1, 8), jnp.int32))
+  tx, _ = make_optimizer(config.optimizer, config.total_steps)
+  # As train.py's init_state: unboxed parameters, optimizer state beside them.
+  state = TrainState.create(apply_fn=model.apply, params=nn.unbox(variables["params"]), tx=tx)
+  checkpointer = Checkpointer(str(path), save_interval_steps=1, async_save=False)
+  checkpointer.save(5, state, {"step": 5}, force=True)
+  checkpointer.close()
+  return path, state.params
+
+
+def run(argv, capsys):
+  """``main`` in this process; returns (stdout lines, the JSON of the last line)."""
+  assert main(["analysis"] + argv) == 0
+  lines = capsys.readouterr().out.strip().splitlines()
+  return lines, json.loads(lines[-1])
+
+
+def assert_picture(path):
+  path = pathlib.Path(path)
+  assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  pixels = mpimg.imread(path)
+  assert pixels.shape[0] > 200 and pixels.shape[1] > 200
+  colours = np.unique(pixels.reshape(-1, pixels.shape[-1]).round(3), axis=0)
+  assert len(colours) > 50  # a heatmap with a colour bar, not a blank canvas
+  assert pixels[..., :3].std() > 0.05
+
+
+def test_checkpoint_restores_the_saved_parameters(workdir):
+  path, saved = workdir
+  model = from_checkpoint(str(path), RUN_CONFIG)
+  assert model.step == 5 and model.source.endswith("@5")
+  saved_leaves, saved_tree = jax.tree.flatten(saved["bert"])
+  loaded_leaves, loaded_tree = jax.tree.flatten(model.variables["params"])
+  assert saved_tree == loaded_tree
+  for a, b in zip(saved_leaves, loaded_leaves):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_plots_of_a_checkpoint(workdir, tmp_path, capsys):
+  path, _ = workdir
+  _, result = run(["plots", f"--config={RUN_CONFIG}", f"--workdir={path}",
+                   f"--out_dir={tmp_path}"] + FAST, capsys)
+  names = sorted(pathlib.Path(f).name for f in result["files"])
+  assert names == ["position_similarity.png", "positional_attention.png", "probing.png",
+                   "rank_histogram.png"]
+  assert result["model"]["step"] == 5 and result["skipped"] == {}
+  for f in result["files"]:
+    assert_picture(f)
+
+
+def test_indicators_table_and_json(tmp_path, capsys):
+  out = tmp_path / "indicators.json"
+  assert main(["analysis", "indicators", "--config=configs/model.py:bert_tiny,bert",
+               f"--out={out}"] + FAST) == 0
+  lines = capsys.readouterr().out.strip().splitlines()
+  result = json.loads(out.read_text())
+  assert result["paper_row"] == "BERT-style APE"
+  assert result["paper"]["direction_balance"] == 1.1940
+  assert result["probing"] == {"length": 32, "layer": 0, "num_words": 6,
+                               "special_positions": [0, 31]}
+  ours = next(i for i, line in enumerate(lines) if line.startswith("ours: "))
+  assert "bert_tiny,bert" in lines[ours] and lines[ours + 1].startswith("paper: BERT-style APE")
+  printed = [float(x) for x in lines[ours].split()[-6:]]
+  np.testing.assert_allclose(printed, [result["indicators"][c] for c in TABLE2_COLUMNS],
+                             atol=5e-5)
+  assert any(line.startswith("learnable sin. APE + learnable sin. RPE") for line in lines)
+
+
+def test_probe_writes_maps_and_per_head_json(tmp_path, capsys):
+  _, result = run(["probe", "--config=configs/model.py:bert_tiny,alibi", "--per_head",
+                   f"--out_dir={tmp_path}"] + FAST, capsys)
+  attention = np.asarray(result["probing"]["attention"])
+  assert attention.shape == (32, 32)
+  np.testing.assert_allclose(attention.sum(-1), 1.0, rtol=1e-4)
+  assert np.asarray(result["probing"]["per_head"]).shape == (2, 32, 32)
+  assert result["positional"]["kind"] == "term"
+  assert np.asarray(result["positional"]["values"]).shape == (2, 32, 32)
+  for f in result["files"]:
+    assert_picture(f)
+
+
+def test_rank_command_line_on_the_checkpoint(workdir, tmp_path):
+  path, _ = workdir
+  out = tmp_path / "rank.json"
+  proc = subprocess.run([sys.executable, "-m", "posenc_jax.analysis", "rank",
+                         f"--config={RUN_CONFIG}", f"--workdir={path}", f"--out={out}",
+                         f"--out_dir={tmp_path}"] + FAST, cwd=ROOT, capture_output=True,
+                        text=True, timeout=120)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  report = json.loads(out.read_text())["rank"]
+  assert report["head_dim"] == 64 and report["length"] == 32
+  assert np.asarray(report["logits"]["ranks"]).shape == (2, 2)
+  assert report["positional"]["kind"] == "term"
+  assert report["positional"]["ranks"] == [32, 32]  # DIET-ABS d_p = 128 >= L: full rank
+  assert_picture(tmp_path / "rank_histogram.png")
+
+
+def test_params_table(monkeypatch, capsys):
+  monkeypatch.setattr(params_tool, "DIET6", params_tool.DIET6[:1])  # one row keeps it quick
+  lines, result = run(["params", "--config=configs/model.py:bert_tiny,alibi"], capsys)
+  assert lines[0].startswith("DIET Table 6")
+  assert lines[2].startswith("Devlin et al. (input APE)") and lines[2].endswith("match")
+  assert result["diet_table6"][0]["english"]["ours_m"] == 110.1
+  expected = params_tool.model_counts(read_config("configs/model.py:bert_tiny,alibi"))["total"]
+  assert result["model"]["total"] == expected
+  assert f"{expected:,} parameters" in lines[-2]
+
+
+def test_errors_are_one_line(workdir, tmp_path):
+  path, _ = workdir
+  with pytest.raises(SystemExit, match="give one command"):
+    main(["analysis", "--config=configs/model.py:bert_tiny,bert"])
+  with pytest.raises(SystemExit, match="checkpoints"):
+    main(["analysis", "rank", f"--config={RUN_CONFIG}", f"--workdir={tmp_path}"])
+  with pytest.raises(SystemExit, match="does not hold the config's model.*position_embedding"):
+    main(["analysis", "rank", "--config=configs/pretrain.py:bert_tiny,bert", f"--workdir={path}"])
+  with pytest.raises(SystemExit, match="out_dir"):
+    main(["analysis", "plots", "--config=configs/model.py:bert_tiny,bert"])
