@@ -1,103 +1,141 @@
-"""Attention step time of every scheme, as ratios against no positional term.
+"""Each scheme's cost in a whole BERT, as ratios against the input-APE baseline of the same run.
 
-  python -m posenc_jax.bench [--batch 8 --length 128 --heads 8 --head_dim 64]
+  python -m posenc_jax.bench [--size tiny|small|base] [--length 128] [--batch 8]
+      [--schemes bert,diet_abs,diet_rel,...] [--dtype float32|bfloat16] [--json out.json]
 
-For each scheme it times a jitted forward + backward of one attention layer
-(scheme terms computed inside the step, as in training) by the reference
-and the fused route, and prints milliseconds and the ratio to the ``none``
-baseline, timed alternately with it in the same run so that load drifts
-cancel. Compilation is excluded.
+For every scheme preset (``posenc_jax.presets.SCHEMES``) it builds the
+masked-LM BERT of the given size, compiles a training step (forward,
+backward, AdamW update) and an inference forward pass, and times both after
+warm-up as the median of ``--repeats`` runs, each timed alternately with the
+baseline (``bert``: Devlin et al.'s input table) so that load drifts cancel.
+It prints milliseconds, the ratio to the baseline, tokens/s, peak device
+memory where the device reports it, and MFU (analytic FLOPs over the
+device's peak) on accelerators; ``--json`` writes the same rows.
+Compilation is excluded.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 
 import jax
 import jax.numpy as jnp
+import optax
 
-from posenc_jax.attention import attend
-from posenc_jax.schemes import build_scheme
+from posenc_jax.models import BertForMaskedLM, model_config
+from posenc_jax.presets import preset_config
+from posenc_jax.training.metrics import peak_flops, train_flops_per_step
+from posenc_jax.training.objectives import weighted_cross_entropy
 
-BENCH_SCHEMES = {
-    "none": {"name": "none"},
-    "learned_ape": {"name": "learned_ape"},
-    "shaw": {"name": "shaw"},
-    "t5": {"name": "t5"},
-    "diet_rel": {"name": "diet_rel"},
-    "diet_abs": {"name": "diet_abs"},
-    "diet_abs_share": {"name": "diet_abs", "sharing": "layer"},
-    "tupe_a": {"name": "tupe_a"},
-    "tupe_r": {"name": "tupe_r"},
-    "segment_per_head": {"name": "segment_per_head"},
-    "alibi": {"name": "alibi"},
-    "rope": {"name": "rope"},
-}
+SIZES = {"tiny": "bert_tiny", "small": "bert_small", "base": "bert_base"}
+DEFAULT_SCHEMES = ("bert", "shaw", "t5", "tupe_a", "tupe_r", "diet_rel", "diet_rel_share",
+                   "diet_abs", "diet_abs_share", "alibi", "rope")
+BASELINE = "bert"
 
 
-def compiled_step(config, route, *, batch, length, heads, head_dim):
-  """A compiled forward+backward step taking no arguments, or None if the route cannot run it."""
-  scheme = build_scheme(config, num_layers=1, num_heads=heads, head_dim=head_dim,
-                        d_model=heads * head_dim, max_len=length)
-  keys = jax.random.split(jax.random.key(0), 3)
-  q, k, v = (jax.random.normal(key, (batch, length, heads, head_dim)) for key in keys)
-  segments = (jnp.arange(length)[None] >= length // 2).astype(jnp.int32).repeat(batch, 0)
-  params = scheme.init(jax.random.key(1), length, segments)
-  mask = jnp.ones((batch, length), bool)
+def compiled_steps(size: str, scheme: str, *, batch: int, length: int, dtype: str):
+  """Zero-argument (train step, inference) callables of the compiled model, and its config."""
+  cfg = preset_config(f"{SIZES[size]},{scheme}").model
+  cfg = model_config(cfg, max_len=max(length, cfg.get("max_len", 512)), dtype=dtype,
+                     dropout_rate=0.0, attention_dropout_rate=0.0)
+  model = BertForMaskedLM(cfg)
+  key_ids, key_mask = jax.random.split(jax.random.key(0))
+  ids = jax.random.randint(key_ids, (batch, length), 6, cfg.vocab_size)
+  segments = jnp.zeros_like(ids)
+  mask = jnp.ones_like(ids)
+  weights = (jax.random.uniform(key_mask, (batch, length)) < 0.15).astype(jnp.float32)
+  params = jax.jit(model.init)(jax.random.key(1), ids, segments, mask)["params"]
+  tx = optax.adamw(1e-4)
+  opt_state = jax.jit(tx.init)(params)
 
-  def loss(params, q, k, v):
-    st = scheme.apply(params, length, segments)
-    out = attend(q, k, v, st.for_layer(0), mask=mask, scale=st.content_scale, route=route)
-    return jnp.mean(out ** 2)
+  def loss(p):
+    logits = model.apply({"params": p}, ids, segments, mask)
+    total, weight, _ = weighted_cross_entropy(logits, ids, weights)
+    return total / weight
 
-  step = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
-  try:
-    jax.block_until_ready(step(params, q, k, v))
-  except ValueError:
-    return None
-  return lambda: jax.block_until_ready(step(params, q, k, v))
+  @jax.jit
+  def train(p, s):
+    grads = jax.grad(loss)(p)
+    updates, s = tx.update(grads, s, p)
+    return optax.apply_updates(p, updates), s
+
+  infer = jax.jit(lambda p: model.apply({"params": p}, ids, segments, mask))
+  state = [params, opt_state]
+
+  def train_step():
+    state[0], state[1] = train(state[0], state[1])
+    jax.block_until_ready(state[0])
+
+  def infer_step():
+    jax.block_until_ready(infer(state[0]))
+
+  train_step()  # compile and warm up
+  infer_step()
+  return train_step, infer_step, cfg, sum(x.size for x in jax.tree.leaves(params))
 
 
-def _seconds(step):
+def _seconds(step) -> float:
   start = time.perf_counter()
   step()
   return time.perf_counter() - start
 
 
-def timed_against(step, baseline, repeats):
+def timed_against(step, baseline, repeats: int) -> tuple[float, float]:
   """Median seconds of ``step`` and of ``baseline``, timed alternately (so load drifts cancel)."""
   pairs = [(_seconds(step), _seconds(baseline)) for _ in range(repeats)]
   median = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
   return median([a for a, _ in pairs]), median([b for _, b in pairs])
 
 
+def peak_memory() -> int | None:
+  """Peak bytes in use on the first device, where the backend reports it (GPU, TPU)."""
+  stats = jax.devices()[0].memory_stats() or {}
+  return stats.get("peak_bytes_in_use")
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--batch", type=int, default=8)
+  parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
   parser.add_argument("--length", type=int, default=128)
-  parser.add_argument("--heads", type=int, default=8)
-  parser.add_argument("--head_dim", type=int, default=64)
+  parser.add_argument("--batch", type=int, default=8)
+  parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
   parser.add_argument("--repeats", type=int, default=10)
-  parser.add_argument("--schemes", default=",".join(BENCH_SCHEMES))
+  parser.add_argument("--schemes", default=",".join(DEFAULT_SCHEMES))
+  parser.add_argument("--json", default=None, help="also write the rows to this file")
   args = parser.parse_args(argv)
-  dims = dict(batch=args.batch, length=args.length, heads=args.heads, head_dim=args.head_dim)
-  print(f"device: {jax.devices()[0].device_kind}; B={args.batch} L={args.length} "
-        f"H={args.heads} D={args.head_dim}; one attention layer, forward+backward; "
-        f"median of {args.repeats}, each timed alternately with the baseline")
-  baseline = {route: compiled_step(BENCH_SCHEMES["none"], route, **dims)
-              for route in ("reference", "fused")}
-  print(f"{'scheme':<18}{'reference ms':>14}{'x none':>8}{'fused ms':>10}{'x none':>8}")
-  for name in args.schemes.split(","):
-    row = f"{name:<18}"
-    for route, width in (("reference", 14), ("fused", 10)):
-      step = compiled_step(BENCH_SCHEMES[name], route, **dims)
-      if step is None:
-        row += f"{'n/a':>{width}}{'':>8}"
-        continue
-      seconds, base = timed_against(step, baseline[route], args.repeats)
-      row += f"{seconds * 1e3:>{width}.2f}{seconds / base:>8.2f}"
-    print(row, flush=True)
+  dims = dict(batch=args.batch, length=args.length, dtype=args.dtype)
+  tokens = args.batch * args.length
+  peak = peak_flops()
+  print(f"device: {jax.devices()[0].device_kind}; BERT-{args.size}, B={args.batch} "
+        f"L={args.length} {args.dtype}; median of {args.repeats}, each timed alternately with "
+        f"the '{BASELINE}' baseline (input APE); train = fwd+bwd+AdamW, infer = fwd")
+  base_train, base_infer, _, _ = compiled_steps(args.size, BASELINE, **dims)
+  print(f"{'scheme':<16}{'train ms':>10}{'x bert':>8}{'infer ms':>10}{'x bert':>8}"
+        f"{'tokens/s':>11}{'peak MB':>9}{'MFU':>7}")
+  rows = []
+  for scheme in args.schemes.split(","):
+    train, infer, cfg, num_params = compiled_steps(args.size, scheme, **dims)
+    train_s, train_base = timed_against(train, base_train, args.repeats)
+    infer_s, infer_base = timed_against(infer, base_infer, args.repeats)
+    flops = train_flops_per_step(num_params, tokens, cfg.num_layers, args.length, cfg.d_model)
+    memory = peak_memory()
+    row = {"scheme": scheme, "train_ms": 1e3 * train_s, "train_ratio": train_s / train_base,
+           "infer_ms": 1e3 * infer_s, "infer_ratio": infer_s / infer_base,
+           "tokens_per_s": tokens / train_s, "peak_bytes": memory,
+           "mfu": flops / train_s / peak if peak else None}
+    rows.append(row)
+    mem = f"{memory / 2**20:>9.0f}" if memory else f"{'n/a':>9}"
+    mfu = f"{row['mfu']:>7.1%}" if row["mfu"] is not None else f"{'n/a':>7}"
+    print(f"{scheme:<16}{row['train_ms']:>10.2f}{row['train_ratio']:>8.2f}"
+          f"{row['infer_ms']:>10.2f}{row['infer_ratio']:>8.2f}{row['tokens_per_s']:>11.0f}"
+          f"{mem}{mfu}", flush=True)
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump({"device": jax.devices()[0].device_kind, "size": args.size, **dims,
+                 "rows": rows}, f, indent=2)
+  return rows
 
 
 if __name__ == "__main__":

@@ -1,9 +1,12 @@
 """The README's snippets run as written; the core import stays free of TensorFlow."""
 
+import json
 import pathlib
 import re
 import subprocess
 import sys
+
+import pytest
 
 README = pathlib.Path(__file__).parent.parent / "README.md"
 
@@ -32,10 +35,14 @@ def test_import_does_not_load_tensorflow():
   assert out.stdout.strip() == "False"
 
 
-def test_bench_runs_and_prints_ratios():
-  out = subprocess.run([sys.executable, "-m", "posenc_jax.bench", "--batch", "1", "--length", "16",
-                        "--heads", "2", "--head_dim", "8", "--repeats", "1",
-                        "--schemes", "diet_abs,shaw"], capture_output=True, text=True, check=True)
+def test_bench_runs_and_prints_ratios(tmp_path):
+  out = subprocess.run([sys.executable, "-m", "posenc_jax.bench", "--size", "tiny", "--batch", "2",
+                        "--length", "16", "--repeats", "1", "--schemes", "diet_abs,shaw",
+                        "--json", str(tmp_path / "bench.json")],
+                       capture_output=True, text=True, check=True)
   rows = {line.split()[0]: line.split()[1:] for line in out.stdout.splitlines()[2:]}
   assert set(rows) == {"diet_abs", "shaw"}
-  assert all(float(x) > 0 for x in rows["diet_abs"])
+  assert all(float(x) > 0 for x in rows["diet_abs"][:5])
+  saved = json.loads((tmp_path / "bench.json").read_text())
+  assert [r["scheme"] for r in saved["rows"]] == ["diet_abs", "shaw"]
+  assert saved["rows"][0]["train_ratio"] == pytest.approx(float(rows["diet_abs"][1]), abs=0.01)
