@@ -5,9 +5,7 @@ without metadata files. Its ``DatasetInfo`` has no split sizes, which seqio asks
 decide on in-memory caching, so ``mock_tfds`` also reports the size as unknown.
 """
 
-import contextlib
 import importlib
-from unittest import mock
 
 import numpy as np
 import pytest
@@ -18,18 +16,15 @@ tfds = pytest.importorskip("tensorflow_datasets")
 
 from posenc_jax.data import glue, metrics  # noqa: E402
 from posenc_jax.data import vocab as vocab_lib  # noqa: E402
+from tests import tfds_mock  # noqa: E402
 from posenc_jax.data.wordpiece import WordPieceVocabulary  # noqa: E402
 
 NUM_EXAMPLES = 4
 SHORT, LONG = 12, 64          # SHORT truncates the mock texts (~20 chars), LONG does not
 
 
-@contextlib.contextmanager
 def mock_tfds(num_examples=NUM_EXAMPLES, as_dataset_fn=None):
-  with tfds.testing.mock_data(num_examples=num_examples, as_dataset_fn=as_dataset_fn,
-                              policy=tfds.testing.MockPolicy.USE_CODE), \
-       mock.patch.object(seqio.TfdsDataSource, "num_input_examples", return_value=None):
-    yield
+  return tfds_mock.mock_tfds(num_examples, as_dataset_fn)
 
 
 def bert_truncate(a, b, budget):

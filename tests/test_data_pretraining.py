@@ -2,9 +2,7 @@
 (``MockPolicy.USE_CODE``: offline, no metadata files; seqio's split-size lookup, only used
 for in-memory caching, is reported as unknown)."""
 
-import contextlib
 import importlib
-from unittest import mock
 
 import numpy as np
 import pytest
@@ -15,6 +13,7 @@ tfds = pytest.importorskip("tensorflow_datasets")
 
 from posenc_jax.data import pretraining  # noqa: E402
 from posenc_jax.data import vocab as vocab_lib  # noqa: E402
+from tests import tfds_mock  # noqa: E402
 from posenc_jax.data.preprocessors import MLM_FEATURES, mlm_dataset  # noqa: E402
 
 NUM_EXAMPLES = 3
@@ -27,12 +26,8 @@ WIKI40B_PARAGRAPHS = ["The dog is a domesticated descendant of the wolf.", "It i
                       "Dogs were the first species domesticated.", "A third paragraph."]
 
 
-@contextlib.contextmanager
 def mock_tfds(num_examples=NUM_EXAMPLES, as_dataset_fn=None):
-  with tfds.testing.mock_data(num_examples=num_examples, as_dataset_fn=as_dataset_fn,
-                              policy=tfds.testing.MockPolicy.USE_CODE), \
-       mock.patch.object(seqio.TfdsDataSource, "num_input_examples", return_value=None):
-    yield
+  return tfds_mock.mock_tfds(num_examples, as_dataset_fn)
 
 
 def fake_wiki40b(builder, split, *args, **kwargs):

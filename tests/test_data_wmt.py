@@ -2,9 +2,7 @@
 no metadata files; seqio's split-size lookup, only used for in-memory caching, is reported
 as unknown)."""
 
-import contextlib
 import importlib
-from unittest import mock
 
 import numpy as np
 import pytest
@@ -16,17 +14,15 @@ sacrebleu = pytest.importorskip("sacrebleu")
 
 from posenc_jax.data import metrics, wmt  # noqa: E402
 from posenc_jax.data import vocab as vocab_lib  # noqa: E402
+from tests import tfds_mock  # noqa: E402
 from posenc_jax.data.wordpiece import WordPieceVocabulary  # noqa: E402
 
 NAMES = ("wmt18_en_de", "wmt18_de_en", "wmt18_en_cs", "wmt18_cs_en")
 NUM_EXAMPLES = 4
 
 
-@contextlib.contextmanager
 def mock_tfds(num_examples=NUM_EXAMPLES):
-  with tfds.testing.mock_data(num_examples=num_examples, policy=tfds.testing.MockPolicy.USE_CODE), \
-       mock.patch.object(seqio.TfdsDataSource, "num_input_examples", return_value=None):
-    yield
+  return tfds_mock.mock_tfds(num_examples)
 
 
 @pytest.mark.parametrize("name", NAMES)
