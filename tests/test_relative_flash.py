@@ -1,118 +1,147 @@
-"""Pallas relative-bias flash attention (interpret mode) against the materialised reference."""
+"""Pallas Toeplitz-bias flash attention (interpret mode) against the materialised reference."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import export
 
 from posenc_jax.attention import attend
-from posenc_jax.kernels import alibi_coef, diet_rel_index, relative_flash_attention, t5_index
+from posenc_jax.kernels import offsets, relative_flash_attention
 from posenc_jax.schemes.alibi import alibi_slopes
-from posenc_jax.schemes.t5 import t5_bias
+from posenc_jax.schemes.t5 import relative_position_bucket
 from posenc_jax.terms import Bias, relative_offsets
 
 H, D = 2, 8
 TOL = 1e-4
 
 
-def _inputs(b, lq, lk, r, seed=0):
-  ks = jax.random.split(jax.random.PRNGKey(seed), 5)
-  q = jax.random.normal(ks[0], (b, lq, H, D))
-  k = jax.random.normal(ks[1], (b, lk, H, D))
-  v = jax.random.normal(ks[2], (b, lk, H, D))
-  table = jax.random.normal(ks[3], (H, r))
-  cot = jax.random.normal(ks[4], (b, lq, H, D))
-  return q, k, v, table, cot
+def _inputs(b, lq, lk, seed=0, d=D):
+  ks = jax.random.split(jax.random.PRNGKey(seed), 4)
+  q = jax.random.normal(ks[0], (b, lq, H, d))
+  k = jax.random.normal(ks[1], (b, lk, H, d))
+  v = jax.random.normal(ks[2], (b, lk, H, d))
+  cot = jax.random.normal(ks[3], (b, lq, H, d))
+  return q, k, v, cot
 
 
-def _diet_bias(table, lq, lk, clip):  # as posenc_jax.schemes.diet.DietRel
-  index = jnp.clip(-relative_offsets(lq, lk), -clip, clip) + clip
-  return jnp.take(table, index, axis=-1)
+# Offset-bias vectors from a table (what posenc_jax.terms.Toeplitz.offset_values computes),
+# and the same bias materialised independently from the [Lq, Lk] offsets.
+def _diet(table, rel, clip):
+  return jnp.take(table, jnp.clip(-rel, -clip, clip) + clip, axis=-1)
 
 
-def _alibi_bias(slopes, lq, lk, causal):  # as posenc_jax.schemes.alibi.Alibi
-  dist = -relative_offsets(lq, lk)
-  dist = jnp.maximum(dist, 0) if causal else jnp.abs(dist)
-  return -slopes.reshape(-1)[:, None, None] * dist.astype(jnp.float32)
+def _t5(table, rel, bidirectional):
+  return jnp.take(table, relative_position_bucket(rel, bidirectional=bidirectional,
+                                                  num_buckets=table.shape[-1], max_distance=16),
+                  axis=-1)
 
 
-def _check(q, k, v, table, cot, bias_of_table, *, mask=None, causal=False, **kw):
-  """Values and (q, k, v, table) gradients of the kernel vs attend(route='reference')."""
+def _alibi(slopes, rel, causal):
+  dist = jnp.maximum(-rel, 0) if causal else jnp.abs(rel)
+  return -slopes.reshape((-1,) + (1,) * rel.ndim) * dist.astype(jnp.float32)
 
-  def kernel(q, k, v, table):
-    return relative_flash_attention(q, k, v, table, mask=mask, causal=causal, block_q=16,
-                                    block_k=16, **kw)
 
-  def reference(q, k, v, table):
-    return attend(q, k, v, (Bias(bias_of_table(table)),), mask=mask, causal=causal,
+def _check(q, k, v, cot, param, bias_fn, *, zero_first=False, **kw):
+  """Values and (q, k, v, param) gradients of the kernel vs attend(route='reference')."""
+  lq, lk = q.shape[1], k.shape[1]
+
+  def kernel(q, k, v, param):
+    return relative_flash_attention(q, k, v, bias_fn(param, offsets(lq, lk)),
+                                    zero_first=zero_first, block_q=16, block_k=16, **kw)
+
+  def reference(q, k, v, param):
+    bias = bias_fn(param, relative_offsets(lq, lk))
+    if zero_first:
+      keep = (jnp.arange(lq) != 0)[:, None] & (jnp.arange(lk) != 0)[None, :]
+      bias = bias * keep
+    mask = kw.get("mask")
+    if "q_segment_ids" in kw:
+      same = kw["q_segment_ids"][:, :, None] == kw["kv_segment_ids"][:, None, :]
+      mask = same if mask is None else same & mask[:, None, :]
+      mask = mask[:, None]
+    return attend(q, k, v, (Bias(bias),), mask=mask, causal=kw.get("causal", False),
                   route="reference")
 
-  np.testing.assert_allclose(kernel(q, k, v, table), reference(q, k, v, table), atol=TOL,
+  np.testing.assert_allclose(kernel(q, k, v, param), reference(q, k, v, param), atol=TOL,
                              rtol=TOL)
-  grads = [jax.grad(lambda *a, f=f: jnp.sum(f(*a) * cot), argnums=(0, 1, 2, 3))(q, k, v, table)
+  grads = [jax.grad(lambda *a, f=f: jnp.sum(f(*a) * cot), argnums=(0, 1, 2, 3))(q, k, v, param)
            for f in (kernel, reference)]
-  for name, got, want in zip("q k v table".split(), *grads):
+  for name, got, want in zip("q k v param".split(), *grads):
     np.testing.assert_allclose(got, want, atol=TOL, rtol=TOL, err_msg=f"d{name}")
 
 
 @pytest.mark.parametrize("clip", [5, 40])  # clip < L and clip >= L
 def test_diet_rel_odd_length(clip):
-  q, k, v, table, cot = _inputs(1, 37, 37, 2 * clip + 1)
-  _check(q, k, v, table, cot, lambda t: _diet_bias(t, 37, 37, clip),
-         bias_index_fn=diet_rel_index(clip))
+  q, k, v, cot = _inputs(1, 37, 37)
+  table = jax.random.normal(jax.random.PRNGKey(7), (H, 2 * clip + 1))
+  _check(q, k, v, cot, table, lambda t, rel: _diet(t, rel, clip))
 
 
-def test_t5_bidirectional_buckets():
+def test_t5_bidirectional_buckets_with_cls_reset():
   # 8 buckets, max_distance 16: exact, log-binned and saturated offsets all occur at L = 37.
-  q, k, v, table, cot = _inputs(1, 37, 37, 8)
-  _check(q, k, v, table, cot,
-         lambda t: t5_bias(t, 37, 37, bidirectional=True, max_distance=16),
-         bias_index_fn=t5_index(8, 16, bidirectional=True))
+  q, k, v, cot = _inputs(1, 37, 37)
+  table = jax.random.normal(jax.random.PRNGKey(7), (H, 8))
+  _check(q, k, v, cot, table, lambda t, rel: _t5(t, rel, True), zero_first=True)
 
 
-def test_alibi_linear():
-  q, k, v, _, cot = _inputs(1, 37, 37, 1)
-  slopes = alibi_slopes(H)
-  _check(q, k, v, slopes, cot, lambda s: _alibi_bias(s, 37, 37, False), mode="linear")
+def test_alibi_slopes_gradient():
+  q, k, v, cot = _inputs(1, 37, 37)
+  _check(q, k, v, cot, alibi_slopes(H), lambda s, rel: _alibi(s, rel, False))
 
 
 def test_padding_mask_batch():
-  q, k, v, table, cot = _inputs(2, 37, 37, 11)
+  q, k, v, cot = _inputs(2, 37, 37)
+  table = jax.random.normal(jax.random.PRNGKey(7), (H, 11))
   mask = jnp.arange(37)[None, :] < jnp.array([[37], [20]])
-  _check(q, k, v, table, cot, lambda t: _diet_bias(t, 37, 37, 5), mask=mask,
-         bias_index_fn=diet_rel_index(5))
+  _check(q, k, v, cot, table, lambda t, rel: _diet(t, rel, 5), mask=mask)
+
+
+def test_segment_ids_packed_sequences():
+  q, k, v, cot = _inputs(2, 40, 40)
+  table = jax.random.normal(jax.random.PRNGKey(7), (H, 11))
+  segments = jnp.stack([jnp.repeat(jnp.arange(4), 10), (jnp.arange(40) >= 23).astype(int)])
+  mask = jnp.arange(40)[None, :] < jnp.array([[36], [40]])
+  _check(q, k, v, cot, table, lambda t, rel: _diet(t, rel, 5), q_segment_ids=segments,
+         kv_segment_ids=segments, mask=mask)
 
 
 def test_causal_t5_unidirectional_with_mask():
-  q, k, v, table, cot = _inputs(2, 37, 37, 8)
+  q, k, v, cot = _inputs(2, 37, 37)
+  table = jax.random.normal(jax.random.PRNGKey(7), (H, 8))
   # Right padding: every query row keeps key 0, so no row is fully masked.
   mask = jnp.arange(37)[None, :] < jnp.array([[37], [25]])
-  _check(q, k, v, table, cot,
-         lambda t: t5_bias(t, 37, 37, bidirectional=False, max_distance=16), mask=mask,
-         causal=True, bias_index_fn=t5_index(8, 16, bidirectional=False))
+  _check(q, k, v, cot, table, lambda t, rel: _t5(t, rel, False), mask=mask, causal=True)
 
 
 def test_causal_alibi():
-  q, k, v, _, cot = _inputs(1, 40, 40, 1)
-  slopes = alibi_slopes(H)
-  _check(q, k, v, slopes[:, None], cot, lambda s: _alibi_bias(s, 40, 40, True), causal=True,
-         mode="linear", bias_index_fn=alibi_coef(causal=True))
+  q, k, v, cot = _inputs(1, 40, 40)
+  _check(q, k, v, cot, alibi_slopes(H), lambda s, rel: _alibi(s, rel, True), causal=True)
 
 
 def test_cross_lengths_and_shared_table():
   # Lq != Lk, and one table shared by the heads (its gradient sums over heads).
-  q, _, _, _, cot = _inputs(1, 19, 19, 1)
-  _, k, v, table, _ = _inputs(1, 37, 37, 7, seed=1)
-  _check(q, k, v, table[:1], cot, lambda t: _diet_bias(jnp.broadcast_to(t, (H, 7)), 19, 37, 3),
-         bias_index_fn=diet_rel_index(3))
+  q, _, _, cot = _inputs(1, 19, 19)
+  _, k, v, _ = _inputs(1, 37, 37, seed=1)
+  table = jax.random.normal(jax.random.PRNGKey(7), (1, 7))
+  _check(q, k, v, cot, table, lambda t, rel: _diet(t, rel, 3))
+
+
+def test_no_bias_is_plain_attention():
+  q, k, v, cot = _inputs(2, 33, 33)
+  mask = jnp.arange(33)[None, :] < jnp.array([[33], [17]])
+  got = relative_flash_attention(q, k, v, mask=mask, block_q=16, block_k=16)
+  want = attend(q, k, v, mask=mask, route="reference")
+  np.testing.assert_allclose(got, want, atol=TOL, rtol=TOL)
 
 
 def test_jit_and_no_quadratic_tensor():
-  q, k, v, table, cot = _inputs(1, 37, 37, 11)
-  fn = diet_rel_index(5)
+  q, k, v, cot = _inputs(1, 37, 37)
+  table = jax.random.normal(jax.random.PRNGKey(7), (H, 11))
 
   def loss(q, k, v, table):
-    out = relative_flash_attention(q, k, v, table, bias_index_fn=fn, block_q=16, block_k=16)
+    ob = _diet(table, offsets(37, 37), 5)
+    out = relative_flash_attention(q, k, v, ob, block_q=16, block_k=16)
     return jnp.sum(out * cot)
 
   grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
@@ -123,18 +152,41 @@ def test_jit_and_no_quadratic_tensor():
 
 
 def test_fully_masked_rows_are_zero():
-  q, k, v, table, _ = _inputs(1, 20, 20, 11)
-  mask = jnp.zeros((1, 20), bool)
-  out = relative_flash_attention(q, k, v, table, bias_index_fn=diet_rel_index(5), mask=mask,
-                                 block_q=16, block_k=16)
+  q, k, v, _ = _inputs(1, 20, 20)
+  ob = jnp.ones((H, 39))
+  out = relative_flash_attention(q, k, v, ob, mask=jnp.zeros((1, 20), bool), block_q=16,
+                                 block_k=16)
   np.testing.assert_array_equal(out, 0.0)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_lowers_for_gpu_triton(causal):
+  """Forward and backward lower through Pallas' Triton backend (no GPU needed to lower)."""
+  q, k, v, _ = _inputs(2, 200, 200, d=64)
+  table = jnp.zeros((H, 32))
+
+  def loss(q, k, v, table):
+    ob = _t5(table, offsets(200, 200), bidirectional=not causal)
+    out = relative_flash_attention(q, k, v, ob, mask=jnp.ones((2, 200), bool), causal=causal,
+                                   zero_first=True, interpret=False)
+    return jnp.sum(out.astype(jnp.float32))
+
+  shapes = [jax.ShapeDtypeStruct(x.shape, jnp.bfloat16) for x in (q, k, v)]
+  shapes.append(jax.ShapeDtypeStruct(table.shape, jnp.float32))
+  exported = export.export(
+      jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3))), platforms=["cuda"],
+      disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*shapes)
+  text = exported.mlir_module()
+  assert text.count("__gpu$xla.gpu.triton") == 3  # forward, dq (+ bias), dk/dv
+
+
 def test_argument_errors():
-  q, k, v, table, _ = _inputs(1, 8, 8, 3)
-  with pytest.raises(ValueError, match="bias_index_fn"):
-    relative_flash_attention(q, k, v, table)
-  with pytest.raises(ValueError, match="linear"):
-    relative_flash_attention(q, k, v, table, mode="linear")
-  with pytest.raises(ValueError, match="table"):
-    relative_flash_attention(q, k, v, jnp.ones((3, 3)), bias_index_fn=diet_rel_index(1))
+  q, k, v, _ = _inputs(1, 8, 8)
+  with pytest.raises(ValueError, match="offset_bias"):
+    relative_flash_attention(q, k, v, jnp.ones((H, 8)))
+  with pytest.raises(ValueError, match="block_q"):
+    relative_flash_attention(q, k, v, block_q=24)
+  with pytest.raises(ValueError, match="mask"):
+    relative_flash_attention(q, k, v, mask=jnp.ones((1, 7), bool))
+  with pytest.raises(ValueError, match="segment_ids"):
+    relative_flash_attention(q, k, v, q_segment_ids=jnp.zeros((1, 8), int))

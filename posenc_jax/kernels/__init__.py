@@ -1,6 +1,5 @@
 """Pallas kernels for positional-encoding attention."""
 
-from posenc_jax.kernels.relative_flash import (alibi_coef, diet_rel_index, relative_flash_attention,
-                                               t5_index)
+from posenc_jax.kernels.relative_flash import offsets, relative_flash_attention
 
-__all__ = ["alibi_coef", "diet_rel_index", "relative_flash_attention", "t5_index"]
+__all__ = ["offsets", "relative_flash_attention"]

@@ -1,58 +1,43 @@
-"""Flash attention that builds Toeplitz relative biases inside the kernel.
+"""Flash attention that builds Toeplitz (relative) biases inside the kernel.
 
 A relative-position bias depends on the query/key positions only through the
 offset ``rel = j - i`` (key minus query position, as
-:func:`posenc_jax.terms.relative_offsets`) and on a small per-head table
-``table[h, r]``. :func:`relative_flash_attention` computes
+:func:`posenc_jax.terms.relative_offsets`). For ``Lq`` queries and ``Lk`` keys
+there are ``Lq + Lk - 1`` offsets, so the whole bias of a head is one vector
 
-    out[b, i, h] = sum_j softmax_j(scale * q_i . k_j + bias_h(j - i)) v_j
+    offset_bias[h, o],   o = rel + Lq - 1 in [0, Lq + Lk - 1)
+
+(:func:`offsets` lists the ``rel`` of each ``o``). A scheme turns its small
+table into that vector outside the kernel (DIET-REL: a clipped gather, T5: a
+bucket gather, ALiBi: slope times distance; see
+:meth:`posenc_jax.terms.Toeplitz.offset_values`), which costs ``O(H L)``, and
+:func:`relative_flash_attention` computes
+
+    out[b, i, h] = sum_j softmax_j(scale * q_i . k_j + offset_bias[h, j - i + Lq - 1]) v_j
 
 with an online (flash) softmax blocked over queries and keys. Each
-``[block_q, block_k]`` bias tile is rebuilt inside the kernel from the iota of
-``i`` and ``j`` and the ``[H, R]`` table, so neither ``[B, H, L, L]`` nor
-``[H, L, L]`` is ever materialised, in the forward or the backward pass.
+``[block_q, block_k]`` bias tile is gathered inside the kernel from the
+vector, so no ``[B, H, L, L]`` or ``[H, L, L]`` array is ever materialised,
+in the forward or the backward pass. The backward pass returns the vector's
+gradient: each logit-cotangent tile is summed along its diagonals (a skewed
+gather over the tile, ``O(block_q (block_q + block_k))`` per tile) into the
+offsets it covers; JAX then carries that gradient back through the scheme's
+gather to its table.
 
-Two modes:
+Masking: ``q_segment_ids [B, Lq]`` and ``kv_segment_ids [B, Lk]`` (packed
+sequences: a query sees only keys of its own segment), a ``mask [B, Lk]`` of
+keys (True = attend), and ``causal`` (``j > i`` masked, top-left aligned as
+:func:`posenc_jax.attention.attend`). ``zero_first`` zeroes the bias in row 0
+and column 0 (TUPE-R's [CLS] reset). A query row whose keys are *all* masked
+returns zeros (the materialised reference averages every value uniformly
+there instead).
 
-* ``mode="gather"`` (default): ``bias_h(rel) = table[h, index_fn(rel)]`` with
-  an int32 ``index_fn`` in ``[0, R)``. The gather is a one-hot contraction
-  ``[bq, bk, R] x [R]``, and ``d table`` is the matching one-hot reduction of
-  the logit cotangents (``[bq, bk] x [bq, bk, R] -> [R]``).
-* ``mode="linear"``: ``bias_h(rel) = table[h, 0] * coef_fn(rel)`` with a float
-  ``coef_fn``; ``table`` is ``[H]`` or ``[H, 1]``.
-
-How the schemes of :mod:`posenc_jax.schemes` map on it (index functions are
-provided here):
-
-* DIET-REL (clip ``t``): ``table`` = the layer's ``relative_bias``
-  ``[H, 2t + 1]``, ``bias_index_fn=diet_rel_index(t)``, i.e.
-  ``clip(i - j, -t, t) + t`` (``T[h,i,j] = R_h[clip(i - j, -t, t)]``).
-* T5 (``n`` buckets, ``max_distance``): ``table`` = the layer's
-  ``relative_bias`` ``[H, n]``, ``bias_index_fn=t5_index(n, max_distance,
-  bidirectional)``, i.e. :func:`~posenc_jax.schemes.t5.relative_position_bucket`
-  of ``j - i``.
-* ALiBi: ``table`` = :func:`~posenc_jax.schemes.alibi.alibi_slopes` ``[H]``,
-  ``mode="linear"``, ``bias_index_fn=alibi_coef(causal)`` (the default in
-  linear mode): ``-m_h |i - j|``, causal form ``-m_h max(i - j, 0)``.
-
-A table with a leading head axis of 1 (head sharing) is broadcast; its
-gradient is summed over heads by JAX.
-
-Masking: ``mask`` is a ``[B, Lk]`` padding mask (True = attend); ``causal``
-masks ``j > i`` (top-left aligned, as :func:`posenc_jax.attention._reference`).
-Sequences of any length are padded internally to block multiples and the
-padding is masked. A query row whose keys are *all* masked returns zeros
-(the materialised reference instead averages every value uniformly).
-
-Backward: ``jax.custom_vjp``; the forward stores the per-row logsumexp and the
-backward recomputes the probabilities blockwise (one kernel for ``dq`` and the
-per-query-block ``d table`` partials, one for ``dk``/``dv``).
-
-Pallas on CPU runs only in interpret mode; ``interpret=None`` picks it when the
-default backend is CPU. Status: correct (tested in interpret mode against the
-materialised reference), not yet tuned or lowered for GPU (Triton) or TPU
-(Mosaic): the one-hot gather costs ``bq * bk * R`` work per tile, and the
-index functions use integer/float ops that Mosaic may not lower as is.
+Lowering: GPU through Pallas' Triton backend (every in-kernel array has a
+power-of-two size: block sizes are powers of two, the head dim and the offset
+vector are zero-padded to powers of two); CPU in interpret mode
+(``interpret=None`` picks it on the CPU backend). TPU (Mosaic) is not
+supported: Mosaic has no in-kernel gather, so on TPU
+:func:`posenc_jax.attend` materialises the bias instead.
 """
 
 from __future__ import annotations
@@ -60,307 +45,286 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Callable, Literal
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-
-from posenc_jax.schemes.t5 import relative_position_bucket
+from jax.experimental.pallas import triton as plt
 
 Array = jax.Array
 
 _NEG = -1e30  # finite "minus infinity" for masked logits (avoids inf - inf)
+_Q_PAD, _K_PAD = -2, -1  # segment ids of padded query rows / masked keys: never equal
 
 
-# ---------------------------------------------------------------------------
-# Index / coefficient functions of ``rel = j - i`` (int32 arrays of any shape).
+def offsets(q_len: int, k_len: int) -> Array:
+  """``[Lq + Lk - 1]`` int32 offsets ``rel = j - i``, from ``-(Lq - 1)`` to ``Lk - 1``."""
+  return jnp.arange(-(q_len - 1), k_len, dtype=jnp.int32)
 
 
-def diet_rel_index(clip: int) -> Callable[[Array], Array]:
-  """DIET-REL: ``clip(i - j, -t, t) + t`` in ``[0, 2t + 1)``."""
-
-  def index(rel):
-    return jnp.clip(-rel, -clip, clip) + clip
-
-  return index
+def _next_pow2(x: int) -> int:
+  return 1 << max(0, (x - 1).bit_length())
 
 
-def t5_index(num_buckets: int = 32, max_distance: int = 128,
-             bidirectional: bool = True) -> Callable[[Array], Array]:
-  """T5: :func:`posenc_jax.schemes.t5.relative_position_bucket` of ``j - i``."""
-
-  def index(rel):
-    return relative_position_bucket(rel, bidirectional=bidirectional, num_buckets=num_buckets,
-                                    max_distance=max_distance)
-
-  return index
-
-
-def alibi_coef(causal: bool = False) -> Callable[[Array], Array]:
-  """ALiBi (mode ``linear``, table = slopes): ``-|i - j|`` (causal: ``-max(i - j, 0)``)."""
-
-  def coef(rel):
-    dist = jnp.maximum(-rel, 0) if causal else jnp.abs(rel)
-    return -dist.astype(jnp.float32)
-
-  return coef
-
-
-# ---------------------------------------------------------------------------
-# Static configuration.
+def _round_up(x: int, m: int) -> int:
+  return -(-x // m) * m
 
 
 @dataclasses.dataclass(frozen=True)
 class _Config:
-  bias_fn: Callable[[Array], Array]
-  mode: str
-  num_entries: int  # R
+  """Static kernel settings; lengths are the padded ones unless named otherwise."""
+
+  has_bias: bool
+  zero_first: bool
   causal: bool
   scale: float
   block_q: int
   block_k: int
-  q_len: int  # unpadded lengths
-  k_len: int
+  q_len: int  # Lq_p
+  k_len: int  # Lk_p
   interpret: bool
 
-
-def _bias_tile(cfg: _Config, table_row: Array, rel: Array) -> Array:
-  """``[bq, bk]`` float32 bias from ``rel`` ``[bq, bk]`` and ``table_row`` ``[R]``."""
-  if cfg.mode == "linear":
-    return table_row[0] * cfg.bias_fn(rel).astype(jnp.float32)
-  onehot = _onehot(cfg, rel)
-  return jnp.sum(onehot * table_row[None, None, :], axis=-1)
+  @property
+  def compiler_params(self):
+    return None if self.interpret else plt.CompilerParams(num_warps=4, num_stages=2)
 
 
-def _onehot(cfg: _Config, rel: Array) -> Array:
-  idx = cfg.bias_fn(rel).astype(jnp.int32)
-  entries = lax.broadcasted_iota(jnp.int32, rel.shape + (cfg.num_entries,), 2)
-  return (idx[:, :, None] == entries).astype(jnp.float32)
+def _barrier(cfg: _Config) -> None:
+  """Synchronises the threads of a Triton program (no-op in interpret mode)."""
+  if not cfg.interpret:
+    plt.debug_barrier()
 
 
-def _table_grad_tile(cfg: _Config, ds: Array, rel: Array) -> Array:
-  """``[R]`` contribution of the logit cotangents ``ds`` ``[bq, bk]``."""
-  if cfg.mode == "linear":
-    return jnp.sum(ds * cfg.bias_fn(rel).astype(jnp.float32)).reshape(1)
-  return jnp.sum(_onehot(cfg, rel) * ds[:, :, None], axis=(0, 1))
-
-
-def _tile_logits_and_valid(cfg, q, k, table_row, kvalid, qi, kj):
-  """Scaled logits + bias ``[bq, bk]`` (float32) and the validity mask."""
+def _tile(cfg, q, k, ob_ref, qseg, kseg, qi, kj):
+  """Scaled logits + bias ``[bq, bk]`` (float32, masked to ``_NEG``) and the validity mask."""
   bq, bk = cfg.block_q, cfg.block_k
   s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
   s = s * cfg.scale
   i = qi * bq + lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
   j = kj * bk + lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
-  s = s + _bias_tile(cfg, table_row, j - i)
-  valid = (j < cfg.k_len) & (kvalid[None, :] > 0)
+  if cfg.has_bias:
+    bias = ob_ref[j - i + (cfg.q_len - 1)].astype(jnp.float32)
+    if cfg.zero_first:
+      bias = jnp.where((i == 0) | (j == 0), 0.0, bias)
+    s = s + bias
+  valid = qseg[:, None] == kseg[None, :]
   if cfg.causal:
     valid = valid & (j <= i)
-  return jnp.where(valid, s, _NEG), valid, j - i
+  return jnp.where(valid, s, _NEG), valid
 
 
-def _num_k_blocks(cfg, qi, nk):
+def _num_k_blocks(cfg, qi):
   """k-blocks a query block needs (causal: up to the diagonal)."""
+  nk = cfg.k_len // cfg.block_k
   if not cfg.causal:
     return nk
   return jnp.minimum(nk, ((qi + 1) * cfg.block_q + cfg.block_k - 1) // cfg.block_k)
 
 
 # ---------------------------------------------------------------------------
-# Forward kernel.
+# Kernels. Refs are one (batch, head) slice: q/do [bq or Lq_p, Dp], k/v
+# [Lk_p or bk, Dp], offset bias [Loff_p], segment ids and lse/delta rows 1-D.
 
 
-def _fwd_kernel(cfg, nk, q_ref, k_ref, v_ref, table_ref, kvalid_ref, o_ref, lse_ref):
+def _fwd_kernel(cfg, q_ref, k_ref, v_ref, ob_ref, qseg_ref, kseg_ref, o_ref, lse_ref):
   qi = pl.program_id(2)
   bq, bk = cfg.block_q, cfg.block_k
-  q = q_ref[...]
-  table_row = table_ref[0, :].astype(jnp.float32)
-  d = v_ref.shape[-1]
+  q, qseg = q_ref[...], qseg_ref[...]
 
   def body(kj, carry):
     m, l, acc = carry
     k = k_ref[pl.ds(kj * bk, bk), :]
     v = v_ref[pl.ds(kj * bk, bk), :]
-    kvalid = kvalid_ref[0, pl.ds(kj * bk, bk)]
-    s, valid, _ = _tile_logits_and_valid(cfg, q, k, table_row, kvalid, qi, kj)
+    s, valid = _tile(cfg, q, k, ob_ref, qseg, kseg_ref[pl.ds(kj * bk, bk)], qi, kj)
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
     p = jnp.where(valid, jnp.exp(s - m_new[:, None]), 0.0)
     alpha = jnp.exp(m - m_new)
-    l_new = alpha * l + jnp.sum(p, axis=1)
     pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
                          preferred_element_type=jnp.float32)
-    return m_new, l_new, alpha[:, None] * acc + pv
+    return m_new, alpha * l + jnp.sum(p, axis=1), alpha[:, None] * acc + pv
 
   init = (jnp.full((bq,), _NEG, jnp.float32), jnp.zeros((bq,), jnp.float32),
-          jnp.zeros((bq, d), jnp.float32))
-  m, l, acc = lax.fori_loop(0, _num_k_blocks(cfg, qi, nk), body, init)
+          jnp.zeros(o_ref.shape, jnp.float32))
+  m, l, acc = lax.fori_loop(0, _num_k_blocks(cfg, qi), body, init)
   empty = l == 0.0
   l_safe = jnp.where(empty, 1.0, l)
   o_ref[...] = (acc / l_safe[:, None]).astype(o_ref.dtype)
   # Empty rows get lse = +big so that exp(s - lse) = 0 in the backward.
-  lse_ref[0, :] = jnp.where(empty, -_NEG, m + jnp.log(l_safe))
+  lse_ref[...] = jnp.where(empty, -_NEG, m + jnp.log(l_safe))
 
 
-# ---------------------------------------------------------------------------
-# Backward kernels.
+def _dq_kernel(cfg, q_ref, k_ref, v_ref, ob_ref, qseg_ref, kseg_ref, do_ref, lse_ref, delta_ref,
+               dq_ref, dob_ref, ds_ref):
+  """``dq`` of one query block and, with a bias, its part of the offset-bias gradient.
 
-
-def _dq_kernel(cfg, nk, q_ref, k_ref, v_ref, table_ref, kvalid_ref, do_ref, lse_ref,
-               delta_ref, dq_ref, dtable_ref):
+  ``dob_ref`` ``[Loff_p]`` accumulates the diagonal sums of every logit
+  cotangent tile of this query block; ``ds_ref`` ``[bq, bk]`` is the tile's
+  scratch copy, read back skewed so that each column is one diagonal.
+  """
   qi = pl.program_id(2)
-  bk = cfg.block_k
-  q = q_ref[...]
-  do = do_ref[...]
-  lse = lse_ref[0, :]
-  delta = delta_ref[0, :]
-  table_row = table_ref[0, :].astype(jnp.float32)
+  bq, bk = cfg.block_q, cfg.block_k
+  q, do, qseg = q_ref[...], do_ref[...], qseg_ref[...]
+  lse, delta = lse_ref[...], delta_ref[...]
+  if cfg.has_bias:
+    dob_ref[...] = jnp.zeros(dob_ref.shape, jnp.float32)
+    row = lax.broadcasted_iota(jnp.int32, (bq, bq + bk), 0)
+    col = row + lax.broadcasted_iota(jnp.int32, (bq, bq + bk), 1) - (bq - 1)
+    on_tile = (col >= 0) & (col < bk)
+    col = jnp.clip(col, 0, bk - 1)
 
-  def body(kj, carry):
-    dq, dtab = carry
+  def body(kj, dq):
     k = k_ref[pl.ds(kj * bk, bk), :]
     v = v_ref[pl.ds(kj * bk, bk), :]
-    kvalid = kvalid_ref[0, pl.ds(kj * bk, bk)]
-    s, valid, rel = _tile_logits_and_valid(cfg, q, k, table_row, kvalid, qi, kj)
+    s, valid = _tile(cfg, q, k, ob_ref, qseg, kseg_ref[pl.ds(kj * bk, bk)], qi, kj)
     p = jnp.where(valid, jnp.exp(s - lse[:, None]), 0.0)
     dp = lax.dot_general(do, v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     ds = p * (dp - delta[:, None])
-    dq = dq + lax.dot_general(ds.astype(k.dtype), k, (((1,), (0,)), ((), ())),
-                              preferred_element_type=jnp.float32)
-    return dq, dtab + _table_grad_tile(cfg, ds, rel)
+    if cfg.has_bias:
+      dbias = ds
+      if cfg.zero_first:
+        i = qi * bq + lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
+        j = kj * bk + lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
+        dbias = jnp.where((i == 0) | (j == 0), 0.0, dbias)
+      ds_ref[...] = dbias
+      _barrier(cfg)
+      diagonals = jnp.sum(jnp.where(on_tile, ds_ref[row, col], 0.0), axis=0)  # [bq + bk]
+      _barrier(cfg)
+      # Column w of the skewed tile holds rel = kj*bk - qi*bq + w - (bq - 1).
+      start = kj * bk - qi * bq + cfg.q_len - bq
+      dob_ref[pl.ds(start, bq + bk)] += diagonals
+    return dq + lax.dot_general(ds.astype(k.dtype), k, (((1,), (0,)), ((), ())),
+                                preferred_element_type=jnp.float32)
 
-  init = (jnp.zeros(q.shape, jnp.float32), jnp.zeros(dtable_ref.shape[-1:], jnp.float32))
-  dq, dtab = lax.fori_loop(0, _num_k_blocks(cfg, qi, nk), body, init)
+  dq = lax.fori_loop(0, _num_k_blocks(cfg, qi), body, jnp.zeros(q.shape, jnp.float32))
   dq_ref[...] = (dq * cfg.scale).astype(dq_ref.dtype)
-  dtable_ref[0, :] = dtab
 
 
-def _dkv_kernel(cfg, nq, q_ref, k_ref, v_ref, table_ref, kvalid_ref, do_ref, lse_ref,
-                delta_ref, dk_ref, dv_ref):
+def _dkv_kernel(cfg, q_ref, k_ref, v_ref, ob_ref, qseg_ref, kseg_ref, do_ref, lse_ref, delta_ref,
+                dk_ref, dv_ref):
   kj = pl.program_id(2)
   bq, bk = cfg.block_q, cfg.block_k
-  k = k_ref[...]
-  v = v_ref[...]
-  kvalid = kvalid_ref[0, :]
-  table_row = table_ref[0, :].astype(jnp.float32)
+  k, v, kseg = k_ref[...], v_ref[...], kseg_ref[...]
 
   def body(qi, carry):
     dk, dv = carry
-    q = q_ref[pl.ds(qi * bq, bq), :]
-    do = do_ref[pl.ds(qi * bq, bq), :]
-    lse = lse_ref[0, pl.ds(qi * bq, bq)]
-    delta = delta_ref[0, pl.ds(qi * bq, bq)]
-    s, valid, _ = _tile_logits_and_valid(cfg, q, k, table_row, kvalid, qi, kj)
-    p = jnp.where(valid, jnp.exp(s - lse[:, None]), 0.0)
+    rows = pl.ds(qi * bq, bq)
+    q, do = q_ref[rows, :], do_ref[rows, :]
+    s, valid = _tile(cfg, q, k, ob_ref, qseg_ref[rows], kseg, qi, kj)
+    p = jnp.where(valid, jnp.exp(s - lse_ref[rows][:, None]), 0.0)
     dv = dv + lax.dot_general(p.astype(do.dtype), do, (((0,), (0,)), ((), ())),
                               preferred_element_type=jnp.float32)
     dp = lax.dot_general(do, v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    ds = p * (dp - delta[:, None])
+    ds = p * (dp - delta_ref[rows][:, None])
     dk = dk + lax.dot_general(ds.astype(q.dtype), q, (((0,), (0,)), ((), ())),
                               preferred_element_type=jnp.float32)
     return dk, dv
 
   start = (kj * bk) // bq if cfg.causal else 0
   init = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
-  dk, dv = lax.fori_loop(start, nq, body, init)
+  dk, dv = lax.fori_loop(start, cfg.q_len // bq, body, init)
   dk_ref[...] = (dk * cfg.scale).astype(dk_ref.dtype)
   dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
 # ---------------------------------------------------------------------------
-# pallas_call wrappers on padded, head-major arrays: q [B, H, Lq_p, D],
-# k/v [B, H, Lk_p, D], table [H, R], kvalid [B, Lk_p] int32.
+# pallas_call wrappers on padded, head-major arrays: q/do [B, H, Lq_p, Dp],
+# k/v [B, H, Lk_p, Dp], offset bias [H, Loff_p], segment ids [B, L_p] int32,
+# lse/delta [B, H, Lq_p] float32.
 
 
-def _specs(cfg, lq_p, lk_p, d, r, *, rows_blocked: bool):
-  """BlockSpecs for (q, k, v, table, kvalid): one block of q (or of k/v)."""
-  bq, bk = cfg.block_q, cfg.block_k
-  if rows_blocked:  # grid over q-blocks
-    q_spec = pl.BlockSpec((None, None, bq, d), lambda b, h, i: (b, h, i, 0))
-    kv_spec = pl.BlockSpec((None, None, lk_p, d), lambda b, h, i: (b, h, 0, 0))
-    kvalid_spec = pl.BlockSpec((1, lk_p), lambda b, h, i: (b, 0))
-  else:  # grid over k-blocks
-    q_spec = pl.BlockSpec((None, None, lq_p, d), lambda b, h, j: (b, h, 0, 0))
-    kv_spec = pl.BlockSpec((None, None, bk, d), lambda b, h, j: (b, h, j, 0))
-    kvalid_spec = pl.BlockSpec((1, bk), lambda b, h, j: (b, j))
-  table_spec = pl.BlockSpec((1, r), lambda b, h, i: (h, 0))
-  return q_spec, kv_spec, table_spec, kvalid_spec
+def _specs(cfg, d, loff, *, over_queries: bool):
+  """BlockSpecs of (q, k, v, offset bias, q segments, kv segments, q rows) for a grid
+  ``(B, H, query blocks)`` or ``(B, H, key blocks)``."""
+  bq, bk, lq, lk = cfg.block_q, cfg.block_k, cfg.q_len, cfg.k_len
+  q_rows = bq if over_queries else lq
+  k_rows = lk if over_queries else bk
+
+  def q_map(b, h, n):
+    return (b, h, n if over_queries else 0, 0)
+
+  def k_map(b, h, n):
+    return (b, h, 0 if over_queries else n, 0)
+
+  q_spec = pl.BlockSpec((None, None, q_rows, d), q_map)
+  kv_spec = pl.BlockSpec((None, None, k_rows, d), k_map)
+  ob_spec = pl.BlockSpec((None, loff), lambda b, h, n: (h, 0))
+  qseg_spec = pl.BlockSpec((None, q_rows), lambda b, h, n: (b, q_map(b, h, n)[2]))
+  kseg_spec = pl.BlockSpec((None, k_rows), lambda b, h, n: (b, k_map(b, h, n)[2]))
+  row_spec = pl.BlockSpec((None, None, q_rows), lambda b, h, n: (b, h, q_map(b, h, n)[2]))
+  return q_spec, kv_spec, ob_spec, qseg_spec, kseg_spec, row_spec
 
 
-def _row_spec(size, blocked):
-  """Spec of a per-query-row ``[B, H, 1, Lq_p]`` float array (lse, delta)."""
-  if blocked:
-    return pl.BlockSpec((None, None, 1, size), lambda b, h, i: (b, h, 0, i))
-  return pl.BlockSpec((None, None, 1, size), lambda b, h, j: (b, h, 0, 0))
-
-
-def _forward(cfg, q, k, v, table, kvalid):
-  b, h, lq_p, d = q.shape
-  lk_p, r = k.shape[2], table.shape[1]
-  nq, nk = lq_p // cfg.block_q, lk_p // cfg.block_k
-  q_spec, kv_spec, table_spec, kvalid_spec = _specs(cfg, lq_p, lk_p, d, r, rows_blocked=True)
-  out, lse = pl.pallas_call(
-      functools.partial(_fwd_kernel, cfg, nk),
+def _forward(cfg, q, k, v, ob, qseg, kseg):
+  b, h, _, d = q.shape
+  q_spec, kv_spec, ob_spec, qseg_spec, kseg_spec, row = _specs(cfg, d, ob.shape[-1],
+                                                               over_queries=True)
+  return pl.pallas_call(
+      functools.partial(_fwd_kernel, cfg),
       out_shape=(jax.ShapeDtypeStruct(q.shape, q.dtype),
-                 jax.ShapeDtypeStruct((b, h, 1, lq_p), jnp.float32)),
-      grid=(b, h, nq),
-      in_specs=[q_spec, kv_spec, kv_spec, table_spec, kvalid_spec],
-      out_specs=(q_spec, _row_spec(cfg.block_q, True)),
+                 jax.ShapeDtypeStruct((b, h, cfg.q_len), jnp.float32)),
+      grid=(b, h, cfg.q_len // cfg.block_q),
+      in_specs=[q_spec, kv_spec, kv_spec, ob_spec, qseg_spec, kseg_spec],
+      out_specs=(q_spec, row),
       interpret=cfg.interpret,
+      compiler_params=cfg.compiler_params,
       name="relative_flash_fwd",
-  )(q, k, v, table, kvalid)
-  return out, lse
+  )(q, k, v, ob, qseg, kseg)
 
 
-def _backward(cfg, q, k, v, table, kvalid, out, lse, do):
-  b, h, lq_p, d = q.shape
-  lk_p, r = k.shape[2], table.shape[1]
-  nq, nk = lq_p // cfg.block_q, lk_p // cfg.block_k
-  delta = jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)[:, :, None, :]
+def _backward(cfg, q, k, v, ob, qseg, kseg, out, lse, do):
+  b, h, _, d = q.shape
+  loff = ob.shape[-1]
+  nq, nk = cfg.q_len // cfg.block_q, cfg.k_len // cfg.block_k
+  delta = jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)
+  args = (q, k, v, ob, qseg, kseg, do, lse, delta)
 
-  q_spec, kv_spec, table_spec, kvalid_spec = _specs(cfg, lq_p, lk_p, d, r, rows_blocked=True)
-  row = _row_spec(cfg.block_q, True)
-  dq, dtable = pl.pallas_call(
-      functools.partial(_dq_kernel, cfg, nk),
+  q_spec, kv_spec, ob_spec, qseg_spec, kseg_spec, row = _specs(cfg, d, loff, over_queries=True)
+  in_specs = [q_spec, kv_spec, kv_spec, ob_spec, qseg_spec, kseg_spec, q_spec, row, row]
+  dq, dob, _ = pl.pallas_call(
+      functools.partial(_dq_kernel, cfg),
       out_shape=(jax.ShapeDtypeStruct(q.shape, q.dtype),
-                 jax.ShapeDtypeStruct((b, h, nq, r), jnp.float32)),
+                 jax.ShapeDtypeStruct((b, h, nq, loff), jnp.float32),
+                 jax.ShapeDtypeStruct((b, h, nq, cfg.block_q, cfg.block_k), jnp.float32)),
       grid=(b, h, nq),
-      in_specs=[q_spec, kv_spec, kv_spec, table_spec, kvalid_spec, q_spec, row, row],
-      out_specs=(q_spec, pl.BlockSpec((None, None, 1, r), lambda b, h, i: (b, h, i, 0))),
+      in_specs=in_specs,
+      out_specs=(q_spec, pl.BlockSpec((None, None, None, loff), lambda b, h, i: (b, h, i, 0)),
+                 pl.BlockSpec((None, None, None, cfg.block_q, cfg.block_k),
+                              lambda b, h, i: (b, h, i, 0, 0))),
       interpret=cfg.interpret,
+      compiler_params=cfg.compiler_params,
       name="relative_flash_dq",
-  )(q, k, v, table, kvalid, do, lse, delta)
+  )(*args)
 
-  q_spec, kv_spec, table_spec, kvalid_spec = _specs(cfg, lq_p, lk_p, d, r, rows_blocked=False)
-  row = _row_spec(lq_p, False)
+  q_spec, kv_spec, ob_spec, qseg_spec, kseg_spec, row = _specs(cfg, d, loff, over_queries=False)
+  in_specs = [q_spec, kv_spec, kv_spec, ob_spec, qseg_spec, kseg_spec, q_spec, row, row]
   dk, dv = pl.pallas_call(
-      functools.partial(_dkv_kernel, cfg, nq),
+      functools.partial(_dkv_kernel, cfg),
       out_shape=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
       grid=(b, h, nk),
-      in_specs=[q_spec, kv_spec, kv_spec, table_spec, kvalid_spec, q_spec, row, row],
+      in_specs=in_specs,
       out_specs=(kv_spec, kv_spec),
       interpret=cfg.interpret,
+      compiler_params=cfg.compiler_params,
       name="relative_flash_dkv",
-  )(q, k, v, table, kvalid, do, lse, delta)
-  dtable = jnp.sum(dtable, axis=(0, 2)).astype(table.dtype)
-  return dq, dk, dv, dtable
+  )(*args)
+  dob = jnp.sum(dob, axis=(0, 2)).astype(ob.dtype) if cfg.has_bias else jnp.zeros_like(ob)
+  return dq, dk, dv, dob
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(cfg, q, k, v, table, kvalid):
-  return _forward(cfg, q, k, v, table, kvalid)[0]
+def _flash(cfg, q, k, v, ob, qseg, kseg):
+  return _forward(cfg, q, k, v, ob, qseg, kseg)[0]
 
 
-def _flash_fwd(cfg, q, k, v, table, kvalid):
-  out, lse = _forward(cfg, q, k, v, table, kvalid)
-  return out, (q, k, v, table, kvalid, out, lse)
+def _flash_fwd(cfg, q, k, v, ob, qseg, kseg):
+  out, lse = _forward(cfg, q, k, v, ob, qseg, kseg)
+  return out, (q, k, v, ob, qseg, kseg, out, lse)
 
 
 def _flash_bwd(cfg, res, do):
-  q, k, v, table, kvalid, out, lse = res
-  dq, dk, dv, dtable = _backward(cfg, q, k, v, table, kvalid, out, lse, do)
-  return dq, dk, dv, dtable, None
+  q, k, v, ob, qseg, kseg, out, lse = res
+  return _backward(cfg, q, k, v, ob, qseg, kseg, out, lse, do) + (None, None)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -370,85 +334,96 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 # Public entry point.
 
 
-def _round_up(x: int, m: int) -> int:
-  return -(-x // m) * m
-
-
 def relative_flash_attention(
     q: Array,
     k: Array,
     v: Array,
-    table: Array,
+    offset_bias: Array | None = None,
     *,
-    bias_index_fn: Callable[[Array], Array] | None = None,
-    mode: Literal["gather", "linear"] = "gather",
     mask: Array | None = None,
+    q_segment_ids: Array | None = None,
+    kv_segment_ids: Array | None = None,
     causal: bool = False,
+    zero_first: bool = False,
     scale: float | None = None,
-    block_q: int = 128,
-    block_k: int = 128,
+    block_q: int = 64,
+    block_k: int = 64,
     interpret: bool | None = None,
 ) -> Array:
-  """Flash attention with a relative bias ``bias_h(j - i)`` built in the kernel.
+  """Flash attention with a Toeplitz bias ``offset_bias[h, j - i + Lq - 1]`` built in the kernel.
 
   Args:
     q: ``[B, Lq, H, D]`` queries.
     k: ``[B, Lk, H, D]`` keys.
-    v: ``[B, Lk, H, D]`` values.
-    table: ``[H|1, R]`` per-head bias table (``mode="gather"``), or ``[H|1]`` /
-      ``[H|1, 1]`` per-head coefficients (``mode="linear"``, e.g. ALiBi slopes).
-    bias_index_fn: function of the int32 offsets ``rel = j - i`` (any shape):
-      int32 indices in ``[0, R)`` (gather) or float coefficients (linear);
-      see :func:`diet_rel_index`, :func:`t5_index`, :func:`alibi_coef`.
-      None: ``alibi_coef(causal)`` in linear mode; required in gather mode.
-    mode: ``"gather"`` (``table[h, fn(rel)]``) or ``"linear"``
-      (``table[h] * fn(rel)``).
-    mask: ``[B, Lk]`` padding mask, True = attend.
+    v: ``[B, Lk, H, Dv]`` values.
+    offset_bias: ``[H|1, Lq + Lk - 1]`` bias of each offset ``rel = j - i``
+      (:func:`offsets`), or None for plain flash attention (no positional
+      term).
+    mask: ``[B, Lk]`` key mask, True = attend.
+    q_segment_ids: ``[B, Lq]`` int segment of each query (packed sequences);
+      needs ``kv_segment_ids``.
+    kv_segment_ids: ``[B, Lk]`` int segment of each key.
     causal: mask keys ``j > i``.
+    zero_first: zero the bias in row 0 and column 0 (TUPE-R's [CLS] reset).
     scale: content scale; None gives ``1 / sqrt(D)``. The bias is not scaled.
-    block_q, block_k: tile sizes (clamped to the padded lengths; lengths are
-      padded to multiples internally).
+    block_q, block_k: tile sizes, powers of two (clamped to the padded
+      lengths; lengths are padded to block multiples internally).
     interpret: Pallas interpret mode; None picks it on the CPU backend.
 
   Returns:
-    ``[B, Lq, H, D]``, differentiable in q, k, v and table.
+    ``[B, Lq, H, Dv]``, differentiable in q, k, v and ``offset_bias``.
   """
-  if mode not in ("gather", "linear"):
-    raise ValueError(f"mode must be 'gather' or 'linear', got {mode!r}")
-  if bias_index_fn is None:
-    if mode == "gather":
-      raise ValueError("mode='gather' needs a bias_index_fn (e.g. diet_rel_index(clip))")
-    bias_index_fn = alibi_coef(causal)
   b, lq, h, d = q.shape
-  lk = k.shape[1]
-  if k.shape != (b, lk, h, d) or v.shape[:3] != (b, lk, h) or v.shape[3] != d:
-    raise ValueError(f"shape mismatch: q {q.shape}, k {k.shape}, v {v.shape}")
-  if mode == "linear" and table.ndim == 1:
-    table = table[:, None]
-  if table.ndim != 2 or table.shape[0] not in (1, h):
-    raise ValueError(f"table must be [H|1, R] with H={h}, got {table.shape}")
-  if mode == "linear" and table.shape[1] != 1:
-    raise ValueError(f"mode='linear' needs one coefficient per head, got {table.shape}")
-  table = jnp.broadcast_to(table, (h, table.shape[1]))
+  lk, dv = k.shape[1], v.shape[-1]
+  if k.shape != (b, lk, h, d) or v.shape[:3] != (b, lk, h):
+    raise ValueError(f"q, k, v: shapes {q.shape}, {k.shape}, {v.shape} do not match "
+                     "[B, Lq, H, D], [B, Lk, H, D], [B, Lk, H, Dv]")
+  if offset_bias is not None and (offset_bias.ndim != 2 or offset_bias.shape[0] not in (1, h)
+                                  or offset_bias.shape[1] != lq + lk - 1):
+    raise ValueError(f"offset_bias: got shape {offset_bias.shape}; expected "
+                     f"[{h} or 1, Lq + Lk - 1 = {lq + lk - 1}]")
+  for name, size in (("block_q", block_q), ("block_k", block_k)):
+    if size < 16 or size & (size - 1):
+      raise ValueError(f"{name}: got {size}; expected a power of two >= 16")
+  if (q_segment_ids is None) != (kv_segment_ids is None):
+    raise ValueError("q_segment_ids, kv_segment_ids: give both or neither")
   if interpret is None:
     interpret = jax.default_backend() == "cpu"
-  if scale is None:
-    scale = 1.0 / math.sqrt(d)
+  scale = 1.0 / math.sqrt(d) if scale is None else scale
 
-  block_q = min(block_q, _round_up(lq, 8))
-  block_k = min(block_k, _round_up(lk, 8))
+  block_q = min(block_q, _next_pow2(max(lq, 16)))
+  block_k = min(block_k, _next_pow2(max(lk, 16)))
   lq_p, lk_p = _round_up(lq, block_q), _round_up(lk, block_k)
-  cfg = _Config(bias_fn=bias_index_fn, mode=mode, num_entries=table.shape[1], causal=causal,
-                scale=float(scale), block_q=block_q, block_k=block_k, q_len=lq, k_len=lk,
+  d_p = max(16, _next_pow2(max(d, dv)))
+  loff = _next_pow2(lq_p + lk_p)
+  cfg = _Config(has_bias=offset_bias is not None, zero_first=zero_first, causal=causal,
+                scale=float(scale), block_q=block_q, block_k=block_k, q_len=lq_p, k_len=lk_p,
                 interpret=bool(interpret))
 
-  def to_heads(x, length):
+  def heads_major(x, length):
     x = jnp.swapaxes(x, 1, 2)  # [B, H, L, D]
-    return jnp.pad(x, ((0, 0), (0, 0), (0, length - x.shape[2]), (0, 0)))
+    return jnp.pad(x, ((0, 0), (0, 0), (0, length - x.shape[2]), (0, d_p - x.shape[3])))
 
-  kvalid = jnp.ones((b, lk), jnp.int32) if mask is None else mask.astype(jnp.int32)
-  if kvalid.shape != (b, lk):
-    raise ValueError(f"mask must be a [B, Lk] = {(b, lk)} padding mask, got {kvalid.shape}")
-  kvalid = jnp.pad(kvalid, ((0, 0), (0, lk_p - lk)))
-  out = _flash(cfg, to_heads(q, lq_p), to_heads(k, lk_p), to_heads(v, lk_p), table, kvalid)
-  return jnp.swapaxes(out[:, :, :lq], 1, 2)
+  if q_segment_ids is None:
+    qseg, kseg = jnp.zeros((b, lq), jnp.int32), jnp.zeros((b, lk), jnp.int32)
+  else:
+    qseg, kseg = q_segment_ids.astype(jnp.int32), kv_segment_ids.astype(jnp.int32)
+    if qseg.shape != (b, lq) or kseg.shape != (b, lk):
+      raise ValueError(f"q_segment_ids, kv_segment_ids: got {qseg.shape}, {kseg.shape}; "
+                       f"expected {(b, lq)}, {(b, lk)}")
+  if mask is not None:
+    if mask.shape != (b, lk):
+      raise ValueError(f"mask: got shape {mask.shape}; expected a [B, Lk] = {(b, lk)} key mask")
+    kseg = jnp.where(mask.astype(bool), kseg, _K_PAD)
+  qseg = jnp.pad(qseg, ((0, 0), (0, lq_p - lq)), constant_values=_Q_PAD)
+  kseg = jnp.pad(kseg, ((0, 0), (0, lk_p - lk)), constant_values=_K_PAD)
+  if offset_bias is None:
+    ob = jnp.zeros((1, loff), jnp.float32)
+  else:
+    # Offset o = rel + Lq - 1 moves to rel + Lq_p - 1; the padding is masked.
+    ob = jnp.pad(jnp.broadcast_to(offset_bias, (h, lq + lk - 1)),
+                 ((0, 0), (lq_p - lq, loff - (lq_p - lq) - (lq + lk - 1))))
+  ob = jnp.broadcast_to(ob, (h, loff))
+  out = _flash(cfg, heads_major(q, lq_p), heads_major(k, lk_p), heads_major(v, lk_p), ob, qseg,
+               kseg)
+  return jnp.swapaxes(out[:, :, :lq, :dv], 1, 2)
