@@ -2,14 +2,35 @@
 
 * ``route="reference"`` materialises ``A = c q.k^T + sum_t T_t``, masks,
   softmaxes in float32 and mixes the values. Every term form runs here.
-* ``route="fused"`` folds factored terms into q/k by concatenation along the
-  head dim, applies q/k transforms (RoPE), sums the remaining biases and
-  calls :func:`jax.nn.dot_product_attention`, so on GPU it can reach cuDNN
-  and never builds an ``[Lq, Lk]`` positional tensor for factored and
-  rotation terms.
-* ``route="auto"`` picks ``fused`` when every term supports it.
+* ``route="fused"`` never builds an ``[Lq, Lk]`` positional tensor where the
+  term's form allows it: q/k transforms (RoPE, BERT-A^d) rewrite q and k,
+  factored terms (DIET-ABS, TUPE-A, per-head segments of rank r) are folded
+  into q/k by concatenation along the head dim, and Toeplitz terms (DIET-REL,
+  T5, ALiBi, TUPE-R's relative part) go to the Pallas flash kernel
+  (:func:`posenc_jax.kernels.relative_flash_attention`) as one ``[H, Lq+Lk-1]``
+  vector whose tiles the kernel builds in place. Terms that are dense by
+  nature (Shaw's query-dependent term, per-example biases) are added as the
+  ``bias`` of :func:`jax.nn.dot_product_attention` together with any Toeplitz
+  term; without dense terms and without a Toeplitz term that call runs too,
+  through cuDNN where :func:`cudnn_unsupported` finds nothing against it.
+* ``route="auto"`` (the default) picks per device, from the benchmark
+  (``python -m posenc_jax.bench --route``): on GPU the fused route; on TPU the
+  fused route with Toeplitz terms materialised (Mosaic has no in-kernel
+  gather, and splash attention takes no bias); on CPU the reference route
+  (at short lengths a batch-free term materialised once per layer costs
+  less than folding it into every example's q/k, and Pallas only interprets
+  on CPU). With attention dropout active it picks the reference route, the
+  only one that runs it.
 
-The two routes agree to float32 rounding, gradients included (tested).
+The routes agree to float32 rounding, gradients included (tested, the Pallas
+kernel in interpret mode).
+
+cuDNN fallback: :func:`jax.nn.dot_product_attention` reaches cuDNN only when
+asked to; the fused route asks when :func:`cudnn_unsupported` returns None
+(GPU, bfloat16/float16, folded head dim a multiple of 8 and at most 128, or
+256 from compute capability 9.0, even lengths with a bias) and otherwise
+runs the XLA implementation, or the Pallas kernel when there is no dense bias
+(so long sequences still never materialise the logits).
 """
 
 from __future__ import annotations
@@ -23,7 +44,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from posenc_jax.terms import Term
+from posenc_jax.kernels import relative_flash_attention
+from posenc_jax.terms import Term, toeplitz_bias
 
 Array = jax.Array
 Route = Literal["auto", "reference", "fused"]
@@ -65,12 +87,43 @@ def _reference(q, k, v, terms, mask, causal, scale, dropout_rate=0.0, dropout_rn
   return out
 
 
-def _fused(q, k, v, terms, mask, causal, scale, implementation):
-  q_parts, k_parts, bias = [q], [k], None
+def cudnn_unsupported(q_shape: Sequence[int], k_shape: Sequence[int], dtype, *,
+                      has_bias: bool, backend: str | None = None,
+                      compute_capability: float | None = None) -> str | None:
+  """Why :func:`jax.nn.dot_product_attention` cannot run on cuDNN, or None if it can.
+
+  Args:
+    q_shape, k_shape: ``[B, L, H, D]`` after folding (D includes the folded rank).
+    dtype: compute dtype of q/k/v.
+    has_bias: an additive bias goes with the call.
+    backend, compute_capability: the device's (None: read from the first device).
+  """
+  backend = jax.default_backend() if backend is None else backend
+  if backend != "gpu":
+    return f"backend {backend} has no cuDNN"
+  if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+    return f"dtype {jnp.dtype(dtype).name} (cuDNN flash attention takes bfloat16/float16)"
+  if compute_capability is None:
+    compute_capability = float(getattr(jax.devices()[0], "compute_capability", 0) or 0)
+  head_max = 256 if compute_capability >= 9.0 else 128
+  head_dim = q_shape[-1]
+  if head_dim % 8 or head_dim > head_max:
+    return f"head dim {head_dim} after folding (needs a multiple of 8, at most {head_max})"
+  if has_bias and (q_shape[1] % 2 or k_shape[1] % 2):
+    return f"odd lengths {q_shape[1]}, {k_shape[1]} with a bias"
+  return None
+
+
+def _fused(q, k, v, terms, mask, causal, scale, *, toeplitz_kernel, implementation):
+  """The fused route; ``toeplitz_kernel``: run Toeplitz terms (and, on GPU where
+  cuDNN cannot, plain attention) in the Pallas kernel instead of materialising them."""
+  q_parts, k_parts, dense, toeplitz = [q], [k], [], []
   for term in terms:
     part = term.fused(q, scale)
     if part.bias is not None:
-      bias = part.bias if bias is None else bias + part.bias
+      dense.append(part.bias)
+    if part.offset_bias is not None:
+      toeplitz.append(part)
     if part.q_extra is not None:
       batch = q.shape[0]
       q_parts.append(jnp.broadcast_to(part.q_extra, (batch,) + part.q_extra.shape[1:]))
@@ -78,13 +131,25 @@ def _fused(q, k, v, terms, mask, causal, scale, implementation):
   head_dim = v.shape[-1]
   q = jnp.concatenate(q_parts, axis=-1)
   k = jnp.concatenate(k_parts, axis=-1)
+  q_len, k_len = q.shape[1], k.shape[1]
+  kernel_mask_ok = mask is None or mask.ndim == 2
+  if implementation is None:
+    no_cudnn = cudnn_unsupported(q.shape, k.shape, q.dtype, has_bias=bool(dense or toeplitz))
+    implementation = "xla" if no_cudnn else "cudnn"
+  one_reset = len({p.zero_first for p in toeplitz}) <= 1
+  plain_flash = implementation == "xla" and jax.default_backend() == "gpu"
+  if toeplitz_kernel and not dense and kernel_mask_ok and one_reset and (toeplitz or plain_flash):
+    offset_bias = sum(p.offset_bias for p in toeplitz) if toeplitz else None
+    return relative_flash_attention(
+        q, k, v, offset_bias, mask=mask, causal=causal, scale=scale,
+        zero_first=bool(toeplitz) and toeplitz[0].zero_first)
+  dense += [toeplitz_bias(p.offset_bias, q_len, k_len, p.zero_first) for p in toeplitz]
+  bias = sum(dense[1:], dense[0]).astype(q.dtype) if dense else None
   # dot_product_attention wants v shaped like k: zero-pad, then slice off.
   v = jnp.pad(v, [(0, 0)] * 3 + [(0, k.shape[-1] - head_dim)])
-  if bias is not None:
-    bias = bias.astype(q.dtype)
   out = jax.nn.dot_product_attention(
-      q, k, v, bias=bias, mask=_mask_4d(mask, False, q.shape[1], k.shape[1]),
-      scale=scale, is_causal=causal, implementation=implementation)
+      q, k, v, bias=bias, mask=_mask_4d(mask, False, q_len, k_len), scale=scale,
+      is_causal=causal, implementation=implementation)
   return out[..., :head_dim]
 
 
@@ -113,9 +178,10 @@ def attend(
       broadcastable to ``[B, H, Lq, Lk]``.
     causal: also mask keys after the query (decoder self-attention).
     scale: content scale ``c``; None gives ``1 / sqrt(D)``.
-    route: ``"reference"``, ``"fused"`` or ``"auto"`` (fused when possible).
-    implementation: passed to :func:`jax.nn.dot_product_attention` on the
-      fused route (None lets JAX choose; ``"cudnn"`` on GPU).
+    route: ``"reference"``, ``"fused"`` or ``"auto"`` (see the module docstring).
+    implementation: for :func:`jax.nn.dot_product_attention` on the fused
+      route: ``"xla"``, ``"cudnn"``, or None to use cuDNN where
+      :func:`cudnn_unsupported` allows.
     dropout_rate: attention-probability dropout (BERT's
       ``attention_probs_dropout_prob``); active only with a ``dropout_rng``,
       and then only the reference route runs it (``auto`` picks it).
@@ -135,8 +201,10 @@ def attend(
   for term in terms:
     q, k = term.transform_qk(q, k)
   dropout = dropout_rate > 0.0 and dropout_rng is not None
+  backend = jax.default_backend()
   if route == "auto":
-    route = "fused" if all(t.fusable for t in terms) and not dropout else "reference"
+    fusable = all(t.fusable for t in terms) and not dropout
+    route = "fused" if fusable and backend != "cpu" else "reference"
   if route == "reference":
     return _reference(q, k, v, terms, mask, causal, scale, dropout_rate, dropout_rng)
   unfusable = [type(t).__name__ for t in terms if not t.fusable]
@@ -144,7 +212,8 @@ def attend(
     raise ValueError(f"route: 'fused' cannot run {', '.join(unfusable)}; use route='reference'")
   if dropout:
     raise ValueError("route: 'fused' has no attention dropout; use route='reference' or 'auto'")
-  return _fused(q, k, v, terms, mask, causal, scale, implementation)
+  return _fused(q, k, v, terms, mask, causal, scale, implementation=implementation,
+                toeplitz_kernel=backend != "tpu")
 
 
 def head_projection(module, name: str) -> nn.DenseGeneral:

@@ -12,6 +12,7 @@ the form decides which attention route can run it without materialising an
 form               class                                       fused route
 =================  ==========================================  ==============
 bias               :class:`Bias` ``[H,Lq,Lk]`` / ``[B,H,Lq,Lk]``  bias input
+relative (i - j)   :class:`Toeplitz` (DIET-REL, T5, ALiBi)     in-kernel bias
 factored (U V^T)   :class:`Factored`                           concat to q/k
 query-dependent    :class:`QueryRelative` (Shaw)               bias from q
 q/k transform      :class:`Rotation` (RoPE), :class:`QKShift`  transform q/k
@@ -65,11 +66,17 @@ class FusedPart:
     bias: ``[B|1, H|1, Lq, Lk]`` added to the logits by the kernel, or None.
     q_extra: ``[B|1, Lq, H, r]`` concatenated to q along the head dim.
     k_extra: ``[B|1, Lk, H, r]`` concatenated to k along the head dim.
+    offset_bias: ``[H|1, Lq + Lk - 1]`` Toeplitz bias, one value per offset
+      ``j - i`` (:func:`posenc_jax.kernels.offsets`), built into the tiles by
+      the flash kernel; :func:`toeplitz_bias` materialises it.
+    zero_first: the offset bias is zero in row 0 and column 0 (TUPE-R).
   """
 
   bias: Array | None = None
   q_extra: Array | None = None
   k_extra: Array | None = None
+  offset_bias: Array | None = None
+  zero_first: bool = False
 
 
 class Term:
@@ -195,11 +202,87 @@ class Factored(Term):
     return self.replace(u=slice_rows(self.u, start, size, -3))
 
 
-def relative_offsets(q_len: int, k_len: int, q_offset: int = 0) -> Array:
+def relative_offsets(q_len: int, k_len: int, q_offset: int | Array = 0) -> Array:
   """``[Lq, Lk]`` int32 matrix of ``j - i`` (key position minus query position)."""
   i = jnp.arange(q_len, dtype=jnp.int32)[:, None] + q_offset
   j = jnp.arange(k_len, dtype=jnp.int32)[None, :]
   return j - i
+
+
+def toeplitz_bias(offset_bias: Array, q_len: int, k_len: int, zero_first: bool = False,
+                  q_offset: int | Array = 0) -> Array:
+  """``[H|1, Lq + Lk - 1]`` per-offset values -> the ``[1, H|1, Lq, Lk]`` bias they describe.
+
+  Entry ``o`` of ``offset_bias`` holds local offset ``j - i = o - (Lq - 1)``;
+  ``zero_first`` zeroes the row of absolute query position 0 (query row
+  ``i`` sits at ``i + q_offset``) and key column 0.
+  """
+  bias = jnp.take(offset_bias, relative_offsets(q_len, k_len) + q_len - 1, axis=-1)
+  if zero_first:
+    rows = jnp.arange(q_len) + q_offset != 0
+    bias = bias * (rows[:, None] & (jnp.arange(k_len) != 0)[None, :])
+  return bias[None]
+
+
+@struct.dataclass
+class Toeplitz(Term):
+  """Relative bias ``T[h, i, j] = f(table_h, j - i)``: a function of the offset only.
+
+  DIET-REL (clipped offsets), T5 (buckets), ALiBi (slope times distance) and
+  TUPE-R's relative part take this form. ``Lq + Lk - 1`` offsets describe the
+  whole term, so the fused route hands the flash kernel that vector
+  (:meth:`offset_values`) and never builds ``[H, Lq, Lk]``.
+
+  Attributes:
+    table: ``[H|1, R]`` per-head parameters (a layer axis in front inside
+      :class:`SchemeTerms`).
+    offset_fn: ``(table [..., R], rel int32 [N]) -> [..., N]``, the bias of
+      each offset ``rel = j - i``; a hashable callable (static), defined by
+      the scheme.
+    zero_first: zero row 0 and column 0 (TUPE-R inside the [CLS] reset).
+    q_offset: absolute position of query row 0 (int scalar, may be traced);
+      None means 0. :meth:`slice_queries` sets it for decoding.
+    k_len: number of keys; None means ``Lq``. Set by :func:`posenc_jax.attend`.
+  """
+
+  table: Array
+  offset_fn: Any = struct.field(pytree_node=False)
+  zero_first: bool = struct.field(pytree_node=False, default=False)
+  q_offset: Array | int | None = None
+  k_len: int | None = struct.field(pytree_node=False, default=None)
+
+  def with_key_length(self, k_len):
+    return self.replace(k_len=k_len)
+
+  def slice_queries(self, start, size):
+    del size  # the table has no query axis
+    offset = start if self.q_offset is None else self.q_offset + start
+    return self.replace(q_offset=jnp.asarray(offset, jnp.int32))
+
+  def _lengths(self, q: Array) -> tuple[int, int]:
+    q_len = q.shape[1]
+    return q_len, q_len if self.k_len is None else self.k_len
+
+  def offset_values(self, q_len: int, k_len: int) -> Array:
+    """``[H|1, Lq + Lk - 1]``: the bias of local offsets ``-(Lq - 1) .. Lk - 1``."""
+    q_offset = 0 if self.q_offset is None else self.q_offset
+    rel = jnp.arange(-(q_len - 1), k_len, dtype=jnp.int32) - q_offset
+    return self.offset_fn(self.table, rel)
+
+  def materialise(self, q_len: int, k_len: int) -> Bias:
+    """The same term as a ``[1, H|1, Lq, Lk]`` :class:`Bias`."""
+    q_offset = 0 if self.q_offset is None else self.q_offset
+    return Bias(toeplitz_bias(self.offset_values(q_len, k_len), q_len, k_len, self.zero_first,
+                              q_offset))
+
+  def logits(self, q, scale):
+    return self.materialise(*self._lengths(q)).logits(q, scale)
+
+  def fused(self, q, scale):
+    if self.q_offset is not None:  # a decoding step: the kernel counts rows from 0
+      return self.materialise(*self._lengths(q)).fused(q, scale)
+    return FusedPart(offset_bias=self.offset_values(*self._lengths(q)),
+                     zero_first=self.zero_first)
 
 
 @struct.dataclass

@@ -12,12 +12,15 @@ from posenc_jax.schemes import alibi_slopes, relative_position_bucket
 from posenc_jax.schemes.absolute import sinusoid
 from tests.conftest import DIMS, LENGTH, SCHEME_CONFIGS, init_scheme, qkv, segment_ids
 
+# Queries only set the length for length-free terms (Toeplitz); no term here reads their values.
+Q = jnp.zeros((1, LENGTH, DIMS["num_heads"], DIMS["head_dim"]))
+
 
 def bias_of(name, layer=0, **dims):
   """The first term of a scheme, materialised: ``[B|1, H, L, L]``."""
   _, params, st = init_scheme(SCHEME_CONFIGS[name], **dims)
   term = st.for_layer(layer)[0]
-  return np.asarray(term.logits(None, 1.0)), params
+  return np.asarray(term.logits(Q, 1.0)), params
 
 
 def assert_toeplitz(matrix, atol=0.0):
@@ -171,7 +174,7 @@ def tupe_reference(params, length, relative):
 @pytest.mark.parametrize("name", ["tupe_a", "tupe_r"])
 def test_tupe_term_matches_equations(name):
   _, params, st = init_scheme(SCHEME_CONFIGS[name])
-  total = sum(t.logits(None, 1.0) for t in st.for_layer(0))[0]
+  total = sum(t.logits(Q, 1.0) for t in st.for_layer(0))[0]
   expected = tupe_reference(params, LENGTH, relative=name == "tupe_r")
   np.testing.assert_allclose(total, expected, rtol=1e-5, atol=1e-5)
   assert st.content_scale == pytest.approx(1 / math.sqrt(16))
@@ -180,7 +183,7 @@ def test_tupe_term_matches_equations(name):
 @pytest.mark.parametrize("name", ["tupe_a", "tupe_r"])
 def test_tupe_reset_row_and_column(name):
   _, _, st = init_scheme(SCHEME_CONFIGS[name])
-  v = np.asarray(sum(t.logits(None, 1.0) for t in st.for_layer(0))[0])
+  v = np.asarray(sum(t.logits(Q, 1.0) for t in st.for_layer(0))[0])
   for h in range(4):
     theta_1, theta_2 = v[h, 0, 0], v[h, 1, 0]
     np.testing.assert_allclose(v[h, 0, :], theta_1, rtol=1e-6)  # row 0, [0, 0] included
@@ -207,7 +210,7 @@ def test_bert_ad_is_the_four_term_sum():
 
 def test_segment_per_head_reads_the_table():
   _, params, st = init_scheme(SCHEME_CONFIGS["segment_per_head"])
-  bias = np.asarray(st.for_layer(1)[0].logits(None, 1.0))  # [B, H, L, L]
+  bias = np.asarray(st.for_layer(1)[0].logits(Q, 1.0))  # [B, H, L, L]
   table = np.asarray(params["params"]["segment_bias"].value)[1]  # [H, 3, 3]
   seg = np.asarray(segment_ids())
   for b, h, i, j in [(0, 0, 0, 9), (1, 2, 1, 6), (1, 3, 8, 2), (0, 1, 4, 5)]:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from posenc_jax.schemes.base import Scheme
-from posenc_jax.terms import Bias, SchemeTerms, relative_offsets
+from posenc_jax.terms import SchemeTerms, Toeplitz
 
 Array = jax.Array
 
@@ -15,6 +17,21 @@ Array = jax.Array
 def alibi_slopes(num_heads: int) -> Array:
   """``[H]`` slopes ``m_h = 2^(-8 h / H)``, h = 1..H."""
   return 2.0 ** (-8.0 * jnp.arange(1, num_heads + 1, dtype=jnp.float32) / num_heads)
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearDistance:
+  """ALiBi's offset function: ``-m_h |i - j|`` (causal: ``-m_h max(i - j, 0)``).
+
+  Called as ``(slopes [..., 1], rel [N]) -> [..., N]`` (see
+  :class:`posenc_jax.terms.Toeplitz`).
+  """
+
+  causal: bool = False
+
+  def __call__(self, slopes: Array, rel: Array) -> Array:
+    distance = jnp.maximum(-rel, 0) if self.causal else jnp.abs(rel)
+    return -slopes * distance.astype(jnp.float32)
 
 
 class Alibi(Scheme):
@@ -33,7 +50,6 @@ class Alibi(Scheme):
 
   @nn.compact
   def __call__(self, length, segment_ids=None):
-    distance = -relative_offsets(length, length)  # i - j
-    distance = jnp.maximum(distance, 0) if self.causal else jnp.abs(distance)
-    bias = -alibi_slopes(self.num_heads)[:, None, None] * distance.astype(jnp.float32)
-    return SchemeTerms(terms=(Bias(bias[None]),))
+    del length  # the term is built for any length
+    slopes = alibi_slopes(self.num_heads)[None, :, None]  # [1 (layers), H, 1]
+    return SchemeTerms(terms=(Toeplitz(slopes, LinearDistance(self.causal)),))

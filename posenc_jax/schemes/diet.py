@@ -6,11 +6,28 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 
 from posenc_jax.schemes.base import Scheme
-from posenc_jax.terms import Bias, Factored, SchemeTerms, relative_offsets
+from posenc_jax.terms import Factored, SchemeTerms, Toeplitz
+
+
+@dataclasses.dataclass(frozen=True)
+class ClippedOffsets:
+  """DIET-REL's offset function: ``R_h[clip(i - j, -t, t)]`` from a ``[..., 2t + 1]`` table.
+
+  Called as ``(table [..., 2t + 1], rel [N]) -> [..., N]`` with ``rel = j - i``
+  (see :class:`posenc_jax.terms.Toeplitz`).
+  """
+
+  clip: int
+
+  def __call__(self, table: jax.Array, rel: jax.Array) -> jax.Array:
+    return jnp.take(table, jnp.clip(-rel, -self.clip, self.clip) + self.clip, axis=-1)
 
 
 class DietRel(Scheme):
@@ -33,8 +50,7 @@ class DietRel(Scheme):
     layers, heads = self.sharing_dims(self.sharing)
     table = self.logical_param("relative_bias", nn.initializers.normal(0.02),
                                (layers, heads, 2 * clip + 1), ("layers", "heads", "relpos"))
-    index = jnp.clip(-relative_offsets(length, length), -clip, clip) + clip
-    return SchemeTerms(terms=(Bias(jnp.take(table, index, axis=-1)),))
+    return SchemeTerms(terms=(Toeplitz(table, ClippedOffsets(clip)),))
 
 
 class DietAbs(Scheme):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import flax.linen as nn
@@ -10,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from posenc_jax.schemes.base import Scheme
-from posenc_jax.terms import Bias, SchemeTerms, relative_offsets
+from posenc_jax.terms import SchemeTerms, Toeplitz, relative_offsets, toeplitz_bias
 
 Array = jax.Array
 
@@ -48,19 +49,30 @@ def relative_position_bucket(relative_position: Array, *, bidirectional: bool = 
   return bucket + jnp.where(n < max_exact, n, large)
 
 
+@dataclasses.dataclass(frozen=True)
+class BucketedOffsets:
+  """T5's offset function: ``b_h[bucket(j - i)]`` from a ``[..., num_buckets]`` table.
+
+  Called as ``(table [..., n], rel [N]) -> [..., N]`` (see
+  :class:`posenc_jax.terms.Toeplitz`).
+  """
+
+  max_distance: int = 128
+  bidirectional: bool = True
+
+  def __call__(self, table: Array, rel: Array) -> Array:
+    buckets = relative_position_bucket(rel, bidirectional=self.bidirectional,
+                                       num_buckets=table.shape[-1],
+                                       max_distance=self.max_distance)
+    return jnp.take(table, buckets, axis=-1)
+
+
 def t5_bias(table: Array, q_len: int, k_len: int, *, bidirectional: bool,
             max_distance: int) -> Array:
-  """Bucketed bias from a per-bucket table.
-
-  Args:
-    table: ``[..., num_buckets]`` scalars (e.g. ``[H, num_buckets]``).
-
-  Returns:
-    ``[..., Lq, Lk]``.
-  """
-  buckets = relative_position_bucket(relative_offsets(q_len, k_len), bidirectional=bidirectional,
-                                     num_buckets=table.shape[-1], max_distance=max_distance)
-  return jnp.take(table, buckets, axis=-1)
+  """Bucketed bias from a per-bucket table ``[H, num_buckets]``: ``[H, Lq, Lk]``."""
+  offset_fn = BucketedOffsets(max_distance, bidirectional)
+  values = offset_fn(table, jnp.arange(-(q_len - 1), k_len, dtype=jnp.int32))
+  return toeplitz_bias(values, q_len, k_len)[0]
 
 
 class T5Bias(Scheme):
@@ -85,6 +97,5 @@ class T5Bias(Scheme):
     layers, heads = self.sharing_dims(self.sharing)
     table = self.logical_param("relative_bias", nn.initializers.normal(0.02),
                                (layers, heads, self.num_buckets), ("layers", "heads", "buckets"))
-    bias = t5_bias(table, length, length, bidirectional=self.bidirectional,
-                   max_distance=self.max_distance)
-    return SchemeTerms(terms=(Bias(bias),))
+    offset_fn = BucketedOffsets(self.max_distance, self.bidirectional)
+    return SchemeTerms(terms=(Toeplitz(table, offset_fn),))

@@ -23,8 +23,8 @@ import jax
 import jax.numpy as jnp
 
 from posenc_jax.schemes.base import Scheme
-from posenc_jax.schemes.t5 import t5_bias
-from posenc_jax.terms import Bias, Factored, QKShift, SchemeTerms
+from posenc_jax.schemes.t5 import BucketedOffsets
+from posenc_jax.terms import Factored, QKShift, SchemeTerms, Toeplitz
 
 Array = jax.Array
 
@@ -110,11 +110,8 @@ class Tupe(Scheme):
     if self.relative:
       table = self.logical_param("relative_bias", nn.initializers.normal(0.02),
                                  (self.num_heads, self.num_buckets), ("heads", "buckets"))
-      bias = t5_bias(table, length, length, bidirectional=True, max_distance=self.max_distance)
-      if self.untie_cls:
-        not_cls = jnp.arange(length) != 0
-        bias = bias * (not_cls[:, None] & not_cls[None, :])
-      terms.append(Bias(bias[None]))
+      terms.append(Toeplitz(table[None], BucketedOffsets(self.max_distance, bidirectional=True),
+                            zero_first=self.untie_cls))
     return SchemeTerms(terms=tuple(terms), content_scale=scale)
 
 
