@@ -6,12 +6,12 @@
 from posenc_jax.attention import MultiHeadAttention, attend
 from posenc_jax.schemes import SCHEMES, Scheme, SchemeConfigError, build_scheme
 from posenc_jax.terms import (Bias, Factored, InputEmbedding, QKShift, QueryRelative, Rotation,
-                              SchemeTerms, Term)
+                              SchemeTerms, Term, Toeplitz)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "SCHEMES", "Bias", "Factored", "InputEmbedding", "MultiHeadAttention", "QKShift",
-    "QueryRelative", "Rotation", "Scheme", "SchemeConfigError", "SchemeTerms", "Term", "attend",
-    "build_scheme",
+    "QueryRelative", "Rotation", "Scheme", "SchemeConfigError", "SchemeTerms", "Term", "Toeplitz",
+    "attend", "build_scheme",
 ]

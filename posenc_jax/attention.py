@@ -131,6 +131,9 @@ def _fused(q, k, v, terms, mask, causal, scale, *, toeplitz_kernel, implementati
   head_dim = v.shape[-1]
   q = jnp.concatenate(q_parts, axis=-1)
   k = jnp.concatenate(k_parts, axis=-1)
+  if q.shape[-1] % 8:  # zero columns change no product; cuDNN wants multiples of 8
+    widen = [(0, 0)] * 3 + [(0, -q.shape[-1] % 8)]
+    q, k = jnp.pad(q, widen), jnp.pad(k, widen)
   q_len, k_len = q.shape[1], k.shape[1]
   kernel_mask_ok = mask is None or mask.ndim == 2
   if implementation is None:
@@ -201,19 +204,31 @@ def attend(
   for term in terms:
     q, k = term.transform_qk(q, k)
   dropout = dropout_rate > 0.0 and dropout_rng is not None
-  backend = jax.default_backend()
-  if route == "auto":
-    fusable = all(t.fusable for t in terms) and not dropout
-    route = "fused" if fusable and backend != "cpu" else "reference"
+  route, toeplitz_kernel = choose_route(route, terms, dropout)
   if route == "reference":
     return _reference(q, k, v, terms, mask, causal, scale, dropout_rate, dropout_rng)
-  unfusable = [type(t).__name__ for t in terms if not t.fusable]
-  if unfusable:
-    raise ValueError(f"route: 'fused' cannot run {', '.join(unfusable)}; use route='reference'")
-  if dropout:
-    raise ValueError("route: 'fused' has no attention dropout; use route='reference' or 'auto'")
   return _fused(q, k, v, terms, mask, causal, scale, implementation=implementation,
-                toeplitz_kernel=backend != "tpu")
+                toeplitz_kernel=toeplitz_kernel)
+
+
+def choose_route(route: Route, terms: Sequence[Term], dropout: bool = False,
+                 backend: str | None = None) -> tuple[str, bool]:
+  """The route :func:`attend` runs: ``("reference" | "fused", toeplitz_kernel)``.
+
+  ``toeplitz_kernel`` says whether the fused route runs Toeplitz terms in
+  the Pallas kernel (everywhere but TPU, whose Mosaic backend has no
+  in-kernel gather). ``backend``: None reads :func:`jax.default_backend`.
+  Raises a one-line ValueError when ``fused`` is asked for and cannot run.
+  """
+  backend = jax.default_backend() if backend is None else backend
+  unfusable = [type(t).__name__ for t in terms if not t.fusable]
+  if route == "auto":
+    route = "reference" if unfusable or dropout or backend == "cpu" else "fused"
+  elif route == "fused" and unfusable:
+    raise ValueError(f"route: 'fused' cannot run {', '.join(unfusable)}; use route='reference'")
+  elif route == "fused" and dropout:
+    raise ValueError("route: 'fused' has no attention dropout; use route='reference' or 'auto'")
+  return route, backend != "tpu"
 
 
 def head_projection(module, name: str) -> nn.DenseGeneral:

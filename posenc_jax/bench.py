@@ -1,13 +1,19 @@
 """Each scheme's cost in a whole BERT, as ratios against the input-APE baseline of the same run.
 
   python -m posenc_jax.bench [--size tiny|small|base] [--length 128] [--batch 8]
-      [--schemes bert,diet_abs,diet_rel,...] [--dtype float32|bfloat16] [--json out.json]
+      [--schemes bert,diet_abs,diet_rel,...] [--baseline bert] [--route auto]
+      [--dtype float32|bfloat16] [--json out.json]
 
 For every scheme preset (``posenc_jax.presets.SCHEMES``) it builds the
 masked-LM BERT of the given size, compiles a training step (forward,
 backward, AdamW update) and an inference forward pass, and times both after
 warm-up as the median of ``--repeats`` runs, each timed alternately with the
-baseline (``bert``: Devlin et al.'s input table) so that load drifts cancel.
+baseline (default ``bert``: Devlin et al.'s input table; ``--baseline none``
+compares against the same attention with no positional term) so that load
+drifts cancel. ``--route`` sets the attention route of every model
+(``reference``, ``fused``, ``auto``; see :mod:`posenc_jax.attention`), e.g.
+``--route fused --baseline none --schemes diet_rel`` measures the Pallas
+Toeplitz kernel against itself without a bias.
 It prints milliseconds, the ratio to the baseline, tokens/s, peak device
 memory where the device reports it, and MFU (analytic FLOPs over the
 device's peak) on accelerators; ``--json`` writes the same rows.
@@ -35,11 +41,12 @@ DEFAULT_SCHEMES = ("bert", "shaw", "t5", "tupe_a", "tupe_r", "diet_rel", "diet_r
 BASELINE = "bert"
 
 
-def compiled_steps(size: str, scheme: str, *, batch: int, length: int, dtype: str):
+def compiled_steps(size: str, scheme: str, *, batch: int, length: int, dtype: str,
+                   route: str = "auto"):
   """Zero-argument (train step, inference) callables of the compiled model, and its config."""
   cfg = preset_config(f"{SIZES[size]},{scheme}").model
   cfg = model_config(cfg, max_len=max(length, cfg.get("max_len", 512)), dtype=dtype,
-                     dropout_rate=0.0, attention_dropout_rate=0.0)
+                     dropout_rate=0.0, attention_dropout_rate=0.0, route=route)
   model = BertForMaskedLM(cfg)
   key_ids, key_mask = jax.random.split(jax.random.key(0))
   ids = jax.random.randint(key_ids, (batch, length), 6, cfg.vocab_size)
@@ -103,16 +110,20 @@ def main(argv=None):
   parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
   parser.add_argument("--repeats", type=int, default=10)
   parser.add_argument("--schemes", default=",".join(DEFAULT_SCHEMES))
+  parser.add_argument("--baseline", default=BASELINE, help="scheme preset to divide by")
+  parser.add_argument("--route", choices=("auto", "reference", "fused"), default="auto")
   parser.add_argument("--json", default=None, help="also write the rows to this file")
   args = parser.parse_args(argv)
-  dims = dict(batch=args.batch, length=args.length, dtype=args.dtype)
+  dims = dict(batch=args.batch, length=args.length, dtype=args.dtype, route=args.route)
   tokens = args.batch * args.length
   peak = peak_flops()
   print(f"device: {jax.devices()[0].device_kind}; BERT-{args.size}, B={args.batch} "
-        f"L={args.length} {args.dtype}; median of {args.repeats}, each timed alternately with "
-        f"the '{BASELINE}' baseline (input APE); train = fwd+bwd+AdamW, infer = fwd")
-  base_train, base_infer, _, _ = compiled_steps(args.size, BASELINE, **dims)
-  print(f"{'scheme':<16}{'train ms':>10}{'x bert':>8}{'infer ms':>10}{'x bert':>8}"
+        f"L={args.length} {args.dtype}, route {args.route}; median of {args.repeats}, each "
+        f"timed alternately with the '{args.baseline}' baseline; train = fwd+bwd+AdamW, "
+        f"infer = fwd")
+  base_train, base_infer, _, _ = compiled_steps(args.size, args.baseline, **dims)
+  ratio = f"x {args.baseline}"[:8]
+  print(f"{'scheme':<16}{'train ms':>10}{ratio:>8}{'infer ms':>10}{ratio:>8}"
         f"{'tokens/s':>11}{'peak MB':>9}{'MFU':>7}")
   rows = []
   for scheme in args.schemes.split(","):
@@ -133,8 +144,8 @@ def main(argv=None):
           f"{mem}{mfu}", flush=True)
   if args.json:
     with open(args.json, "w") as f:
-      json.dump({"device": jax.devices()[0].device_kind, "size": args.size, **dims,
-                 "rows": rows}, f, indent=2)
+      json.dump({"device": jax.devices()[0].device_kind, "size": args.size,
+                 "baseline": args.baseline, **dims, "rows": rows}, f, indent=2)
   return rows
 
 

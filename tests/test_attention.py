@@ -129,3 +129,34 @@ def test_fused_route_builds_no_positional_lxl_tensor(name):
 def test_reference_route_does_build_the_lxl_tensor():
   """Control for the test above: the reference route's [H, L, L] T5 bias is found."""
   assert _positional_lxl_tensors("t5", route="reference")
+
+
+def test_auto_route_per_device():
+  from posenc_jax.attention import choose_route
+  from posenc_jax.terms import QueryRelative
+  shaw_value = QueryRelative(jnp.zeros((7, 8)), value_table=jnp.zeros((7, 8)), clip=3)
+  assert choose_route("auto", [], backend="cpu") == ("reference", True)
+  assert choose_route("auto", [], backend="gpu") == ("fused", True)
+  assert choose_route("auto", [], backend="tpu") == ("fused", False)
+  assert choose_route("auto", [], dropout=True, backend="gpu")[0] == "reference"
+  assert choose_route("auto", [shaw_value], backend="gpu")[0] == "reference"
+  assert choose_route("fused", [], backend="cpu") == ("fused", True)
+  with pytest.raises(ValueError, match="route: 'fused' has no attention dropout"):
+    choose_route("fused", [], dropout=True, backend="gpu")
+
+
+def test_cudnn_fallback_reasons():
+  from posenc_jax.attention import cudnn_unsupported
+  diet_abs = (8, 512, 12, 64 + 128)  # head dim 64 with rank 128 folded in
+  fits = dict(backend="gpu", compute_capability=9.0, has_bias=False)
+  assert cudnn_unsupported(diet_abs, diet_abs, jnp.bfloat16, **fits) is None
+  assert "backend cpu" in cudnn_unsupported(diet_abs, diet_abs, jnp.bfloat16,
+                                            **{**fits, "backend": "cpu"})
+  assert "dtype float32" in cudnn_unsupported(diet_abs, diet_abs, jnp.float32, **fits)
+  assert "at most 128" in cudnn_unsupported(diet_abs, diet_abs, jnp.float16,
+                                            **{**fits, "compute_capability": 8.0})
+  tupe = (8, 512, 12, 64 + 66)
+  assert "multiple of 8" in cudnn_unsupported(tupe, tupe, jnp.bfloat16, **fits)
+  odd = (8, 511, 12, 64)
+  assert "odd lengths" in cudnn_unsupported(odd, odd, jnp.bfloat16, **{**fits, "has_bias": True})
+  assert cudnn_unsupported(odd, odd, jnp.bfloat16, **fits) is None

@@ -46,3 +46,16 @@ def test_bench_runs_and_prints_ratios(tmp_path):
   saved = json.loads((tmp_path / "bench.json").read_text())
   assert [r["scheme"] for r in saved["rows"]] == ["diet_abs", "shaw"]
   assert saved["rows"][0]["train_ratio"] == pytest.approx(float(rows["diet_abs"][1]), abs=0.01)
+
+
+def test_bench_fused_route_against_no_positional_term(tmp_path):
+  """The long-sequence comparison: the Pallas Toeplitz kernel against itself with no bias."""
+  out = subprocess.run([sys.executable, "-m", "posenc_jax.bench", "--size", "tiny", "--batch", "1",
+                        "--length", "16", "--repeats", "1", "--schemes", "diet_rel",
+                        "--baseline", "none", "--route", "fused",
+                        "--json", str(tmp_path / "bench.json")],
+                       capture_output=True, text=True, check=True)
+  assert "route fused" in out.stdout and "x none" in out.stdout
+  saved = json.loads((tmp_path / "bench.json").read_text())
+  assert saved["baseline"] == "none" and saved["route"] == "fused"
+  assert saved["rows"][0]["train_ratio"] > 0

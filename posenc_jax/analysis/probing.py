@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from posenc_jax.terms import Bias, Factored, QKShift, QueryRelative, SchemeTerms
+from posenc_jax.terms import Bias, Factored, QKShift, QueryRelative, SchemeTerms, Toeplitz
 
 Array = jax.Array
 
@@ -338,7 +338,7 @@ def positional_attention(encoder, variables, *, length: int | None = None,
   # Which parts exist is decided from the terms' types, traced without computing anything.
   terms = jax.eval_shape(lambda v: _position_terms(encoder, v, length), variables)
   has_input = terms.embedding is not None and layer == 0
-  free = [type(t).__name__ for t in terms.terms if isinstance(t, (Bias, Factored, QKShift))]
+  free = [type(t).__name__ for t in terms.terms if isinstance(t, (Bias, Factored, QKShift, Toeplitz))]
   values = jax.jit(functools.partial(_positional_values, encoder, length=length,
                                      layer=layer))(variables)
   parts = (["input: c P W_Q W_K^T P^T"] if has_input else []) + free
@@ -362,7 +362,7 @@ def _positional_values(encoder, variables, *, length: int, layer: int) -> Array:
     pq = jnp.einsum("ld,dhk->hlk", p, jnp.asarray(attn["query"]["kernel"], jnp.float32))
     pk = jnp.einsum("ld,dhk->hlk", p, jnp.asarray(attn["key"]["kernel"], jnp.float32))
     values = values + scale * jnp.einsum("hik,hjk->hij", pq, pk)
-  free = [t for t in terms.for_layer(layer) if isinstance(t, (Bias, Factored, QKShift))]
+  free = [t for t in terms.for_layer(layer) if isinstance(t, (Bias, Factored, QKShift, Toeplitz))]
   if free:
     zeros = jnp.zeros((1, length, heads, head_dim), jnp.float32)
     logits = term_logits(zeros, zeros, free, scale)
