@@ -237,3 +237,60 @@ def test_bad_preset_and_pooler():
         jax.random.key(0), jnp.ones((1, 4), jnp.int32))
   with pytest.raises(ModelConfigError, match="head: got 'lm'"):
     build_model(model_config(TINY), "lm")
+
+
+def _mlm_loss(cfg):
+  model = BertForMaskedLM(cfg)
+  ids = jax.random.randint(jax.random.key(0), (2, 13), 6, 50)
+  mask = jnp.ones_like(ids).at[1, 9:].set(0)
+  params = model.init(jax.random.key(1), ids, jnp.zeros_like(ids), mask)["params"]
+
+  def loss(p):
+    logits = model.apply({"params": p}, ids, jnp.zeros_like(ids), mask)
+    return jnp.mean(jax.nn.log_softmax(logits)[..., 7])
+
+  return loss, params
+
+
+@pytest.mark.parametrize("scheme", [{"name": "diet_rel"}, {"name": "t5"}, {"name": "tupe_r"},
+                                    {"name": "alibi"}, {"name": "diet_abs", "rank": 4}])
+def test_fused_route_trains_like_the_reference(scheme):
+  """Whole model, loss and every parameter gradient: fused (Pallas, interpret) vs reference."""
+  grads = {}
+  for route in ("reference", "fused"):
+    loss, params = _mlm_loss(model_config(TINY, scheme=scheme, route=route))
+    grads[route] = jax.value_and_grad(loss)(params)
+  (ref_loss, ref), (fused_loss, fused) = grads["reference"], grads["fused"]
+  np.testing.assert_allclose(fused_loss, ref_loss, rtol=1e-5)
+  for path, g in jax.tree_util.tree_leaves_with_path(ref):
+    got = dict(jax.tree_util.tree_leaves_with_path(fused))[path]
+    np.testing.assert_allclose(got, g, rtol=1e-4, atol=1e-5 * max(1.0, float(np.abs(g).max())),
+                               err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.parametrize("scheme", ["diet_rel", "t5"])
+def test_fused_training_step_holds_no_length_squared_array(scheme):
+  """Long sequences: the fused route's whole training step (forward and backward) has no
+  array with two length axes (positional or content), which the reference route has."""
+  length = 1024
+  cfg = dict(TINY, max_len=length)
+
+  def arrays_with_two_length_axes(route):
+    model = BertForMaskedLM(model_config(cfg, scheme={"name": scheme}, route=route))
+    ids = jnp.ones((1, length), jnp.int32)
+    params = jax.eval_shape(model.init, jax.random.key(0), ids, ids, ids)["params"]
+    loss = lambda p: jnp.mean(model.apply({"params": p}, ids, ids, ids))  # noqa: E731
+    jaxpr = jax.make_jaxpr(jax.grad(loss))(params).jaxpr
+    return [s for s in _shapes(jaxpr) if list(s).count(length) >= 2]
+
+  assert arrays_with_two_length_axes("fused") == []
+  assert arrays_with_two_length_axes("reference")  # control
+
+
+def _shapes(jaxpr):
+  for eqn in jaxpr.eqns:
+    yield from (tuple(getattr(v.aval, "shape", ())) for v in eqn.outvars)
+    for param in eqn.params.values():
+      inner = getattr(param, "jaxpr", param)
+      if hasattr(inner, "eqns"):
+        yield from _shapes(inner)
