@@ -29,8 +29,8 @@ cuDNN fallback: :func:`jax.nn.dot_product_attention` reaches cuDNN only when
 asked to; the fused route asks when :func:`cudnn_unsupported` returns None
 (GPU, bfloat16/float16, folded head dim a multiple of 8 and at most 128, or
 256 from compute capability 9.0, even lengths with a bias) and otherwise
-runs the XLA implementation, or the Pallas kernel when there is no dense bias
-(so long sequences still never materialise the logits).
+runs the Pallas kernel without a bias when there is no dense term (so long
+sequences never materialise the logits), else the XLA implementation.
 """
 
 from __future__ import annotations
@@ -115,8 +115,8 @@ def cudnn_unsupported(q_shape: Sequence[int], k_shape: Sequence[int], dtype, *,
 
 
 def _fused(q, k, v, terms, mask, causal, scale, *, toeplitz_kernel, implementation):
-  """The fused route; ``toeplitz_kernel``: run Toeplitz terms (and, on GPU where
-  cuDNN cannot, plain attention) in the Pallas kernel instead of materialising them."""
+  """The fused route; ``toeplitz_kernel``: run Toeplitz terms (and, where cuDNN
+  cannot, plain attention) in the Pallas kernel instead of materialising them."""
   q_parts, k_parts, dense, toeplitz = [q], [k], [], []
   for term in terms:
     part = term.fused(q, scale)
@@ -140,8 +140,8 @@ def _fused(q, k, v, terms, mask, causal, scale, *, toeplitz_kernel, implementati
     no_cudnn = cudnn_unsupported(q.shape, k.shape, q.dtype, has_bias=bool(dense or toeplitz))
     implementation = "xla" if no_cudnn else "cudnn"
   one_reset = len({p.zero_first for p in toeplitz}) <= 1
-  plain_flash = implementation == "xla" and jax.default_backend() == "gpu"
-  if toeplitz_kernel and not dense and kernel_mask_ok and one_reset and (toeplitz or plain_flash):
+  if toeplitz_kernel and not dense and kernel_mask_ok and one_reset and (
+      toeplitz or implementation == "xla"):
     offset_bias = sum(p.offset_bias for p in toeplitz) if toeplitz else None
     return relative_flash_attention(
         q, k, v, offset_bias, mask=mask, causal=causal, scale=scale,

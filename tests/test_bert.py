@@ -268,7 +268,7 @@ def test_fused_route_trains_like_the_reference(scheme):
                                err_msg=jax.tree_util.keystr(path))
 
 
-@pytest.mark.parametrize("scheme", ["diet_rel", "t5"])
+@pytest.mark.parametrize("scheme", ["diet_rel", "t5", "diet_abs"])
 def test_fused_training_step_holds_no_length_squared_array(scheme):
   """Long sequences: the fused route's whole training step (forward and backward) has no
   array with two length axes (positional or content), which the reference route has."""
