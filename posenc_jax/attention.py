@@ -13,10 +13,14 @@
   ``bias`` of :func:`jax.nn.dot_product_attention` together with any Toeplitz
   term; without dense terms and without a Toeplitz term that call runs too,
   through cuDNN where :func:`cudnn_unsupported` finds nothing against it.
+* On TPU the fused route runs bias-free attention (factored terms folded,
+  RoPE, no term) through splash attention (self-attention, lengths a
+  multiple of 128), which takes no additive bias at all; Toeplitz and dense
+  terms are materialised there (Mosaic has no in-kernel gather) and go to
+  :func:`jax.nn.dot_product_attention`.
 * ``route="auto"`` (the default) picks per device, from the benchmark
-  (``python -m posenc_jax.bench --route``): on GPU the fused route; on TPU the
-  fused route with Toeplitz terms materialised (Mosaic has no in-kernel
-  gather, and splash attention takes no bias); on CPU the reference route
+  (``python -m posenc_jax.bench --route``): on GPU and TPU the fused route;
+  on CPU the reference route
   (at short lengths a batch-free term materialised once per layer costs
   less than folding it into every example's q/k, and Pallas only interprets
   on CPU). With attention dropout active it picks the reference route, the
@@ -115,8 +119,9 @@ def cudnn_unsupported(q_shape: Sequence[int], k_shape: Sequence[int], dtype, *,
 
 
 def _fused(q, k, v, terms, mask, causal, scale, *, toeplitz_kernel, implementation):
-  """The fused route; ``toeplitz_kernel``: run Toeplitz terms (and, where cuDNN
-  cannot, plain attention) in the Pallas kernel instead of materialising them."""
+  """The fused route. ``toeplitz_kernel`` (GPU, CPU): run Toeplitz terms (and, where
+  cuDNN cannot, plain attention) in the Pallas kernel instead of materialising
+  them; False (TPU): bias-free attention through splash attention."""
   q_parts, k_parts, dense, toeplitz = [q], [k], [], []
   for term in terms:
     part = term.fused(q, scale)
@@ -146,6 +151,8 @@ def _fused(q, k, v, terms, mask, causal, scale, *, toeplitz_kernel, implementati
     return relative_flash_attention(
         q, k, v, offset_bias, mask=mask, causal=causal, scale=scale,
         zero_first=bool(toeplitz) and toeplitz[0].zero_first)
+  if not toeplitz_kernel and not dense and not toeplitz and kernel_mask_ok and _splash_fits(q, k):
+    return _splash(q, k, v, mask, causal, scale)
   dense += [toeplitz_bias(p.offset_bias, q_len, k_len, p.zero_first) for p in toeplitz]
   bias = sum(dense[1:], dense[0]).astype(q.dtype) if dense else None
   # dot_product_attention wants v shaped like k: zero-pad, then slice off.
@@ -154,6 +161,33 @@ def _fused(q, k, v, terms, mask, causal, scale, *, toeplitz_kernel, implementati
       q, k, v, bias=bias, mask=_mask_4d(mask, False, q_len, k_len), scale=scale,
       is_causal=causal, implementation=implementation)
   return out[..., :head_dim]
+
+
+def _splash_fits(q: Array, k: Array) -> bool:
+  """Splash attention's shape needs: self-attention, length a multiple of its 128-row blocks."""
+  return q.shape[1] == k.shape[1] and q.shape[1] % 128 == 0
+
+
+def _splash(q, k, v, mask, causal, scale):
+  """TPU splash attention (no additive bias): q pre-scaled, padding as kv segment ids.
+
+  q/k ``[B, L, H, Dk]`` (terms folded in), v ``[B, L, H, D]``; returns
+  ``[B, L, H, D]``. Interpret mode on CPU (tests).
+  """
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
+  batch, length, heads, _ = q.shape
+  shape = (length, length)
+  pattern = masks.CausalMask(shape) if causal else masks.FullMask(shape)
+  kernel = splash.make_splash_mha(masks.MultiHeadMask([pattern] * heads), head_shards=1,
+                                  q_seq_shards=1, interpret=jax.default_backend() == "cpu")
+  q_segments = jnp.zeros((batch, length), jnp.int32)
+  kv_segments = q_segments if mask is None else 1 - mask.astype(jnp.int32)  # padding: 1
+  heads_major = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731
+  out = jax.vmap(lambda q, k, v, qs, ks: kernel(q, k, v, segment_ids=splash.SegmentIds(qs, ks)))(
+      heads_major(q * jnp.asarray(scale, q.dtype)), heads_major(k), heads_major(v), q_segments,
+      kv_segments)
+  return heads_major(out)
 
 
 def attend(

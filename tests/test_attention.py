@@ -1,5 +1,7 @@
 """The two attention routes agree (values and gradients) for every scheme."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -160,3 +162,31 @@ def test_cudnn_fallback_reasons():
   odd = (8, 511, 12, 64)
   assert "odd lengths" in cudnn_unsupported(odd, odd, jnp.bfloat16, **{**fits, "has_bias": True})
   assert cudnn_unsupported(odd, odd, jnp.bfloat16, **fits) is None
+
+
+@pytest.mark.parametrize("name,causal", [("diet_abs", False), ("rope", True), ("t5", False)])
+def test_tpu_fused_route_matches_reference(name, causal):
+  """The TPU form of the fused route (splash attention in interpret mode for bias-free
+  attention; Toeplitz terms materialised) against the reference route, gradients included."""
+  from posenc_jax.attention import _fused, _reference
+  _, _, st = init_scheme(SCHEME_CONFIGS[name], length=128, max_len=128)
+  q, k, v = qkv(length=128)
+  mask = jnp.arange(128)[None, :] < jnp.array([[128], [90]])
+  terms = [t.with_key_length(128) for t in st.for_layer(0)]
+  scale = st.content_scale or 1 / np.sqrt(8)
+
+  def loss(fn, q, k, v):
+    for t in terms:
+      q, k = t.transform_qk(q, k)
+    return jnp.sum(jnp.sin(fn(q, k, v)))
+
+  tpu = lambda q, k, v: _fused(q, k, v, terms, mask, causal, scale,  # noqa: E731
+                               toeplitz_kernel=False, implementation="xla")
+  ref = lambda q, k, v: _reference(q, k, v, terms, mask, causal, scale)  # noqa: E731
+  uses_splash = "splash" in str(jax.make_jaxpr(tpu)(q, k, v))
+  assert uses_splash == (name != "t5")  # T5 is a bias: materialised for XLA on TPU
+  got, got_grads = jax.value_and_grad(functools.partial(loss, tpu), argnums=(0, 1, 2))(q, k, v)
+  want, want_grads = jax.value_and_grad(functools.partial(loss, ref), argnums=(0, 1, 2))(q, k, v)
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+  for a, b in zip(got_grads, want_grads):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * max(1.0, float(np.abs(b).max())))
