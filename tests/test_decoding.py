@@ -14,7 +14,10 @@ from posenc_jax.models.decoding import (beam_search, decoder_step, greedy_search
                                         greedy_translate, init_cache, length_penalty,
                                         repeat_beams, translate)
 from posenc_jax.models.transformer import shift_right
-from posenc_jax.terms import Bias, Factored, InputEmbedding, QKShift, QueryRelative, Rotation, Term
+from posenc_jax.schemes.diet import ClippedOffsets
+from posenc_jax.schemes.t5 import BucketedOffsets
+from posenc_jax.terms import (Bias, Factored, InputEmbedding, QKShift, QueryRelative, Rotation, Term,
+                              Toeplitz)
 from tests.conftest import BATCH, DIMS, LENGTH, SCHEME_CONFIGS, init_scheme, padding_mask, qkv
 from tests.test_transformer import init_model, inputs
 
@@ -43,7 +46,11 @@ def rows(x, axis=-2):
     Factored(normal(1, (LENGTH, H, 3)), normal(2, (LENGTH, 1, 3))),
     Factored(normal(1, (BATCH, LENGTH, H, 3)), normal(2, (BATCH, LENGTH, H, 3))),
     Factored(normal(1, (LENGTH, H, 3)), normal(2, (5, H, 3))),  # Linformer: 5 key rows
-], ids=["bias", "bias_batch", "bias_broadcast", "factored", "factored_batch", "factored_lk"])
+    Toeplitz(normal(4, (H, 7)), ClippedOffsets(3)).with_key_length(LENGTH),
+    Toeplitz(normal(4, (1, 8)), BucketedOffsets(4, bidirectional=False), zero_first=True,
+             k_len=LENGTH),
+], ids=["bias", "bias_batch", "bias_broadcast", "factored", "factored_batch", "factored_lk",
+        "toeplitz", "toeplitz_reset"])
 def test_sliced_logits_are_rows_of_full_logits(term):
   q = normal(3, (BATCH, LENGTH, H, D))
   full = term.logits(q, 0.5)
@@ -111,10 +118,13 @@ def test_base_term_slices_only_when_it_holds_no_arrays():
 # model there.
 ATTENTION_SCHEMES = ["shaw_value", "t5_causal_per_layer", "diet_abs_head", "tupe_a_tie_cls",
                      "bert_ad", "segment_per_head", "alibi_causal", "rope"]
+# The fused route too (Pallas kernel for the full pass, materialised Toeplitz rows per step).
+FUSED_SCHEMES = ["t5_causal_per_layer", "alibi_causal", "diet_rel", "tupe_r", "diet_abs_head"]
 
 
-@pytest.mark.parametrize("name", ATTENTION_SCHEMES)
-def test_scheme_terms_slice_and_kv_cache(name):
+@pytest.mark.parametrize("name,route", [(n, "auto") for n in ATTENTION_SCHEMES]
+                         + [(n, "fused") for n in FUSED_SCHEMES])
+def test_scheme_terms_slice_and_kv_cache(name, route):
   """(1) Attention of sliced query rows (the SchemeTerms sliced with their layer
   axis, start traced) equals the same rows of the full attention. (2) One
   cached MultiHeadAttention step per position equals causal attention over the
@@ -124,12 +134,13 @@ def test_scheme_terms_slice_and_kv_cache(name):
   mask = padding_mask()
   layer = 1
   sliced = jax.jit(lambda st, s: st.slice_queries(s, SIZE))(st, jnp.int32(START))
-  full = attend(q, k, v, st.for_layer(layer), mask=mask, scale=st.content_scale)
-  part = attend(rows(q, 1), k, v, sliced.for_layer(layer), mask=mask, scale=st.content_scale)
+  full = attend(q, k, v, st.for_layer(layer), mask=mask, scale=st.content_scale, route=route)
+  part = attend(rows(q, 1), k, v, sliced.for_layer(layer), mask=mask, scale=st.content_scale,
+                route=route)
   np.testing.assert_allclose(part, rows(full, 1), **TOL)
 
   terms = st.for_layer(layer)
-  mha = MultiHeadAttention(H, D)
+  mha = MultiHeadAttention(H, D, route=route)
   x = normal(7, (BATCH, LENGTH, DIMS["d_model"]))
   init = functools.partial(mha.init, causal=True, scale=st.content_scale)
   shapes = jax.eval_shape(init, jax.random.key(0), x, terms)["params"]

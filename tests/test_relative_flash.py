@@ -190,3 +190,20 @@ def test_argument_errors():
     relative_flash_attention(q, k, v, mask=jnp.ones((1, 7), bool))
   with pytest.raises(ValueError, match="segment_ids"):
     relative_flash_attention(q, k, v, q_segment_ids=jnp.zeros((1, 8), int))
+
+
+def test_bfloat16_inputs_against_float32_reference():
+  """bf16 q/k/v (float32 accumulation inside) stay within bf16 rounding of the float32 result."""
+  q, k, v, _ = _inputs(2, 64, 64, d=16)
+  table = jax.random.normal(jax.random.PRNGKey(7), (H, 11))
+  ob = _diet(table, offsets(64, 64), 5)
+  bf = [x.astype(jnp.bfloat16) for x in (q, k, v)]
+  got = relative_flash_attention(*bf, ob, causal=True, block_q=16, block_k=16)
+  want = relative_flash_attention(*(x.astype(jnp.float32) for x in bf), ob, causal=True,
+                                  block_q=16, block_k=16)
+  assert got.dtype == jnp.bfloat16
+  np.testing.assert_allclose(got.astype(jnp.float32), want, atol=3e-2, rtol=3e-2)
+  reference = attend(*(x.astype(jnp.float32) for x in bf),
+                     (Bias(_diet(table, relative_offsets(64, 64), 5)),), causal=True,
+                     route="reference")
+  np.testing.assert_allclose(want, reference, atol=TOL, rtol=TOL)
