@@ -8,23 +8,20 @@
   into q/k by concatenation along the head dim, and Toeplitz terms (DIET-REL,
   T5, ALiBi, TUPE-R's relative part) go to the Pallas flash kernel
   (:func:`posenc_jax.kernels.relative_flash_attention`) as one ``[H, Lq+Lk-1]``
-  vector whose tiles the kernel builds in place. Terms that are dense by
-  nature (Shaw's query-dependent term, per-example biases) are added as the
-  ``bias`` of :func:`jax.nn.dot_product_attention` together with any Toeplitz
-  term; without dense terms and without a Toeplitz term that call runs too,
-  through cuDNN where :func:`cudnn_unsupported` finds nothing against it.
-* On TPU the fused route runs bias-free attention (factored terms folded,
-  RoPE, no term) through splash attention (self-attention, lengths a
-  multiple of 128), which takes no additive bias at all; Toeplitz and dense
-  terms are materialised there (Mosaic has no in-kernel gather) and go to
+  vector whose tiles the kernel builds in place (gather tiles through Triton
+  on GPU, strided-roll tiles through Mosaic on TPU). Bias-free attention
+  (after folding) runs on cuDNN on GPU and on splash attention on TPU where
+  they fit (splash takes no additive bias at all, so folding is its only
+  positional route), else in the Pallas kernel without a bias. Terms that are
+  dense by nature (Shaw's query-dependent term, per-example biases) are
+  added, with any Toeplitz term materialised, as the ``bias`` of
   :func:`jax.nn.dot_product_attention`.
 * ``route="auto"`` (the default) picks per device, from the benchmark
   (``python -m posenc_jax.bench --route``): on GPU and TPU the fused route;
-  on CPU the reference route
-  (at short lengths a batch-free term materialised once per layer costs
-  less than folding it into every example's q/k, and Pallas only interprets
-  on CPU). With attention dropout active it picks the reference route, the
-  only one that runs it.
+  on CPU the reference route (at short lengths a batch-free term
+  materialised once per layer costs less than folding it into every
+  example's q/k, and Pallas only interprets on CPU). With attention dropout
+  active it picks the reference route, the only one that runs it.
 
 The routes agree to float32 rounding, gradients included (tested, the Pallas
 kernel in interpret mode).
@@ -34,7 +31,9 @@ asked to; the fused route asks when :func:`cudnn_unsupported` returns None
 (GPU, bfloat16/float16, folded head dim a multiple of 8 and at most 128, or
 256 from compute capability 9.0, even lengths with a bias) and otherwise
 runs the Pallas kernel without a bias when there is no dense term (so long
-sequences never materialise the logits), else the XLA implementation.
+sequences never materialise the logits), else the XLA implementation. Splash
+attention (TPU) needs self-attention over a multiple of 128 positions; other
+shapes take the Pallas kernel.
 """
 
 from __future__ import annotations
@@ -118,10 +117,16 @@ def cudnn_unsupported(q_shape: Sequence[int], k_shape: Sequence[int], dtype, *,
   return None
 
 
-def _fused(q, k, v, terms, mask, causal, scale, *, toeplitz_kernel, implementation):
-  """The fused route. ``toeplitz_kernel`` (GPU, CPU): run Toeplitz terms (and, where
-  cuDNN cannot, plain attention) in the Pallas kernel instead of materialising
-  them; False (TPU): bias-free attention through splash attention."""
+def _fused(q, k, v, terms, mask, causal, scale, *, implementation, backend=None):
+  """The fused route (module docstring); ``backend`` None reads the default backend.
+
+  Toeplitz terms without dense ones go to the Pallas kernel (gather tiles,
+  Triton, on GPU and CPU; roll tiles, Mosaic, on TPU). Bias-free attention
+  goes to cuDNN on GPU where it fits, to splash attention on TPU where it
+  fits, else to the Pallas kernel without a bias. Dense terms (with any
+  Toeplitz term materialised) go to :func:`jax.nn.dot_product_attention`.
+  """
+  backend = jax.default_backend() if backend is None else backend
   q_parts, k_parts, dense, toeplitz = [q], [k], [], []
   for term in terms:
     part = term.fused(q, scale)
@@ -142,17 +147,18 @@ def _fused(q, k, v, terms, mask, causal, scale, *, toeplitz_kernel, implementati
   q_len, k_len = q.shape[1], k.shape[1]
   kernel_mask_ok = mask is None or mask.ndim == 2
   if implementation is None:
-    no_cudnn = cudnn_unsupported(q.shape, k.shape, q.dtype, has_bias=bool(dense or toeplitz))
+    no_cudnn = cudnn_unsupported(q.shape, k.shape, q.dtype, has_bias=bool(dense or toeplitz),
+                                 backend=backend)
     implementation = "xla" if no_cudnn else "cudnn"
-  one_reset = len({p.zero_first for p in toeplitz}) <= 1
-  if toeplitz_kernel and not dense and kernel_mask_ok and one_reset and (
-      toeplitz or implementation == "xla"):
+  kernel_fits = not dense and kernel_mask_ok and len({p.zero_first for p in toeplitz}) <= 1
+  if kernel_fits and not toeplitz and backend == "tpu" and _splash_fits(q, k):
+    return _splash(q, k, v, mask, causal, scale)
+  if kernel_fits and (toeplitz or implementation == "xla"):
     offset_bias = sum(p.offset_bias for p in toeplitz) if toeplitz else None
     return relative_flash_attention(
         q, k, v, offset_bias, mask=mask, causal=causal, scale=scale,
-        zero_first=bool(toeplitz) and toeplitz[0].zero_first)
-  if not toeplitz_kernel and not dense and not toeplitz and kernel_mask_ok and _splash_fits(q, k):
-    return _splash(q, k, v, mask, causal, scale)
+        zero_first=bool(toeplitz) and toeplitz[0].zero_first,
+        tiles="roll" if backend == "tpu" else "gather")
   dense += [toeplitz_bias(p.offset_bias, q_len, k_len, p.zero_first) for p in toeplitz]
   bias = sum(dense[1:], dense[0]).astype(q.dtype) if dense else None
   # dot_product_attention wants v shaped like k: zero-pad, then slice off.
@@ -238,21 +244,17 @@ def attend(
   for term in terms:
     q, k = term.transform_qk(q, k)
   dropout = dropout_rate > 0.0 and dropout_rng is not None
-  route, toeplitz_kernel = choose_route(route, terms, dropout)
-  if route == "reference":
+  if choose_route(route, terms, dropout) == "reference":
     return _reference(q, k, v, terms, mask, causal, scale, dropout_rate, dropout_rng)
-  return _fused(q, k, v, terms, mask, causal, scale, implementation=implementation,
-                toeplitz_kernel=toeplitz_kernel)
+  return _fused(q, k, v, terms, mask, causal, scale, implementation=implementation)
 
 
 def choose_route(route: Route, terms: Sequence[Term], dropout: bool = False,
-                 backend: str | None = None) -> tuple[str, bool]:
-  """The route :func:`attend` runs: ``("reference" | "fused", toeplitz_kernel)``.
+                 backend: str | None = None) -> str:
+  """The route :func:`attend` runs, ``"reference"`` or ``"fused"``.
 
-  ``toeplitz_kernel`` says whether the fused route runs Toeplitz terms in
-  the Pallas kernel (everywhere but TPU, whose Mosaic backend has no
-  in-kernel gather). ``backend``: None reads :func:`jax.default_backend`.
-  Raises a one-line ValueError when ``fused`` is asked for and cannot run.
+  ``backend``: None reads :func:`jax.default_backend`. Raises a one-line
+  ValueError when ``fused`` is asked for and cannot run.
   """
   backend = jax.default_backend() if backend is None else backend
   unfusable = [type(t).__name__ for t in terms if not t.fusable]
@@ -262,7 +264,7 @@ def choose_route(route: Route, terms: Sequence[Term], dropout: bool = False,
     raise ValueError(f"route: 'fused' cannot run {', '.join(unfusable)}; use route='reference'")
   elif route == "fused" and dropout:
     raise ValueError("route: 'fused' has no attention dropout; use route='reference' or 'auto'")
-  return route, backend != "tpu"
+  return route
 
 
 def head_projection(module, name: str) -> nn.DenseGeneral:

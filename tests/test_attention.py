@@ -137,12 +137,12 @@ def test_auto_route_per_device():
   from posenc_jax.attention import choose_route
   from posenc_jax.terms import QueryRelative
   shaw_value = QueryRelative(jnp.zeros((7, 8)), value_table=jnp.zeros((7, 8)), clip=3)
-  assert choose_route("auto", [], backend="cpu") == ("reference", True)
-  assert choose_route("auto", [], backend="gpu") == ("fused", True)
-  assert choose_route("auto", [], backend="tpu") == ("fused", False)
-  assert choose_route("auto", [], dropout=True, backend="gpu")[0] == "reference"
-  assert choose_route("auto", [shaw_value], backend="gpu")[0] == "reference"
-  assert choose_route("fused", [], backend="cpu") == ("fused", True)
+  assert choose_route("auto", [], backend="cpu") == "reference"
+  assert choose_route("auto", [], backend="gpu") == "fused"
+  assert choose_route("auto", [], backend="tpu") == "fused"
+  assert choose_route("auto", [], dropout=True, backend="gpu") == "reference"
+  assert choose_route("auto", [shaw_value], backend="gpu") == "reference"
+  assert choose_route("fused", [], backend="cpu") == "fused"
   with pytest.raises(ValueError, match="route: 'fused' has no attention dropout"):
     choose_route("fused", [], dropout=True, backend="gpu")
 
@@ -164,10 +164,12 @@ def test_cudnn_fallback_reasons():
   assert cudnn_unsupported(odd, odd, jnp.bfloat16, **fits) is None
 
 
-@pytest.mark.parametrize("name,causal", [("diet_abs", False), ("rope", True), ("t5", False)])
+@pytest.mark.parametrize("name,causal", [("diet_abs", False), ("rope", True), ("t5", False),
+                                         ("tupe_r", True)])
 def test_tpu_fused_route_matches_reference(name, causal):
-  """The TPU form of the fused route (splash attention in interpret mode for bias-free
-  attention; Toeplitz terms materialised) against the reference route, gradients included."""
+  """The TPU form of the fused route, in interpret mode (splash attention for bias-free
+  attention, the kernel's roll tiles for Toeplitz terms) against the reference route,
+  gradients included."""
   from posenc_jax.attention import _fused, _reference
   _, _, st = init_scheme(SCHEME_CONFIGS[name], length=128, max_len=128)
   q, k, v = qkv(length=128)
@@ -181,10 +183,11 @@ def test_tpu_fused_route_matches_reference(name, causal):
     return jnp.sum(jnp.sin(fn(q, k, v)))
 
   tpu = lambda q, k, v: _fused(q, k, v, terms, mask, causal, scale,  # noqa: E731
-                               toeplitz_kernel=False, implementation="xla")
+                               implementation="xla", backend="tpu")
   ref = lambda q, k, v: _reference(q, k, v, terms, mask, causal, scale)  # noqa: E731
-  uses_splash = "splash" in str(jax.make_jaxpr(tpu)(q, k, v))
-  assert uses_splash == (name != "t5")  # T5 is a bias: materialised for XLA on TPU
+  kernels = str(jax.make_jaxpr(tpu)(q, k, v))
+  assert ("splash" in kernels) == (name in ("diet_abs", "rope"))
+  assert ("relative_flash" in kernels) == (name in ("t5", "tupe_r"))
   got, got_grads = jax.value_and_grad(functools.partial(loss, tpu), argnums=(0, 1, 2))(q, k, v)
   want, want_grads = jax.value_and_grad(functools.partial(loss, ref), argnums=(0, 1, 2))(q, k, v)
   np.testing.assert_allclose(got, want, rtol=1e-5)

@@ -46,16 +46,18 @@ def _check(q, k, v, cot, param, bias_fn, *, zero_first=False, **kw):
   """Values and (q, k, v, param) gradients of the kernel vs attend(route='reference')."""
   lq, lk = q.shape[1], k.shape[1]
 
+  blocks = {} if kw.get("tiles") == "roll" else dict(block_q=16, block_k=16)
+
   def kernel(q, k, v, param):
     return relative_flash_attention(q, k, v, bias_fn(param, offsets(lq, lk)),
-                                    zero_first=zero_first, block_q=16, block_k=16, **kw)
+                                    zero_first=zero_first, **blocks, **kw)
 
   def reference(q, k, v, param):
     bias = bias_fn(param, relative_offsets(lq, lk))
     if zero_first:
       keep = (jnp.arange(lq) != 0)[:, None] & (jnp.arange(lk) != 0)[None, :]
       bias = bias * keep
-    mask = kw.get("mask")
+    mask = kw.get("mask")  # as the kernel: [B, Lk] keys, and segments when given
     if "q_segment_ids" in kw:
       same = kw["q_segment_ids"][:, :, None] == kw["kv_segment_ids"][:, None, :]
       mask = same if mask is None else same & mask[:, None, :]
@@ -190,6 +192,10 @@ def test_argument_errors():
     relative_flash_attention(q, k, v, mask=jnp.ones((1, 7), bool))
   with pytest.raises(ValueError, match="segment_ids"):
     relative_flash_attention(q, k, v, q_segment_ids=jnp.zeros((1, 8), int))
+  with pytest.raises(ValueError, match="block_q: got 64; expected a power of two >= 128"):
+    relative_flash_attention(q, k, v, tiles="roll", block_q=64)
+  with pytest.raises(ValueError, match="tiles"):
+    relative_flash_attention(q, k, v, tiles="onehot")
 
 
 def test_bfloat16_inputs_against_float32_reference():
@@ -207,3 +213,46 @@ def test_bfloat16_inputs_against_float32_reference():
                      (Bias(_diet(table, relative_offsets(64, 64), 5)),), causal=True,
                      route="reference")
   np.testing.assert_allclose(want, reference, atol=TOL, rtol=TOL)
+
+
+# The TPU (Mosaic) way of building tiles: strided rolls of each tile's window, 128-blocks.
+ROLL = dict(tiles="roll")
+
+
+def test_roll_tiles_diet_rel_with_padding():
+  q, k, v, cot = _inputs(2, 200, 200)
+  table = jax.random.normal(jax.random.PRNGKey(7), (H, 81))
+  mask = jnp.arange(200)[None, :] < jnp.array([[200], [150]])
+  _check(q, k, v, cot, table, lambda t, rel: _diet(t, rel, 40), mask=mask, **ROLL)
+
+
+def test_roll_tiles_causal_t5_with_cls_reset():
+  q, k, v, cot = _inputs(1, 300, 300)
+  table = jax.random.normal(jax.random.PRNGKey(7), (H, 8))
+  _check(q, k, v, cot, table, lambda t, rel: _t5(t, rel, False), zero_first=True, causal=True,
+         **ROLL)
+
+
+def test_roll_tiles_cross_lengths_segments_alibi():
+  q, _, _, cot = _inputs(2, 130, 130)
+  _, k, v, _ = _inputs(2, 260, 260, seed=1)
+  q_seg = jnp.stack([(jnp.arange(130) >= 60).astype(int)] * 2)
+  kv_seg = jnp.stack([(jnp.arange(260) >= 100).astype(int)] * 2)
+  _check(q, k, v, cot, alibi_slopes(H), lambda s, rel: _alibi(s, rel, False),
+         q_segment_ids=q_seg, kv_segment_ids=kv_seg, **ROLL)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_roll_tiles_lower_for_tpu_mosaic(causal):
+  """Forward and backward lower through Pallas' Mosaic backend (no TPU needed to lower)."""
+  def loss(q, k, v, table):
+    ob = _t5(table, offsets(200, 200), bidirectional=not causal)
+    out = relative_flash_attention(q, k, v, ob, mask=jnp.ones((2, 200), bool), causal=causal,
+                                   zero_first=True, tiles="roll", interpret=False)
+    return jnp.sum(out.astype(jnp.float32))
+
+  shapes = [jax.ShapeDtypeStruct((2, 200, H, 64), jnp.bfloat16)] * 3
+  shapes.append(jax.ShapeDtypeStruct((H, 32), jnp.float32))
+  exported = export.export(jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3))),
+                           platforms=["tpu"])(*shapes)
+  assert exported.mlir_module().count("tpu_custom_call") == 3  # forward, dq (+ bias), dk/dv

@@ -16,12 +16,11 @@ bucket gather, ALiBi: slope times distance; see
     out[b, i, h] = sum_j softmax_j(scale * q_i . k_j + offset_bias[h, j - i + Lq - 1]) v_j
 
 with an online (flash) softmax blocked over queries and keys. Each
-``[block_q, block_k]`` bias tile is gathered inside the kernel from the
+``[block_q, block_k]`` bias tile is built inside the kernel from the
 vector, so no ``[B, H, L, L]`` or ``[H, L, L]`` array is ever materialised,
 in the forward or the backward pass. The backward pass returns the vector's
-gradient: each logit-cotangent tile is summed along its diagonals (a skewed
-gather over the tile, ``O(block_q (block_q + block_k))`` per tile) into the
-offsets it covers; JAX then carries that gradient back through the scheme's
+gradient: each logit-cotangent tile is summed along its diagonals
+(``O(block_q (block_q + block_k))`` per tile) into the offsets it covers; JAX then carries that gradient back through the scheme's
 gather to its table.
 
 Masking: ``q_segment_ids [B, Lq]`` and ``kv_segment_ids [B, Lk]`` (packed
@@ -32,12 +31,22 @@ and column 0 (TUPE-R's [CLS] reset). A query row whose keys are *all* masked
 returns zeros (the materialised reference averages every value uniformly
 there instead).
 
-Lowering: GPU through Pallas' Triton backend (every in-kernel array has a
-power-of-two size: block sizes are powers of two, the head dim and the offset
-vector are zero-padded to powers of two); CPU in interpret mode
-(``interpret=None`` picks it on the CPU backend). TPU (Mosaic) is not
-supported: Mosaic has no in-kernel gather, so on TPU
-:func:`posenc_jax.attend` materialises the bias instead.
+Two ways of building tiles (``tiles``), both exact and both tested in
+interpret mode on CPU (``interpret=None`` picks it on the CPU backend):
+
+* ``gather`` (GPU, Pallas' Triton backend): the tile is an in-kernel gather
+  ``ob[j - i + Lq_p - 1]``; its gradient goes through a ``[bq, bk]`` scratch
+  read back skewed (one diagonal per column). Every in-kernel array has a
+  power-of-two size: block sizes are powers of two, the head dim and the
+  offset vector are zero-padded to powers of two.
+* ``roll`` (TPU, Pallas' Mosaic backend, which has no gather): blocks are
+  multiples of 128, so each tile's window of ``bq + bk`` offsets is a
+  lane-aligned slice; broadcast to the rows and rotated by one strided roll
+  (row ``r`` by ``bk + 1 + r``) it is the tile. The gradient rolls the
+  zero-padded cotangent tile back and sums its rows.
+
+Both lower for their accelerator without one (``jax.export``, tested); neither
+has yet been run or tuned on a GPU or TPU.
 """
 
 from __future__ import annotations
@@ -50,6 +59,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plt
 
 Array = jax.Array
@@ -76,6 +86,7 @@ class _Config:
   """Static kernel settings; lengths are the padded ones unless named otherwise."""
 
   has_bias: bool
+  tiles: str  # "gather" (Triton, interpret) or "roll" (Mosaic, interpret)
   zero_first: bool
   causal: bool
   scale: float
@@ -87,7 +98,19 @@ class _Config:
 
   @property
   def compiler_params(self):
-    return None if self.interpret else plt.CompilerParams(num_warps=4, num_stages=2)
+    if self.interpret:
+      return None
+    if self.tiles == "roll":
+      return pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary"))
+    return plt.CompilerParams(num_warps=4, num_stages=2)
+
+  def window_start(self, qi, kj):
+    """Offset index (in the padded vector) of the first diagonal a tile touches.
+
+    Column ``w`` of a tile's window holds ``rel = kj*bk - qi*bq + w - (bq - 1)``,
+    i.e. vector entry ``window_start + w``; the window has ``bq + bk`` entries.
+    """
+    return kj * self.block_k - qi * self.block_q + self.q_len - self.block_q
 
 
 def _barrier(cfg: _Config) -> None:
@@ -97,21 +120,65 @@ def _barrier(cfg: _Config) -> None:
 
 
 def _tile(cfg, q, k, ob_ref, qseg, kseg, qi, kj):
-  """Scaled logits + bias ``[bq, bk]`` (float32, masked to ``_NEG``) and the validity mask."""
+  """Scaled logits + bias ``[bq, bk]`` (float32, masked to ``_NEG``) and the validity mask.
+
+  ``qseg`` ``[bq, 1]`` and ``kseg`` ``[1, bk]`` are the tile's segment ids.
+  """
   bq, bk = cfg.block_q, cfg.block_k
   s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
   s = s * cfg.scale
   i = qi * bq + lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
   j = kj * bk + lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
   if cfg.has_bias:
-    bias = ob_ref[j - i + (cfg.q_len - 1)].astype(jnp.float32)
+    bias = _bias_tile(cfg, ob_ref, i, j, qi, kj)
     if cfg.zero_first:
       bias = jnp.where((i == 0) | (j == 0), 0.0, bias)
     s = s + bias
-  valid = qseg[:, None] == kseg[None, :]
+  valid = qseg == kseg
   if cfg.causal:
     valid = valid & (j <= i)
   return jnp.where(valid, s, _NEG), valid
+
+
+def _bias_tile(cfg, ob_ref, i, j, qi, kj):
+  """``[bq, bk]`` float32 tile ``ob[j - i + Lq_p - 1]`` from the ``[1, Loff_p]`` ref.
+
+  ``gather``: an in-kernel gather (Triton loads through a pointer tensor).
+  ``roll``: the tile's window of ``bq + bk`` entries (a lane-aligned slice, the
+  blocks being multiples of 128) broadcast to every row, row ``r`` rotated by
+  ``bk + 1 + r`` (one strided roll), then its first ``bk`` columns.
+  """
+  if cfg.tiles == "gather":
+    return ob_ref[0, j - i + (cfg.q_len - 1)].astype(jnp.float32)
+  bq, bk = cfg.block_q, cfg.block_k
+  window = ob_ref[:, pl.ds(pl.multiple_of(cfg.window_start(qi, kj), 128), bq + bk)]
+  rows = jnp.broadcast_to(window.astype(jnp.float32), (bq, bq + bk))
+  return pltpu.roll(rows, bk + 1, 1, stride=1, stride_axis=0)[:, :bk]
+
+
+def _diagonal_sums(cfg, dbias, ds_ref):
+  """``[1, bq + bk]`` sums of the tile ``dbias`` ``[bq, bk]`` along its diagonals (window order).
+
+  ``gather``: the tile goes through the ``ds_ref`` scratch and is read back
+  skewed (column ``w`` of row ``r`` is tile column ``r + w - (bq - 1)``).
+  ``roll``: the tile, zero-padded to the window width, is rotated back (row
+  ``r`` by ``-(bk + 1 + r)``) and summed over rows.
+  """
+  bq, bk = cfg.block_q, cfg.block_k
+  width = bq + bk
+  if cfg.tiles == "roll":
+    padded = jnp.concatenate([dbias, jnp.zeros((bq, width - bk), jnp.float32)], axis=1)
+    back = pltpu.roll(padded, width - bk - 1, 1, stride=width - 1, stride_axis=0)
+    return jnp.sum(back, axis=0, keepdims=True)
+  row = lax.broadcasted_iota(jnp.int32, (bq, width), 0)
+  col = row + lax.broadcasted_iota(jnp.int32, (bq, width), 1) - (bq - 1)
+  on_tile = (col >= 0) & (col < bk)
+  ds_ref[...] = dbias
+  _barrier(cfg)
+  sums = jnp.sum(jnp.where(on_tile, ds_ref[row, jnp.clip(col, 0, bk - 1)], 0.0), axis=0,
+                 keepdims=True)
+  _barrier(cfg)
+  return sums
 
 
 def _num_k_blocks(cfg, qi):
@@ -119,12 +186,14 @@ def _num_k_blocks(cfg, qi):
   nk = cfg.k_len // cfg.block_k
   if not cfg.causal:
     return nk
-  return jnp.minimum(nk, ((qi + 1) * cfg.block_q + cfg.block_k - 1) // cfg.block_k)
+  # lax.div: truncating division of non-negative ints (Mosaic lowers no floor division).
+  return jnp.minimum(nk, lax.div((qi + 1) * cfg.block_q + cfg.block_k - 1, cfg.block_k))
 
 
 # ---------------------------------------------------------------------------
-# Kernels. Refs are one (batch, head) slice: q/do [bq or Lq_p, Dp], k/v
-# [Lk_p or bk, Dp], offset bias [Loff_p], segment ids and lse/delta rows 1-D.
+# Kernels. Refs are one (batch, head) slice, every array 2-D: q/do [bq or Lq_p, Dp],
+# k/v [Lk_p or bk, Dp], offset bias [1, Loff_p], query segment ids and lse/delta
+# columns [bq or Lq_p, 1], key segment ids a row [1, Lk_p or bk].
 
 
 def _fwd_kernel(cfg, q_ref, k_ref, v_ref, ob_ref, qseg_ref, kseg_ref, o_ref, lse_ref):
@@ -136,31 +205,31 @@ def _fwd_kernel(cfg, q_ref, k_ref, v_ref, ob_ref, qseg_ref, kseg_ref, o_ref, lse
     m, l, acc = carry
     k = k_ref[pl.ds(kj * bk, bk), :]
     v = v_ref[pl.ds(kj * bk, bk), :]
-    s, valid = _tile(cfg, q, k, ob_ref, qseg, kseg_ref[pl.ds(kj * bk, bk)], qi, kj)
-    m_new = jnp.maximum(m, jnp.max(s, axis=1))
-    p = jnp.where(valid, jnp.exp(s - m_new[:, None]), 0.0)
+    s, valid = _tile(cfg, q, k, ob_ref, qseg, kseg_ref[:, pl.ds(kj * bk, bk)], qi, kj)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
+    p = jnp.where(valid, jnp.exp(s - m_new), 0.0)
     alpha = jnp.exp(m - m_new)
     pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
                          preferred_element_type=jnp.float32)
-    return m_new, alpha * l + jnp.sum(p, axis=1), alpha[:, None] * acc + pv
+    return m_new, alpha * l + jnp.sum(p, axis=1, keepdims=True), alpha * acc + pv
 
-  init = (jnp.full((bq,), _NEG, jnp.float32), jnp.zeros((bq,), jnp.float32),
+  init = (jnp.full((bq, 1), _NEG, jnp.float32), jnp.zeros((bq, 1), jnp.float32),
           jnp.zeros(o_ref.shape, jnp.float32))
   m, l, acc = lax.fori_loop(0, _num_k_blocks(cfg, qi), body, init)
   empty = l == 0.0
   l_safe = jnp.where(empty, 1.0, l)
-  o_ref[...] = (acc / l_safe[:, None]).astype(o_ref.dtype)
+  o_ref[...] = (acc / l_safe).astype(o_ref.dtype)
   # Empty rows get lse = +big so that exp(s - lse) = 0 in the backward.
   lse_ref[...] = jnp.where(empty, -_NEG, m + jnp.log(l_safe))
 
 
 def _dq_kernel(cfg, q_ref, k_ref, v_ref, ob_ref, qseg_ref, kseg_ref, do_ref, lse_ref, delta_ref,
-               dq_ref, dob_ref, ds_ref):
+               dq_ref, dob_ref=None, ds_ref=None):
   """``dq`` of one query block and, with a bias, its part of the offset-bias gradient.
 
-  ``dob_ref`` ``[Loff_p]`` accumulates the diagonal sums of every logit
-  cotangent tile of this query block; ``ds_ref`` ``[bq, bk]`` is the tile's
-  scratch copy, read back skewed so that each column is one diagonal.
+  ``dob_ref`` ``[1, Loff_p]`` accumulates the diagonal sums of every logit
+  cotangent tile of this query block (``ds_ref`` ``[bq, bk]``: the gather
+  mode's scratch, see :func:`_diagonal_sums`).
   """
   qi = pl.program_id(2)
   bq, bk = cfg.block_q, cfg.block_k
@@ -168,31 +237,25 @@ def _dq_kernel(cfg, q_ref, k_ref, v_ref, ob_ref, qseg_ref, kseg_ref, do_ref, lse
   lse, delta = lse_ref[...], delta_ref[...]
   if cfg.has_bias:
     dob_ref[...] = jnp.zeros(dob_ref.shape, jnp.float32)
-    row = lax.broadcasted_iota(jnp.int32, (bq, bq + bk), 0)
-    col = row + lax.broadcasted_iota(jnp.int32, (bq, bq + bk), 1) - (bq - 1)
-    on_tile = (col >= 0) & (col < bk)
-    col = jnp.clip(col, 0, bk - 1)
 
   def body(kj, dq):
     k = k_ref[pl.ds(kj * bk, bk), :]
     v = v_ref[pl.ds(kj * bk, bk), :]
-    s, valid = _tile(cfg, q, k, ob_ref, qseg, kseg_ref[pl.ds(kj * bk, bk)], qi, kj)
-    p = jnp.where(valid, jnp.exp(s - lse[:, None]), 0.0)
+    s, valid = _tile(cfg, q, k, ob_ref, qseg, kseg_ref[:, pl.ds(kj * bk, bk)], qi, kj)
+    p = jnp.where(valid, jnp.exp(s - lse), 0.0)
     dp = lax.dot_general(do, v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    ds = p * (dp - delta[:, None])
+    ds = p * (dp - delta)
     if cfg.has_bias:
       dbias = ds
       if cfg.zero_first:
         i = qi * bq + lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
         j = kj * bk + lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
         dbias = jnp.where((i == 0) | (j == 0), 0.0, dbias)
-      ds_ref[...] = dbias
-      _barrier(cfg)
-      diagonals = jnp.sum(jnp.where(on_tile, ds_ref[row, col], 0.0), axis=0)  # [bq + bk]
-      _barrier(cfg)
-      # Column w of the skewed tile holds rel = kj*bk - qi*bq + w - (bq - 1).
-      start = kj * bk - qi * bq + cfg.q_len - bq
-      dob_ref[pl.ds(start, bq + bk)] += diagonals
+      start = cfg.window_start(qi, kj)
+      if cfg.tiles == "roll":
+        start = pl.multiple_of(start, 128)
+      window = (slice(None), pl.ds(start, bq + bk))
+      dob_ref[window] = dob_ref[window] + _diagonal_sums(cfg, dbias, ds_ref)
     return dq + lax.dot_general(ds.astype(k.dtype), k, (((1,), (0,)), ((), ())),
                                 preferred_element_type=jnp.float32)
 
@@ -210,17 +273,17 @@ def _dkv_kernel(cfg, q_ref, k_ref, v_ref, ob_ref, qseg_ref, kseg_ref, do_ref, ls
     dk, dv = carry
     rows = pl.ds(qi * bq, bq)
     q, do = q_ref[rows, :], do_ref[rows, :]
-    s, valid = _tile(cfg, q, k, ob_ref, qseg_ref[rows], kseg, qi, kj)
-    p = jnp.where(valid, jnp.exp(s - lse_ref[rows][:, None]), 0.0)
+    s, valid = _tile(cfg, q, k, ob_ref, qseg_ref[rows, :], kseg, qi, kj)
+    p = jnp.where(valid, jnp.exp(s - lse_ref[rows, :]), 0.0)
     dv = dv + lax.dot_general(p.astype(do.dtype), do, (((0,), (0,)), ((), ())),
                               preferred_element_type=jnp.float32)
     dp = lax.dot_general(do, v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    ds = p * (dp - delta_ref[rows][:, None])
+    ds = p * (dp - delta_ref[rows, :])
     dk = dk + lax.dot_general(ds.astype(q.dtype), q, (((0,), (0,)), ((), ())),
                               preferred_element_type=jnp.float32)
     return dk, dv
 
-  start = (kj * bk) // bq if cfg.causal else 0
+  start = lax.div(kj * bk, bq) if cfg.causal else 0
   init = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
   dk, dv = lax.fori_loop(start, cfg.q_len // bq, body, init)
   dk_ref[...] = (dk * cfg.scale).astype(dk_ref.dtype)
@@ -229,29 +292,28 @@ def _dkv_kernel(cfg, q_ref, k_ref, v_ref, ob_ref, qseg_ref, kseg_ref, do_ref, ls
 
 # ---------------------------------------------------------------------------
 # pallas_call wrappers on padded, head-major arrays: q/do [B, H, Lq_p, Dp],
-# k/v [B, H, Lk_p, Dp], offset bias [H, Loff_p], segment ids [B, L_p] int32,
-# lse/delta [B, H, Lq_p] float32.
+# k/v [B, H, Lk_p, Dp], offset bias [H, 1, Loff_p], query segment ids
+# [B, Lq_p, 1], key segment ids [B, 1, Lk_p], lse/delta [B, H, Lq_p, 1] float32.
 
 
 def _specs(cfg, d, loff, *, over_queries: bool):
-  """BlockSpecs of (q, k, v, offset bias, q segments, kv segments, q rows) for a grid
+  """BlockSpecs of (q, k, v, offset bias, q segments, kv segments, lse/delta) for a grid
   ``(B, H, query blocks)`` or ``(B, H, key blocks)``."""
-  bq, bk, lq, lk = cfg.block_q, cfg.block_k, cfg.q_len, cfg.k_len
-  q_rows = bq if over_queries else lq
-  k_rows = lk if over_queries else bk
+  q_rows = cfg.block_q if over_queries else cfg.q_len
+  k_rows = cfg.k_len if over_queries else cfg.block_k
 
-  def q_map(b, h, n):
-    return (b, h, n if over_queries else 0, 0)
+  def q_block(n):
+    return n if over_queries else 0
 
-  def k_map(b, h, n):
-    return (b, h, 0 if over_queries else n, 0)
+  def k_block(n):
+    return 0 if over_queries else n
 
-  q_spec = pl.BlockSpec((None, None, q_rows, d), q_map)
-  kv_spec = pl.BlockSpec((None, None, k_rows, d), k_map)
-  ob_spec = pl.BlockSpec((None, loff), lambda b, h, n: (h, 0))
-  qseg_spec = pl.BlockSpec((None, q_rows), lambda b, h, n: (b, q_map(b, h, n)[2]))
-  kseg_spec = pl.BlockSpec((None, k_rows), lambda b, h, n: (b, k_map(b, h, n)[2]))
-  row_spec = pl.BlockSpec((None, None, q_rows), lambda b, h, n: (b, h, q_map(b, h, n)[2]))
+  q_spec = pl.BlockSpec((None, None, q_rows, d), lambda b, h, n: (b, h, q_block(n), 0))
+  kv_spec = pl.BlockSpec((None, None, k_rows, d), lambda b, h, n: (b, h, k_block(n), 0))
+  ob_spec = pl.BlockSpec((None, 1, loff), lambda b, h, n: (h, 0, 0))
+  qseg_spec = pl.BlockSpec((None, q_rows, 1), lambda b, h, n: (b, q_block(n), 0))
+  kseg_spec = pl.BlockSpec((None, 1, k_rows), lambda b, h, n: (b, 0, k_block(n)))
+  row_spec = pl.BlockSpec((None, None, q_rows, 1), lambda b, h, n: (b, h, q_block(n), 0))
   return q_spec, kv_spec, ob_spec, qseg_spec, kseg_spec, row_spec
 
 
@@ -262,7 +324,7 @@ def _forward(cfg, q, k, v, ob, qseg, kseg):
   return pl.pallas_call(
       functools.partial(_fwd_kernel, cfg),
       out_shape=(jax.ShapeDtypeStruct(q.shape, q.dtype),
-                 jax.ShapeDtypeStruct((b, h, cfg.q_len), jnp.float32)),
+                 jax.ShapeDtypeStruct((b, h, cfg.q_len, 1), jnp.float32)),
       grid=(b, h, cfg.q_len // cfg.block_q),
       in_specs=[q_spec, kv_spec, kv_spec, ob_spec, qseg_spec, kseg_spec],
       out_specs=(q_spec, row),
@@ -276,21 +338,25 @@ def _backward(cfg, q, k, v, ob, qseg, kseg, out, lse, do):
   b, h, _, d = q.shape
   loff = ob.shape[-1]
   nq, nk = cfg.q_len // cfg.block_q, cfg.k_len // cfg.block_k
-  delta = jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)
+  delta = jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32), axis=-1, keepdims=True)
   args = (q, k, v, ob, qseg, kseg, do, lse, delta)
 
   q_spec, kv_spec, ob_spec, qseg_spec, kseg_spec, row = _specs(cfg, d, loff, over_queries=True)
   in_specs = [q_spec, kv_spec, kv_spec, ob_spec, qseg_spec, kseg_spec, q_spec, row, row]
-  dq, dob, _ = pl.pallas_call(
+  out_shapes, out_specs = [jax.ShapeDtypeStruct(q.shape, q.dtype)], [q_spec]
+  if cfg.has_bias:  # per query block: the offset-bias gradient (and the gather's scratch)
+    out_shapes.append(jax.ShapeDtypeStruct((b, h, nq, 1, loff), jnp.float32))
+    out_specs.append(pl.BlockSpec((None, None, None, 1, loff), lambda b, h, i: (b, h, i, 0, 0)))
+    if cfg.tiles == "gather":
+      tile = (cfg.block_q, cfg.block_k)
+      out_shapes.append(jax.ShapeDtypeStruct((b, h, nq) + tile, jnp.float32))
+      out_specs.append(pl.BlockSpec((None, None, None) + tile, lambda b, h, i: (b, h, i, 0, 0)))
+  dq, *rest = pl.pallas_call(
       functools.partial(_dq_kernel, cfg),
-      out_shape=(jax.ShapeDtypeStruct(q.shape, q.dtype),
-                 jax.ShapeDtypeStruct((b, h, nq, loff), jnp.float32),
-                 jax.ShapeDtypeStruct((b, h, nq, cfg.block_q, cfg.block_k), jnp.float32)),
+      out_shape=tuple(out_shapes),
       grid=(b, h, nq),
       in_specs=in_specs,
-      out_specs=(q_spec, pl.BlockSpec((None, None, None, loff), lambda b, h, i: (b, h, i, 0)),
-                 pl.BlockSpec((None, None, None, cfg.block_q, cfg.block_k),
-                              lambda b, h, i: (b, h, i, 0, 0))),
+      out_specs=tuple(out_specs),
       interpret=cfg.interpret,
       compiler_params=cfg.compiler_params,
       name="relative_flash_dq",
@@ -308,7 +374,7 @@ def _backward(cfg, q, k, v, ob, qseg, kseg, out, lse, do):
       compiler_params=cfg.compiler_params,
       name="relative_flash_dkv",
   )(*args)
-  dob = jnp.sum(dob, axis=(0, 2)).astype(ob.dtype) if cfg.has_bias else jnp.zeros_like(ob)
+  dob = jnp.sum(rest[0], axis=(0, 2)).astype(ob.dtype) if cfg.has_bias else jnp.zeros_like(ob)
   return dq, dk, dv, dob
 
 
@@ -346,8 +412,9 @@ def relative_flash_attention(
     causal: bool = False,
     zero_first: bool = False,
     scale: float | None = None,
-    block_q: int = 64,
-    block_k: int = 64,
+    block_q: int | None = None,
+    block_k: int | None = None,
+    tiles: str | None = None,
     interpret: bool | None = None,
 ) -> Array:
   """Flash attention with a Toeplitz bias ``offset_bias[h, j - i + Lq - 1]`` built in the kernel.
@@ -366,8 +433,12 @@ def relative_flash_attention(
     causal: mask keys ``j > i``.
     zero_first: zero the bias in row 0 and column 0 (TUPE-R's [CLS] reset).
     scale: content scale; None gives ``1 / sqrt(D)``. The bias is not scaled.
-    block_q, block_k: tile sizes, powers of two (clamped to the padded
-      lengths; lengths are padded to block multiples internally).
+    block_q, block_k: tile sizes, powers of two (lengths are padded to block
+      multiples internally); None gives 64 (gather) or 128 (roll, which needs
+      multiples of 128). Gather tiles are clamped to the padded lengths.
+    tiles: how bias tiles are built: ``"gather"`` (GPU/Triton) or ``"roll"``
+      (TPU/Mosaic); None picks ``roll`` on TPU, else ``gather``. Both run in
+      interpret mode.
     interpret: Pallas interpret mode; None picks it on the CPU backend.
 
   Returns:
@@ -382,21 +453,31 @@ def relative_flash_attention(
                                   or offset_bias.shape[1] != lq + lk - 1):
     raise ValueError(f"offset_bias: got shape {offset_bias.shape}; expected "
                      f"[{h} or 1, Lq + Lk - 1 = {lq + lk - 1}]")
+  if tiles is None:
+    tiles = "roll" if jax.default_backend() == "tpu" else "gather"
+  if tiles not in ("gather", "roll"):
+    raise ValueError(f"tiles: got {tiles!r}; allowed: gather, roll")
+  smallest = 128 if tiles == "roll" else 16
+  block_q = (128 if tiles == "roll" else 64) if block_q is None else block_q
+  block_k = (128 if tiles == "roll" else 64) if block_k is None else block_k
   for name, size in (("block_q", block_q), ("block_k", block_k)):
-    if size < 16 or size & (size - 1):
-      raise ValueError(f"{name}: got {size}; expected a power of two >= 16")
+    if size < smallest or size & (size - 1):
+      raise ValueError(f"{name}: got {size}; expected a power of two >= {smallest} "
+                       f"(tiles={tiles!r})")
   if (q_segment_ids is None) != (kv_segment_ids is None):
     raise ValueError("q_segment_ids, kv_segment_ids: give both or neither")
   if interpret is None:
     interpret = jax.default_backend() == "cpu"
   scale = 1.0 / math.sqrt(d) if scale is None else scale
 
-  block_q = min(block_q, _next_pow2(max(lq, 16)))
-  block_k = min(block_k, _next_pow2(max(lk, 16)))
+  if tiles == "gather":
+    block_q = min(block_q, _next_pow2(max(lq, 16)))
+    block_k = min(block_k, _next_pow2(max(lk, 16)))
   lq_p, lk_p = _round_up(lq, block_q), _round_up(lk, block_k)
   d_p = max(16, _next_pow2(max(d, dv)))
   loff = _next_pow2(lq_p + lk_p)
-  cfg = _Config(has_bias=offset_bias is not None, zero_first=zero_first, causal=causal,
+  cfg = _Config(has_bias=offset_bias is not None, tiles=tiles, zero_first=zero_first,
+                causal=causal,
                 scale=float(scale), block_q=block_q, block_k=block_k, q_len=lq_p, k_len=lk_p,
                 interpret=bool(interpret))
 
@@ -415,15 +496,15 @@ def relative_flash_attention(
     if mask.shape != (b, lk):
       raise ValueError(f"mask: got shape {mask.shape}; expected a [B, Lk] = {(b, lk)} key mask")
     kseg = jnp.where(mask.astype(bool), kseg, _K_PAD)
-  qseg = jnp.pad(qseg, ((0, 0), (0, lq_p - lq)), constant_values=_Q_PAD)
-  kseg = jnp.pad(kseg, ((0, 0), (0, lk_p - lk)), constant_values=_K_PAD)
+  qseg = jnp.pad(qseg, ((0, 0), (0, lq_p - lq)), constant_values=_Q_PAD)[:, :, None]
+  kseg = jnp.pad(kseg, ((0, 0), (0, lk_p - lk)), constant_values=_K_PAD)[:, None, :]
   if offset_bias is None:
     ob = jnp.zeros((1, loff), jnp.float32)
   else:
     # Offset o = rel + Lq - 1 moves to rel + Lq_p - 1; the padding is masked.
     ob = jnp.pad(jnp.broadcast_to(offset_bias, (h, lq + lk - 1)),
                  ((0, 0), (lq_p - lq, loff - (lq_p - lq) - (lq + lk - 1))))
-  ob = jnp.broadcast_to(ob, (h, loff))
+  ob = jnp.broadcast_to(ob, (h, loff))[:, None, :]  # [H, 1, Loff_p]
   out = _flash(cfg, heads_major(q, lq_p), heads_major(k, lk_p), heads_major(v, lk_p), ob, qseg,
                kseg)
   return jnp.swapaxes(out[:, :, :lq, :dv], 1, 2)
