@@ -14,6 +14,13 @@ from tests.conftest import SCHEME_CONFIGS, init_scheme, padding_mask, qkv
 TOL = dict(rtol=2e-5, atol=2e-5)
 
 
+def assert_grads_close(got, want):
+  """Gradients of two routes: float32 summation order differs (flash kernel vs softmax), so
+  the absolute tolerance scales with each array's largest entry."""
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(
+      a, b, rtol=TOL["rtol"], atol=TOL["atol"] * max(1.0, float(np.abs(b).max()))), got, want)
+
+
 def _loss_fn(route, causal, scale):
   def loss(q, k, v, terms):
     out = attend(q, k, v, terms, mask=padding_mask(), causal=causal, scale=scale, route=route)
@@ -37,11 +44,7 @@ def test_fused_route_matches_reference(scheme_name, causal):
     fus, fus_grads = jax.value_and_grad(_loss_fn("fused", causal, st.content_scale),
                                         argnums=(0, 1, 2, 3))(*args)
     np.testing.assert_allclose(fus, ref, **TOL)
-    # Gradients: float32 summation order differs (flash kernel vs softmax), so the absolute
-    # tolerance scales with the array's largest entry.
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(
-        a, b, rtol=TOL["rtol"], atol=TOL["atol"] * max(1.0, float(np.abs(b).max()))),
-                 fus_grads, ref_grads)
+    assert_grads_close(fus_grads, ref_grads)
 
 
 def test_reference_route_equals_explicit_softmax():
@@ -89,7 +92,7 @@ def test_factored_equals_materialised(name):
   a, ga = jax.value_and_grad(via_factored)(factored)
   b, gb = jax.value_and_grad(via_bias)(factored)
   np.testing.assert_allclose(a, b, **TOL)
-  jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, **TOL), ga, gb)
+  assert_grads_close(ga, gb)
 
 
 def test_unknown_route_is_rejected():
