@@ -2,7 +2,6 @@
 the default run learning, and the pieces (schedule, decay mask, loss, accumulation)."""
 
 import json
-import os
 import pathlib
 import signal
 import socket

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from posenc_jax.schemes.base import Scheme
-from posenc_jax.terms import SchemeTerms, Toeplitz, relative_offsets, toeplitz_bias
+from posenc_jax.terms import SchemeTerms, Toeplitz, toeplitz_bias
 
 Array = jax.Array
 
