@@ -117,7 +117,13 @@ def cudnn_unsupported(q_shape: Sequence[int], k_shape: Sequence[int], dtype, *,
   return None
 
 
-def _fused(q, k, v, terms, mask, causal, scale, *, implementation, backend=None):
+def _same_segment(segment_ids: Array) -> Array:
+  """``[B, L]`` segment ids -> ``[B, 1, L, L]`` bool: query and key in the same segment."""
+  return (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
+
+
+def _fused(q, k, v, terms, mask, causal, scale, *, implementation, backend=None,
+           segment_ids=None):
   """The fused route (module docstring); ``backend`` None reads the default backend.
 
   Toeplitz terms without dense ones go to the Pallas kernel (gather tiles,
@@ -152,20 +158,23 @@ def _fused(q, k, v, terms, mask, causal, scale, *, implementation, backend=None)
     implementation = "xla" if no_cudnn else "cudnn"
   kernel_fits = not dense and kernel_mask_ok and len({p.zero_first for p in toeplitz}) <= 1
   if kernel_fits and not toeplitz and backend == "tpu" and _splash_fits(q, k):
-    return _splash(q, k, v, mask, causal, scale)
+    return _splash(q, k, v, mask, causal, scale, segment_ids)
   if kernel_fits and (toeplitz or implementation == "xla"):
     offset_bias = sum(p.offset_bias for p in toeplitz) if toeplitz else None
     return relative_flash_attention(
-        q, k, v, offset_bias, mask=mask, causal=causal, scale=scale,
-        zero_first=bool(toeplitz) and toeplitz[0].zero_first,
+        q, k, v, offset_bias, mask=mask, q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
+        causal=causal, scale=scale, zero_first=bool(toeplitz) and toeplitz[0].zero_first,
         tiles="roll" if backend == "tpu" else "gather")
   dense += [toeplitz_bias(p.offset_bias, q_len, k_len, p.zero_first) for p in toeplitz]
   bias = sum(dense[1:], dense[0]).astype(q.dtype) if dense else None
   # dot_product_attention wants v shaped like k: zero-pad, then slice off.
   v = jnp.pad(v, [(0, 0)] * 3 + [(0, k.shape[-1] - head_dim)])
-  out = jax.nn.dot_product_attention(
-      q, k, v, bias=bias, mask=_mask_4d(mask, False, q_len, k_len), scale=scale,
-      is_causal=causal, implementation=implementation)
+  mask = _mask_4d(mask, False, q_len, k_len)
+  if segment_ids is not None:
+    same = _same_segment(segment_ids)
+    mask = same if mask is None else mask & same
+  out = jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, scale=scale,
+                                     is_causal=causal, implementation=implementation)
   return out[..., :head_dim]
 
 
@@ -174,7 +183,7 @@ def _splash_fits(q: Array, k: Array) -> bool:
   return q.shape[1] == k.shape[1] and q.shape[1] % 128 == 0
 
 
-def _splash(q, k, v, mask, causal, scale):
+def _splash(q, k, v, mask, causal, scale, segment_ids=None):
   """TPU splash attention (no additive bias): q pre-scaled, padding as kv segment ids.
 
   q/k ``[B, L, H, Dk]`` (terms folded in), v ``[B, L, H, D]``; returns
@@ -187,8 +196,9 @@ def _splash(q, k, v, mask, causal, scale):
   pattern = masks.CausalMask(shape) if causal else masks.FullMask(shape)
   kernel = splash.make_splash_mha(masks.MultiHeadMask([pattern] * heads), head_shards=1,
                                   q_seq_shards=1, interpret=jax.default_backend() == "cpu")
-  q_segments = jnp.zeros((batch, length), jnp.int32)
-  kv_segments = q_segments if mask is None else 1 - mask.astype(jnp.int32)  # padding: 1
+  q_segments = (jnp.zeros((batch, length), jnp.int32) if segment_ids is None
+                else segment_ids.astype(jnp.int32))
+  kv_segments = q_segments if mask is None else jnp.where(mask.astype(bool), q_segments, -1)
   heads_major = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731
   out = jax.vmap(lambda q, k, v, qs, ks: kernel(q, k, v, segment_ids=splash.SegmentIds(qs, ks)))(
       heads_major(q * jnp.asarray(scale, q.dtype)), heads_major(k), heads_major(v), q_segments,
@@ -209,6 +219,7 @@ def attend(
     implementation: Literal["xla", "cudnn"] | None = None,
     dropout_rate: float = 0.0,
     dropout_rng: Array | None = None,
+    segment_ids: Array | None = None,
 ) -> Array:
   """Attention with positional/segment logit terms.
 
@@ -229,6 +240,10 @@ def attend(
       ``attention_probs_dropout_prob``); active only with a ``dropout_rng``,
       and then only the reference route runs it (``auto`` picks it).
     dropout_rng: PRNG key for the dropout; None means deterministic.
+    segment_ids: ``[B, L]`` int segment of each position for packed
+      sequences (self-attention, ``Lq == Lk``): a query attends only keys of
+      its own segment. The kernels take it natively; elsewhere it joins the
+      mask.
 
   Returns:
     ``[B, Lq, H, D]``.
@@ -244,9 +259,16 @@ def attend(
   for term in terms:
     q, k = term.transform_qk(q, k)
   dropout = dropout_rate > 0.0 and dropout_rng is not None
+  if segment_ids is not None and (segment_ids.shape != q.shape[:2] or k.shape[1] != q.shape[1]):
+    raise ValueError(f"segment_ids: got shape {segment_ids.shape} for {q.shape[1]} queries and "
+                     f"{k.shape[1]} keys; expected [B, L] = {q.shape[:2]} (self-attention)")
   if choose_route(route, terms, dropout) == "reference":
+    if segment_ids is not None:
+      same = _same_segment(segment_ids)
+      mask = same if mask is None else _mask_4d(mask, False, q.shape[1], k.shape[1]) & same
     return _reference(q, k, v, terms, mask, causal, scale, dropout_rate, dropout_rng)
-  return _fused(q, k, v, terms, mask, causal, scale, implementation=implementation)
+  return _fused(q, k, v, terms, mask, causal, scale, implementation=implementation,
+                segment_ids=segment_ids)
 
 
 def choose_route(route: Route, terms: Sequence[Term], dropout: bool = False,

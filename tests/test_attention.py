@@ -196,3 +196,24 @@ def test_tpu_fused_route_matches_reference(name, causal):
   np.testing.assert_allclose(got, want, rtol=1e-5)
   for a, b in zip(got_grads, want_grads):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * max(1.0, float(np.abs(b).max())))
+
+
+@pytest.mark.parametrize("name", ["diet_rel", "diet_abs", "none"])
+def test_segment_ids_equal_an_explicit_mask(name):
+  """Packed sequences: segment ids (with a padding mask) through the reference route and the
+  fused route (the kernel, interpret mode) equal the same-segment mask given explicitly."""
+  length = 12
+  _, _, st = init_scheme(SCHEME_CONFIGS[name], length=length)
+  terms = st.for_layer(0)
+  q, k, v = qkv(batch=1, length=length)
+  segments = jnp.array([[0] * 5 + [1] * 7])
+  padding = jnp.arange(length)[None] < 11
+  same = (segments[0][:, None] == segments[0][None, :]) & padding[0][None, :]
+  explicit = attend(q, k, v, terms, mask=same[None, None], scale=st.content_scale,
+                    route="reference")
+  for route in ("reference", "fused"):
+    got = attend(q, k, v, terms, mask=padding, segment_ids=segments, scale=st.content_scale,
+                 route=route)
+    np.testing.assert_allclose(got, explicit, rtol=2e-5, atol=2e-5, err_msg=route)
+  with pytest.raises(ValueError, match=r"segment_ids: got shape \(1, 11\)"):
+    attend(q, k, v, terms, segment_ids=segments[:, :11])
