@@ -55,8 +55,10 @@ Route = Literal["auto", "reference", "fused"]
 ROUTES = ("auto", "reference", "fused")
 
 
-def _mask_4d(mask: Array | None, causal: bool, q_len: int, k_len: int) -> Array | None:
-  """Padding mask ``[B, Lk]`` (or ``[B|1, H|1, Lq, Lk]``) and causality as one 4-D bool."""
+def _mask_4d(mask: Array | None, causal: bool, q_len: int, k_len: int,
+             segment_ids: Array | None = None) -> Array | None:
+  """Padding mask ``[B, Lk]`` (or ``[B|1, H|1, Lq, Lk]``), causality and same-segment
+  (``segment_ids`` ``[B, L]``, self-attention) as one 4-D bool."""
   if mask is not None:
     chex.assert_rank(mask, {2, 4})
     mask = mask[:, None, None, :] if mask.ndim == 2 else mask
@@ -64,16 +66,20 @@ def _mask_4d(mask: Array | None, causal: bool, q_len: int, k_len: int) -> Array 
   if causal:
     tril = jnp.tril(jnp.ones((q_len, k_len), bool))[None, None]
     mask = tril if mask is None else jnp.logical_and(mask, tril)
+  if segment_ids is not None:
+    same = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
+    mask = same if mask is None else jnp.logical_and(mask, same)
   return mask
 
 
-def _reference(q, k, v, terms, mask, causal, scale, dropout_rate=0.0, dropout_rng=None):
+def _reference(q, k, v, terms, mask, causal, scale, dropout_rate=0.0, dropout_rng=None,
+               segment_ids=None):
   logits = jnp.einsum("bihd,bjhd->bhij", q, k) * scale
   for term in terms:
     extra = term.logits(q, scale)
     if extra is not None:
       logits = logits + extra.astype(logits.dtype)
-  mask = _mask_4d(mask, causal, q.shape[1], k.shape[1])
+  mask = _mask_4d(mask, causal, q.shape[1], k.shape[1], segment_ids)
   logits = logits.astype(jnp.float32)
   if mask is not None:
     logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
@@ -115,11 +121,6 @@ def cudnn_unsupported(q_shape: Sequence[int], k_shape: Sequence[int], dtype, *,
   if has_bias and (q_shape[1] % 2 or k_shape[1] % 2):
     return f"odd lengths {q_shape[1]}, {k_shape[1]} with a bias"
   return None
-
-
-def _same_segment(segment_ids: Array) -> Array:
-  """``[B, L]`` segment ids -> ``[B, 1, L, L]`` bool: query and key in the same segment."""
-  return (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
 
 
 def _fused(q, k, v, terms, mask, causal, scale, *, implementation, backend=None,
@@ -169,12 +170,9 @@ def _fused(q, k, v, terms, mask, causal, scale, *, implementation, backend=None,
   bias = sum(dense[1:], dense[0]).astype(q.dtype) if dense else None
   # dot_product_attention wants v shaped like k: zero-pad, then slice off.
   v = jnp.pad(v, [(0, 0)] * 3 + [(0, k.shape[-1] - head_dim)])
-  mask = _mask_4d(mask, False, q_len, k_len)
-  if segment_ids is not None:
-    same = _same_segment(segment_ids)
-    mask = same if mask is None else mask & same
-  out = jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, scale=scale,
-                                     is_causal=causal, implementation=implementation)
+  out = jax.nn.dot_product_attention(
+      q, k, v, bias=bias, mask=_mask_4d(mask, False, q_len, k_len, segment_ids), scale=scale,
+      is_causal=causal, implementation=implementation)
   return out[..., :head_dim]
 
 
@@ -263,10 +261,8 @@ def attend(
     raise ValueError(f"segment_ids: got shape {segment_ids.shape} for {q.shape[1]} queries and "
                      f"{k.shape[1]} keys; expected [B, L] = {q.shape[:2]} (self-attention)")
   if choose_route(route, terms, dropout) == "reference":
-    if segment_ids is not None:
-      same = _same_segment(segment_ids)
-      mask = same if mask is None else _mask_4d(mask, False, q.shape[1], k.shape[1]) & same
-    return _reference(q, k, v, terms, mask, causal, scale, dropout_rate, dropout_rng)
+    return _reference(q, k, v, terms, mask, causal, scale, dropout_rate, dropout_rng,
+                      segment_ids)
   return _fused(q, k, v, terms, mask, causal, scale, implementation=implementation,
                 segment_ids=segment_ids)
 

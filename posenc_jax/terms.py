@@ -67,7 +67,7 @@ class FusedPart:
     q_extra: ``[B|1, Lq, H, r]`` concatenated to q along the head dim.
     k_extra: ``[B|1, Lk, H, r]`` concatenated to k along the head dim.
     offset_bias: ``[H|1, Lq + Lk - 1]`` Toeplitz bias, one value per offset
-      ``j - i`` (:func:`posenc_jax.kernels.offsets`), built into the tiles by
+      ``j - i`` (:func:`offsets`), built into the tiles by
       the flash kernel; :func:`toeplitz_bias` materialises it.
     zero_first: the offset bias is zero in row 0 and column 0 (TUPE-R).
   """
@@ -209,6 +209,15 @@ def relative_offsets(q_len: int, k_len: int, q_offset: int | Array = 0) -> Array
   return j - i
 
 
+def offsets(q_len: int, k_len: int) -> Array:
+  """``[Lq + Lk - 1]`` int32 offsets ``rel = j - i``, from ``-(Lq - 1)`` to ``Lk - 1``.
+
+  Entry ``o`` is ``rel = o - (Lq - 1)``: the layout of a Toeplitz term's
+  per-offset values (:meth:`Toeplitz.offset_values`).
+  """
+  return jnp.arange(-(q_len - 1), k_len, dtype=jnp.int32)
+
+
 def toeplitz_bias(offset_bias: Array, q_len: int, k_len: int, zero_first: bool = False,
                   q_offset: int | Array = 0) -> Array:
   """``[H|1, Lq + Lk - 1]`` per-offset values -> the ``[1, H|1, Lq, Lk]`` bias they describe.
@@ -266,8 +275,7 @@ class Toeplitz(Term):
   def offset_values(self, q_len: int, k_len: int) -> Array:
     """``[H|1, Lq + Lk - 1]``: the bias of local offsets ``-(Lq - 1) .. Lk - 1``."""
     q_offset = 0 if self.q_offset is None else self.q_offset
-    rel = jnp.arange(-(q_len - 1), k_len, dtype=jnp.int32) - q_offset
-    return self.offset_fn(self.table, rel)
+    return self.offset_fn(self.table, offsets(q_len, k_len) - q_offset)
 
   def materialise(self, q_len: int, k_len: int) -> Bias:
     """The same term as a ``[1, H|1, Lq, Lk]`` :class:`Bias`."""

@@ -7,10 +7,10 @@ import pytest
 from jax import export
 
 from posenc_jax.attention import attend
-from posenc_jax.kernels import offsets, relative_flash_attention
+from posenc_jax.kernels import relative_flash_attention
 from posenc_jax.schemes.alibi import alibi_slopes
 from posenc_jax.schemes.t5 import relative_position_bucket
-from posenc_jax.terms import Bias, relative_offsets
+from posenc_jax.terms import Bias, offsets, relative_offsets
 
 H, D = 2, 8
 TOL = 1e-4

@@ -7,7 +7,7 @@ there are ``Lq + Lk - 1`` offsets, so the whole bias of a head is one vector
 
     offset_bias[h, o],   o = rel + Lq - 1 in [0, Lq + Lk - 1)
 
-(:func:`offsets` lists the ``rel`` of each ``o``). A scheme turns its small
+(:func:`posenc_jax.terms.offsets` lists the ``rel`` of each ``o``). A scheme turns its small
 table into that vector outside the kernel (DIET-REL: a clipped gather, T5: a
 bucket gather, ALiBi: slope times distance; see
 :meth:`posenc_jax.terms.Toeplitz.offset_values`), which costs ``O(H L)``, and
@@ -20,8 +20,8 @@ with an online (flash) softmax blocked over queries and keys. Each
 vector, so no ``[B, H, L, L]`` or ``[H, L, L]`` array is ever materialised,
 in the forward or the backward pass. The backward pass returns the vector's
 gradient: each logit-cotangent tile is summed along its diagonals
-(``O(block_q (block_q + block_k))`` per tile) into the offsets it covers; JAX then carries that gradient back through the scheme's
-gather to its table.
+(``O(block_q (block_q + block_k))`` per tile) into the offsets it covers;
+JAX then carries that gradient back through the scheme's gather to its table.
 
 Masking: ``q_segment_ids [B, Lq]`` and ``kv_segment_ids [B, Lk]`` (packed
 sequences: a query sees only keys of its own segment), a ``mask [B, Lk]`` of
@@ -68,11 +68,6 @@ _NEG = -1e30  # finite "minus infinity" for masked logits (avoids inf - inf)
 _Q_PAD, _K_PAD = -2, -1  # segment ids of padded query rows / masked keys: never equal
 
 
-def offsets(q_len: int, k_len: int) -> Array:
-  """``[Lq + Lk - 1]`` int32 offsets ``rel = j - i``, from ``-(Lq - 1)`` to ``Lk - 1``."""
-  return jnp.arange(-(q_len - 1), k_len, dtype=jnp.int32)
-
-
 def _next_pow2(x: int) -> int:
   return 1 << max(0, (x - 1).bit_length())
 
@@ -109,8 +104,10 @@ class _Config:
 
     Column ``w`` of a tile's window holds ``rel = kj*bk - qi*bq + w - (bq - 1)``,
     i.e. vector entry ``window_start + w``; the window has ``bq + bk`` entries.
+    With roll tiles it is a multiple of 128 (lane-aligned), and says so to Mosaic.
     """
-    return kj * self.block_k - qi * self.block_q + self.q_len - self.block_q
+    start = kj * self.block_k - qi * self.block_q + self.q_len - self.block_q
+    return pl.multiple_of(start, 128) if self.tiles == "roll" else start
 
 
 def _barrier(cfg: _Config) -> None:
@@ -124,20 +121,30 @@ def _tile(cfg, q, k, ob_ref, qseg, kseg, qi, kj):
 
   ``qseg`` ``[bq, 1]`` and ``kseg`` ``[1, bk]`` are the tile's segment ids.
   """
-  bq, bk = cfg.block_q, cfg.block_k
   s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
   s = s * cfg.scale
-  i = qi * bq + lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
-  j = kj * bk + lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
+  i, j = _positions(cfg, qi, kj)
   if cfg.has_bias:
-    bias = _bias_tile(cfg, ob_ref, i, j, qi, kj)
-    if cfg.zero_first:
-      bias = jnp.where((i == 0) | (j == 0), 0.0, bias)
-    s = s + bias
+    s = s + _cls_reset(cfg, _bias_tile(cfg, ob_ref, i, j, qi, kj), i, j)
   valid = qseg == kseg
   if cfg.causal:
     valid = valid & (j <= i)
   return jnp.where(valid, s, _NEG), valid
+
+
+def _positions(cfg, qi, kj):
+  """Query and key positions ``i``, ``j`` of a tile, each ``[bq, bk]`` int32."""
+  shape = (cfg.block_q, cfg.block_k)
+  return (qi * cfg.block_q + lax.broadcasted_iota(jnp.int32, shape, 0),
+          kj * cfg.block_k + lax.broadcasted_iota(jnp.int32, shape, 1))
+
+
+def _cls_reset(cfg, tile, i, j):
+  """``tile`` (positions ``i``, ``j``) with row 0 and column 0 zeroed under ``zero_first``
+  (TUPE-R), else itself."""
+  if not cfg.zero_first:
+    return tile
+  return jnp.where((i == 0) | (j == 0), 0.0, tile)
 
 
 def _bias_tile(cfg, ob_ref, i, j, qi, kj):
@@ -151,7 +158,7 @@ def _bias_tile(cfg, ob_ref, i, j, qi, kj):
   if cfg.tiles == "gather":
     return ob_ref[0, j - i + (cfg.q_len - 1)].astype(jnp.float32)
   bq, bk = cfg.block_q, cfg.block_k
-  window = ob_ref[:, pl.ds(pl.multiple_of(cfg.window_start(qi, kj), 128), bq + bk)]
+  window = ob_ref[:, pl.ds(cfg.window_start(qi, kj), bq + bk)]
   rows = jnp.broadcast_to(window.astype(jnp.float32), (bq, bq + bk))
   return pltpu.roll(rows, bk + 1, 1, stride=1, stride_axis=0)[:, :bk]
 
@@ -246,15 +253,8 @@ def _dq_kernel(cfg, q_ref, k_ref, v_ref, ob_ref, qseg_ref, kseg_ref, do_ref, lse
     dp = lax.dot_general(do, v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     ds = p * (dp - delta)
     if cfg.has_bias:
-      dbias = ds
-      if cfg.zero_first:
-        i = qi * bq + lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
-        j = kj * bk + lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
-        dbias = jnp.where((i == 0) | (j == 0), 0.0, dbias)
-      start = cfg.window_start(qi, kj)
-      if cfg.tiles == "roll":
-        start = pl.multiple_of(start, 128)
-      window = (slice(None), pl.ds(start, bq + bk))
+      window = (slice(None), pl.ds(cfg.window_start(qi, kj), bq + bk))
+      dbias = _cls_reset(cfg, ds, *_positions(cfg, qi, kj))
       dob_ref[window] = dob_ref[window] + _diagonal_sums(cfg, dbias, ds_ref)
     return dq + lax.dot_general(ds.astype(k.dtype), k, (((1,), (0,)), ((), ())),
                                 preferred_element_type=jnp.float32)
@@ -424,7 +424,7 @@ def relative_flash_attention(
     k: ``[B, Lk, H, D]`` keys.
     v: ``[B, Lk, H, Dv]`` values.
     offset_bias: ``[H|1, Lq + Lk - 1]`` bias of each offset ``rel = j - i``
-      (:func:`offsets`), or None for plain flash attention (no positional
+      (:func:`posenc_jax.terms.offsets`), or None for plain flash attention (no positional
       term).
     mask: ``[B, Lk]`` key mask, True = attend.
     q_segment_ids: ``[B, Lq]`` int segment of each query (packed sequences);

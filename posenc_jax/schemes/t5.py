@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from posenc_jax.schemes.base import Scheme
-from posenc_jax.terms import SchemeTerms, Toeplitz, toeplitz_bias
+from posenc_jax.terms import SchemeTerms, Toeplitz, offsets, toeplitz_bias
 
 Array = jax.Array
 
@@ -71,7 +71,7 @@ def t5_bias(table: Array, q_len: int, k_len: int, *, bidirectional: bool,
             max_distance: int) -> Array:
   """Bucketed bias from a per-bucket table ``[H, num_buckets]``: ``[H, Lq, Lk]``."""
   offset_fn = BucketedOffsets(max_distance, bidirectional)
-  values = offset_fn(table, jnp.arange(-(q_len - 1), k_len, dtype=jnp.int32))
+  values = offset_fn(table, offsets(q_len, k_len))
   return toeplitz_bias(values, q_len, k_len)[0]
 
 
