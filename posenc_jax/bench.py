@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from posenc_jax.models import BertForMaskedLM, model_config
+from posenc_jax.models import BertForMaskedLM, ModelConfigError, model_config
 from posenc_jax.presets import preset_config
 from posenc_jax.training.metrics import peak_flops, train_flops_per_step
 from posenc_jax.training.objectives import weighted_cross_entropy
@@ -114,6 +114,11 @@ def main(argv=None):
   parser.add_argument("--route", choices=("auto", "reference", "fused"), default="auto")
   parser.add_argument("--json", default=None, help="also write the rows to this file")
   args = parser.parse_args(argv)
+  for scheme in [args.baseline, *args.schemes.split(",")]:
+    try:
+      preset_config(f"{SIZES[args.size]},{scheme}")
+    except ModelConfigError as e:  # one line before anything compiles
+      parser.error(f"--schemes/--baseline: {e}")
   dims = dict(batch=args.batch, length=args.length, dtype=args.dtype, route=args.route)
   tokens = args.batch * args.length
   peak = peak_flops()

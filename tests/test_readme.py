@@ -59,3 +59,11 @@ def test_bench_fused_route_against_no_positional_term(tmp_path):
   saved = json.loads((tmp_path / "bench.json").read_text())
   assert saved["baseline"] == "none" and saved["route"] == "fused"
   assert saved["rows"][0]["train_ratio"] > 0
+
+
+def test_bench_unknown_scheme_is_one_line():
+  out = subprocess.run([sys.executable, "-m", "posenc_jax.bench", "--baseline", "nope"],
+                       capture_output=True, text=True)
+  assert out.returncode == 2 and "Traceback" not in out.stderr
+  assert out.stderr.strip().splitlines()[-1].startswith(
+      "bench.py: error: --schemes/--baseline: config preset: 'nope' is unknown; allowed: bert")
