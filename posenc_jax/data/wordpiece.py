@@ -17,8 +17,8 @@ checkpoint) and tokenises as BERT does, in TensorFlow with ``tensorflow_text.Ber
    ``##``); a word longer than ``max_bytes_per_word`` UTF-8 bytes, or with a part that no
    piece matches, becomes ``[UNK]``.
 
-The two paths agree on every character assigned in Python's Unicode database (14.0 on
-Python 3.11; the tests sweep all 144,762 of them); characters assigned in later Unicode
+The two paths agree on every character assigned in Python's Unicode database (15.1 on
+Python 3.13; the tests sweep all 149,878 of them); characters assigned in later Unicode
 versions, which TensorFlow's ICU/RE2 tables may know, can differ.
 
 The special tokens are looked up by name: ``[PAD]`` must be id 0 (seqio's padding id; BERT
