@@ -218,19 +218,58 @@ def offsets(q_len: int, k_len: int) -> Array:
   return jnp.arange(-(q_len - 1), k_len, dtype=jnp.int32)
 
 
+def skew_offsets(x: Array) -> Array:
+  """Per-offset rows -> the ``[Lq, Lk]`` matrix they describe (Music Transformer's skewing).
+
+  Args:
+    x: ``[..., Lq, Lq + Lk - 1]``; column ``o`` of row ``i`` holds offset
+      ``j - i = o - (Lq - 1)`` (the layout of :func:`offsets`).
+
+  Returns:
+    ``[..., Lq, Lk]`` with ``out[..., i, j] = x[..., i, j - i + Lq - 1]``.
+
+  Only pad, reshape and slice, so its autodiff transpose is slice, reshape
+  and pad again: no gather, and no scatter in the backward pass.
+  """
+  *batch, q_len, width = x.shape
+  # With one zero appended per row, row i starts i entries later in rows of
+  # ``width``; dropping the first Lq - 1 entries then moves its column
+  # j - i + Lq - 1 to column j.
+  x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, 1)])
+  flat = x.reshape(*batch, q_len * (width + 1))[..., q_len - 1:q_len - 1 + q_len * width]
+  return flat.reshape(*batch, q_len, width)[..., :width - q_len + 1]
+
+
 def toeplitz_bias(offset_bias: Array, q_len: int, k_len: int, zero_first: bool = False,
                   q_offset: int | Array = 0) -> Array:
   """``[H|1, Lq + Lk - 1]`` per-offset values -> the ``[1, H|1, Lq, Lk]`` bias they describe.
 
   Entry ``o`` of ``offset_bias`` holds local offset ``j - i = o - (Lq - 1)``;
   ``zero_first`` zeroes the row of absolute query position 0 (query row
-  ``i`` sits at ``i + q_offset``) and key column 0.
+  ``i`` sits at ``i + q_offset``) and key column 0. Built by
+  :func:`skew_offsets`, so its gradient is a sum, not a scatter-add.
   """
-  bias = jnp.take(offset_bias, relative_offsets(q_len, k_len) + q_len - 1, axis=-1)
+  shape = offset_bias.shape[:-1] + (q_len, q_len + k_len - 1)
+  bias = skew_offsets(jnp.broadcast_to(offset_bias[..., None, :], shape))
   if zero_first:
     rows = jnp.arange(q_len) + q_offset != 0
     bias = bias * (rows[:, None] & (jnp.arange(k_len) != 0)[None, :])
   return bias[None]
+
+
+def lookup(table: Array, index: Array) -> Array:
+  """``table[..., index]`` for a small table, as a one-hot contraction.
+
+  Args:
+    table: ``[..., R]``.
+    index: int ``[N]`` in ``[0, R)`` (may be traced).
+
+  Returns:
+    ``[..., N]``, exactly the table's entries. Its gradient is a matmul,
+    where ``jnp.take``'s is a scatter-add with colliding indices.
+  """
+  one_hot = jax.nn.one_hot(index, table.shape[-1], dtype=table.dtype)
+  return jnp.einsum("...r,nr->...n", table, one_hot, precision=lax.Precision.HIGHEST)
 
 
 @struct.dataclass
@@ -332,11 +371,6 @@ class QueryRelative(Term):
   def with_key_length(self, k_len):
     return self.replace(k_len=k_len)
 
-  def _index(self, q_len: int, k_len: int) -> Array:
-    """``[Lq, Lk]`` table row of each (query, key) pair."""
-    offset = 0 if self.q_offset is None else self.q_offset
-    return jnp.clip(relative_offsets(q_len, k_len, offset), -self.clip, self.clip) + self.clip
-
   def _k_len(self, q_len: int) -> int:
     return q_len if self.k_len is None else self.k_len
 
@@ -345,14 +379,32 @@ class QueryRelative(Term):
     chex.assert_rank(table, {2, 3})
     return table if table.ndim == 3 else jnp.broadcast_to(table, (heads,) + table.shape)
 
+  def _spread(self, per_offset: Array, k_len: int) -> Array:
+    """``[B, H, Lq, 2t+1]`` values per clipped offset -> ``[B, H, Lq, Lk]``.
+
+    Entry ``(i, j)`` is column ``clip(j - i - q_offset) + t``. Linear, and
+    built from slices, broadcasts, a concatenation and :func:`skew_offsets`,
+    so neither it nor its transpose (:meth:`value_output`) gathers or scatters.
+    """
+    q_len = per_offset.shape[-2]
+    width = q_len + k_len - 1
+    q_offset = 0 if self.q_offset is None else self.q_offset
+    if isinstance(q_offset, int):
+      full = _clipped_columns(per_offset, self.clip, -(q_len - 1) - q_offset, width)
+    else:  # traced (decoding): the columns of every shift, then the shift
+      wide = _clipped_columns(per_offset, self.clip, -(self.clip + width),
+                              2 * (self.clip + width) + 1)
+      # Shifts past either end take the saturated columns only: clamping keeps it exact.
+      start = jnp.clip(width + self.clip - (q_len - 1) - q_offset, 0, 2 * self.clip + 1 + width)
+      full = lax.dynamic_slice_in_dim(wide, start, width, axis=-1)
+    return skew_offsets(full)
+
   def logits(self, q, scale):
-    b, q_len, heads, _ = q.shape
-    k_len = self._k_len(q_len)
+    heads = q.shape[2]
     table = self._per_head(self.key_table, heads).astype(q.dtype)
-    # q . a_r for every offset r, then pick r = clip(j - i) per (i, j).
+    # q . a_r for every offset r, then spread to r = clip(j - i) per (i, j).
     per_offset = jnp.einsum("bihd,hrd->bhir", q, table) * scale
-    index = jnp.broadcast_to(self._index(q_len, k_len), (b, heads, q_len, k_len))
-    return jnp.take_along_axis(per_offset, index, axis=-1)
+    return self._spread(per_offset, self._k_len(q.shape[1]))
 
   def fused(self, q, scale):
     if not self.fusable:
@@ -364,13 +416,28 @@ class QueryRelative(Term):
     if self.value_table is None:
       return None
     b, heads, q_len, k_len = probs.shape
-    rows = 2 * self.clip + 1
-    index = self._index(q_len, k_len)
-    # Sum the attention weights that fall on each clipped offset.
-    weights = jnp.zeros((b, heads, q_len, rows), probs.dtype)
-    weights = weights.at[:, :, jnp.arange(q_len)[:, None], index].add(probs)
+    # The attention weights summed per clipped offset: the transpose of the spreading.
+    per_offset = jax.ShapeDtypeStruct((b, heads, q_len, 2 * self.clip + 1), probs.dtype)
+    spread_t = jax.linear_transpose(lambda x: self._spread(x, k_len), per_offset)
+    (weights,) = spread_t(probs)
     table = self._per_head(self.value_table, heads).astype(probs.dtype)
     return jnp.einsum("bhir,hrd->bihd", weights, table)
+
+
+def _clipped_columns(x: Array, clip: int, first: int, width: int) -> Array:
+  """``[..., 2t+1]`` values of offsets ``-t..t`` -> ``[..., width]`` of offsets
+  ``first..first + width - 1``, clipped to ``[-t, t]`` (static ``first``).
+
+  Offsets below ``-t`` repeat column 0 and offsets above ``t`` column ``2t``:
+  a broadcast, the slice of the columns in range, a broadcast.
+  """
+  below = min(max(-clip - first, 0), width)
+  above = min(max(first + width - 1 - clip, 0), width)
+  start = max(first, -clip) + clip
+  parts = [jnp.broadcast_to(x[..., :1], x.shape[:-1] + (below,)),
+           x[..., start:start + width - below - above],
+           jnp.broadcast_to(x[..., -1:], x.shape[:-1] + (above,))]
+  return jnp.concatenate([p for p in parts if p.shape[-1]], axis=-1)
 
 
 def rotate_pairs(x: Array, angles: Array) -> Array:

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from posenc_jax.schemes.base import Scheme
-from posenc_jax.terms import Factored, SchemeTerms, Toeplitz
+from posenc_jax.terms import Factored, SchemeTerms, Toeplitz, lookup
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,7 +27,7 @@ class ClippedOffsets:
   clip: int
 
   def __call__(self, table: jax.Array, rel: jax.Array) -> jax.Array:
-    return jnp.take(table, jnp.clip(-rel, -self.clip, self.clip) + self.clip, axis=-1)
+    return lookup(table, jnp.clip(-rel, -self.clip, self.clip) + self.clip)
 
 
 class DietRel(Scheme):

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from posenc_jax.schemes.base import Scheme
-from posenc_jax.terms import SchemeTerms, Toeplitz, offsets, toeplitz_bias
+from posenc_jax.terms import SchemeTerms, Toeplitz, lookup, offsets, toeplitz_bias
 
 Array = jax.Array
 
@@ -64,7 +64,7 @@ class BucketedOffsets:
     buckets = relative_position_bucket(rel, bidirectional=self.bidirectional,
                                        num_buckets=table.shape[-1],
                                        max_distance=self.max_distance)
-    return jnp.take(table, buckets, axis=-1)
+    return lookup(table, buckets)
 
 
 def t5_bias(table: Array, q_len: int, k_len: int, *, bidirectional: bool,

@@ -1,0 +1,182 @@
+"""Shaw's relative term and the Toeplitz bias without gather or scatter.
+
+The skewing against a loop, the new formulation against the old gather /
+scatter-add one (values and gradients, decoding offsets included), and the
+lowered training step of small BERTs, which must scatter only into the
+word-embedding table.
+"""
+
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from posenc_jax.models.build import build_model
+from posenc_jax.presets import preset_config
+from posenc_jax.terms import QueryRelative, relative_offsets, skew_offsets, toeplitz_bias
+from posenc_jax.training.config import base_train_config
+from posenc_jax.training.loop import TrainState, make_train_step
+from posenc_jax.training.optim import make_optimizer
+
+B, H, D = 2, 3, 4
+TOL = dict(rtol=1e-5, atol=1e-5)
+# (Lq, Lk): square, more keys than queries, fewer, one query (a decoding step), one key.
+LENGTHS = [(7, 7), (5, 9), (9, 5), (1, 6), (4, 1)]
+
+
+def normal(seed, shape):
+  return jax.random.normal(jax.random.key(seed), shape)
+
+
+@pytest.mark.parametrize("q_len,k_len", LENGTHS + [(1, 1)])
+def test_skew_offsets_against_loop(q_len, k_len):
+  x = np.asarray(normal(0, (2, q_len, q_len + k_len - 1)))
+  expected = np.zeros((2, q_len, k_len), np.float32)
+  for i in range(q_len):
+    for j in range(k_len):
+      expected[:, i, j] = x[:, i, j - i + q_len - 1]
+  np.testing.assert_array_equal(skew_offsets(jnp.asarray(x)), expected)
+
+
+def old_index(term, q_len, k_len):
+  """``[Lq, Lk]`` table row of each pair, as the old formulation computed it."""
+  offset = 0 if term.q_offset is None else term.q_offset
+  return jnp.clip(relative_offsets(q_len, k_len, offset), -term.clip, term.clip) + term.clip
+
+
+def per_head(table):
+  return table if table.ndim == 3 else jnp.broadcast_to(table, (H,) + table.shape)
+
+
+def old_logits(term, q, scale):
+  """The old key term: per-offset products, then ``take_along_axis``."""
+  q_len, k_len = q.shape[1], term.k_len
+  per_offset = jnp.einsum("bihd,hrd->bhir", q, per_head(term.key_table)) * scale
+  index = jnp.broadcast_to(old_index(term, q_len, k_len), (B, H, q_len, k_len))
+  return jnp.take_along_axis(per_offset, index, axis=-1)
+
+
+def old_value_output(term, probs):
+  """The old value term: weights summed per clipped offset with a scatter-add."""
+  q_len, k_len = probs.shape[-2:]
+  weights = jnp.zeros((B, H, q_len, 2 * term.clip + 1), probs.dtype)
+  index = old_index(term, q_len, k_len)
+  weights = weights.at[:, :, jnp.arange(q_len)[:, None], index].add(probs)
+  return jnp.einsum("bhir,hrd->bihd", weights, per_head(term.value_table))
+
+
+def shaw_outputs_and_grads(new, key_table, value_table, q, probs, cotangents, q_offset, clip,
+                           k_len):
+  """Logits, value output and the gradients of ``<outputs, cotangents>`` w.r.t. the four
+  arrays, with the new formulation or the old one."""
+
+  def loss(*arrays):
+    term = QueryRelative(*arrays[:2], q_offset=q_offset, clip=clip, k_len=k_len)
+    if new:
+      outputs = term.logits(arrays[2], 0.5), term.value_output(arrays[3])
+    else:
+      outputs = old_logits(term, arrays[2], 0.5), old_value_output(term, arrays[3])
+    return sum(jnp.sum(x * c) for x, c in zip(outputs, cotangents)), outputs
+
+  grads, outputs = jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(key_table, value_table, q,
+                                                                     probs)
+  return outputs + grads
+
+
+@pytest.mark.parametrize("q_offset", [None, 3, 40, "traced"])
+@pytest.mark.parametrize("clip", [2, 20])
+@pytest.mark.parametrize("q_len,k_len", [(5, 9), (9, 5), (1, 6), (4, 1)])
+def test_shaw_term_equals_the_gather_formulation(q_len, k_len, clip, q_offset):
+  """Values and gradients (tables, q, probs) for clips below and above the lengths, a per-head
+  key table and a shared value table; a traced ``q_offset`` (decoding) in range and past
+  either end."""
+  rows = 2 * clip + 1
+  arrays = (normal(0, (H, rows, D)), normal(1, (rows, D)), normal(2, (B, q_len, H, D)),
+            jax.nn.softmax(normal(3, (B, H, q_len, k_len)), -1),
+            (normal(4, (B, H, q_len, k_len)), normal(5, (B, q_len, H, D))))
+
+  def both(offset):
+    return [shaw_outputs_and_grads(new, *arrays, offset, clip, k_len) for new in (True, False)]
+
+  if q_offset == "traced":
+    runs = [jax.jit(both)(jnp.int32(offset)) for offset in (-30, 0, 2, 7, 40)]
+  else:
+    runs = [jax.jit(both, static_argnums=0)(q_offset)]
+  for got, expected in runs:
+    assert got[0].shape == (B, H, q_len, k_len) and got[1].shape == (B, q_len, H, D)
+    for x, y in zip(got, expected):
+      np.testing.assert_allclose(x, y, **TOL)
+
+
+@pytest.mark.parametrize("zero_first,q_offset", [(False, 0), (True, 0), (True, 2),
+                                                  (True, "traced")])
+@pytest.mark.parametrize("q_len,k_len", LENGTHS)
+def test_toeplitz_bias_equals_the_take_formulation(q_len, k_len, zero_first, q_offset):
+  """Values and the gradient w.r.t. the per-offset vector."""
+  values = normal(0, (H, q_len + k_len - 1))
+  cotangent = normal(1, (1, H, q_len, k_len))
+
+  def old(values, offset):
+    bias = jnp.take(values, relative_offsets(q_len, k_len) + q_len - 1, axis=-1)
+    if zero_first:
+      rows = jnp.arange(q_len) + offset != 0
+      bias = bias * (rows[:, None] & (jnp.arange(k_len) != 0)[None, :])
+    return bias[None]
+
+  def new(values, offset):
+    return toeplitz_bias(values, q_len, k_len, zero_first, offset)
+
+  def both(offset):
+    return [(fn(values, offset), jax.grad(lambda v: jnp.sum(fn(v, offset) * cotangent))(values))
+            for fn in (new, old)]
+
+  if q_offset == "traced":
+    runs = [jax.jit(both)(jnp.int32(offset)) for offset in (0, 2)]
+  else:
+    runs = [jax.jit(both, static_argnums=0)(q_offset)]
+  for (bias, grad), (old_bias, old_grad) in runs:
+    np.testing.assert_array_equal(bias, old_bias)
+    np.testing.assert_allclose(grad, old_grad, **TOL)  # sums in another order
+
+
+VOCAB, D_MODEL, LENGTH = 96, 32, 12
+
+
+def lowered_train_step(scheme: str) -> str:
+  """StableHLO text of the jitted MLM training step (loss, gradients, AdamW update)."""
+  config = preset_config(f"bert_tiny,{scheme}")
+  if scheme == "shaw":  # the key and the value term
+    config.model.scheme = {"name": "shaw", "clip": 4, "value": True}
+  config.model.update(vocab_size=VOCAB, d_model=D_MODEL, mlp_dim=64, max_len=16)
+  model = build_model(config.model, "mlm")
+  train = base_train_config()
+  train.optimizer.warmup_steps = 10
+  tx, schedule = make_optimizer(train.optimizer, train.total_steps)
+  ids = jnp.ones((2, LENGTH), jnp.int32)
+  batch = dict(input_ids=ids, segment_ids=jnp.zeros_like(ids), mask=ids, mlm_targets=ids,
+               mlm_weights=jnp.ones(ids.shape, jnp.float32))
+  params = nn.unbox(jax.eval_shape(model.init, jax.random.key(0), ids, ids, ids)["params"])
+  state = jax.eval_shape(lambda p: TrainState.create(apply_fn=model.apply, params=p, tx=tx),
+                         params)
+  step = jax.jit(make_train_step(model, train, schedule))
+  return step.lower(state, batch, jax.random.key(1)).as_text()
+
+
+@pytest.mark.parametrize("scheme", ["shaw", "t5", "diet_rel", "bert"])
+def test_training_step_scatters_only_into_the_word_embeddings(scheme):
+  """Small-table lookups are one-hot contractions or slices, so their gradients are matmuls;
+  only the word-embedding table (``[V, d]``) keeps its gather and scatter-add gradient."""
+  text = lowered_train_step(scheme)
+  word_embeddings = f"tensor<{VOCAB}x{D_MODEL}xf32>"
+  # A scatter's region ends with '}) : (operand types) -> result type'.
+  scatters = re.findall(r'"stablehlo\.scatter"\(.*?\}\) : \(.*?\) -> (tensor<[^>]*>)', text,
+                        re.DOTALL)
+  assert len(scatters) == text.count('"stablehlo.scatter"(')
+  assert scatters and set(scatters) == {word_embeddings}
+  # Every gather reads the word embeddings (its first operand type).
+  gathers = re.findall(r'"stablehlo\.gather"\(.*? : \((tensor<[^>]*>)', text)
+  assert len(gathers) == text.count('"stablehlo.gather"(')
+  assert set(gathers) == {word_embeddings}
