@@ -36,17 +36,26 @@ interpret mode on CPU (``interpret=None`` picks it on the CPU backend):
 
 * ``gather`` (GPU, Pallas' Triton backend): the tile is an in-kernel gather
   ``ob[j - i + Lq_p - 1]``; its gradient goes through a ``[bq, bk]`` scratch
-  read back skewed (one diagonal per column). Every in-kernel array has a
-  power-of-two size: block sizes are powers of two, the head dim and the
-  offset vector are zero-padded to powers of two.
+  read back skewed (one diagonal per column), in a window of ``bq + bk``
+  diagonals widened to a power of two. Every in-kernel array has a
+  power-of-two size, square tiles or not: block sizes are powers of two, the
+  q/k and v head dims (each to its own width) and the offset vector are
+  zero-padded to powers of two.
 * ``roll`` (TPU, Pallas' Mosaic backend, which has no gather): blocks are
   multiples of 128, so each tile's window of ``bq + bk`` offsets is a
   lane-aligned slice; broadcast to the rows and rotated by one strided roll
   (row ``r`` by ``bk + 1 + r``) it is the tile. The gradient rolls the
   zero-padded cotangent tile back and sums its rows.
 
-Both lower for their accelerator without one (``jax.export``, tested); neither
-has yet been run or tuned on a GPU or TPU.
+Tile sizes, Triton's warps and pipelining stages come from :func:`kernel_blocks`,
+which estimates each choice's shared memory (Triton) or VMEM (Mosaic) against
+the device's (:func:`memory_budget`). Float32 inputs are multiplied exactly
+unless ``precision="tensorfloat32"``.
+
+Both lower for their accelerator without one (``jax.export``, tested). The gather
+kernels ran on an H100 (jaxlib 0.11.2): the shared-memory model is fitted to
+what Triton asked for there, and exact float32 matched a float64 reference to
+4e-7 (TF32: 1.5e-4). The roll kernels have not run on a TPU.
 """
 
 from __future__ import annotations
@@ -54,6 +63,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -76,6 +86,213 @@ def _round_up(x: int, m: int) -> int:
   return -(-x // m) * m
 
 
+# ---------------------------------------------------------------------------
+# Tile sizes and launch settings from the shapes and the chip's on-chip memory.
+
+# Shared memory one Triton program may use (the opt-in maximum per block), by CUDA compute
+# capability. A GPU not listed gets the smallest.
+SMEM_BYTES = {"8.0": 166912, "8.6": 101376, "8.7": 166912, "8.9": 101376, "9.0": 232448,
+              "10.0": 232448, "12.0": 101376}
+_SMEM_MARGIN = 8 * 1024  # the model's slack: Triton versions allocate differently
+# Scoped VMEM Mosaic gives a kernel by default on TPU v4 and v5 (v6e: 32 MiB); a quarter is
+# left as margin, the VMEM model being unmeasured.
+VMEM_BYTES = 16 * 2**20
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelBlocks:
+  """Tile sizes and launch settings of :func:`relative_flash_attention`'s kernels.
+
+  Attributes:
+    block_q, block_k: query / key rows of a tile, powers of two (``>= 16`` with gather
+      tiles, ``>= 128`` with roll tiles).
+    qk_dim, v_dim: widths q/k and v are zero-padded to (each a power of two ``>= 16``).
+    num_warps, num_stages: Triton launch settings (``num_stages``: software-pipelining
+      stages of the loads in the kernels' loops); None with roll tiles.
+  """
+
+  block_q: int
+  block_k: int
+  qk_dim: int
+  v_dim: int
+  num_warps: int | None = None
+  num_stages: int | None = None
+
+
+def gpu_compute_capability() -> str | None:
+  """The CUDA compute capability of the first device (e.g. ``"9.0"``), None if not an NVIDIA
+  GPU. Block choice here and cuDNN's fit (:func:`posenc_jax.attention.cudnn_unsupported`)
+  read it."""
+  return getattr(jax.devices()[0], "compute_capability", None)
+
+
+def memory_budget(tiles: str = "gather", compute_capability: str | None = None) -> int:
+  """Bytes of on-chip memory :func:`kernel_blocks` may plan for, a margin below the limit.
+
+  Args:
+    tiles: ``"gather"``: shared memory of a Triton program on the GPU of
+      ``compute_capability`` (e.g. ``"9.0"``; :data:`SMEM_BYTES`); ``"roll"``: 3/4 of the
+      default scoped VMEM of a TPU (:data:`VMEM_BYTES`).
+    compute_capability: None reads it from ``jax.devices()[0]`` (a GPU's); an unknown one
+      (or none: no GPU) gets the smallest GPU in :data:`SMEM_BYTES`.
+  """
+  if tiles == "roll":
+    return VMEM_BYTES * 3 // 4
+  if compute_capability is None:
+    compute_capability = gpu_compute_capability()
+  return SMEM_BYTES.get(compute_capability, min(SMEM_BYTES.values())) - _SMEM_MARGIN
+
+
+def kernel_memory(blocks: KernelBlocks, *, q_len: int, k_len: int, itemsize: int,
+                  has_bias: bool, tiles: str = "gather", precision: str = "float32") -> int:
+  """Estimated on-chip bytes of the most demanding of the three kernels (forward, dq, dk/dv).
+
+  ``gather`` (Triton): shared memory per program, see :func:`_triton_smem`. ``roll``
+  (Mosaic): VMEM, see :func:`_mosaic_vmem`.
+
+  Args:
+    blocks: the tile sizes and settings.
+    q_len, k_len: unpadded sequence lengths.
+    itemsize: bytes per element of q, k and v.
+    has_bias: whether an offset bias is built into the tiles.
+    tiles: ``"gather"`` or ``"roll"``.
+    precision: as :func:`relative_flash_attention`'s (exact float32 products take another
+      path through Triton).
+  """
+  if tiles == "roll":
+    return _mosaic_vmem(blocks, q_len, k_len, itemsize, has_bias)
+  return _triton_smem(blocks, itemsize, has_bias, exact=itemsize == 4 and precision == "float32")
+
+
+def kernel_blocks(q_len: int, k_len: int, qk_dim: int, v_dim: int, *, itemsize: int,
+                  has_bias: bool, tiles: str = "gather", precision: str = "float32",
+                  budget: int | None = None, block_q: int | None = None,
+                  block_k: int | None = None) -> KernelBlocks:
+  """Picks tile sizes and launch settings that fit on chip (:func:`kernel_memory`).
+
+  Gather (Triton): 64 x 64 tiles, 4 warps, 2 pipelining stages where they fit (on an H100
+  they beat 128-row tiles: BERT-base bf16 at L = 512 took 0.66 ms forward + backward with
+  64 x 64, 0.70 / 0.96 / 1.07 ms with 128 x 64 / 64 x 128 / 128 x 128; at D = 128,
+  L = 2048, 2.1 ms against 2.4-4.3); else the largest tiles down to 16 rows, 2 stages before
+  1, squarer before longer. Roll (Mosaic): 256-row tiles where they add no padding to the
+  128-multiple length and fit, else 128. Blocks never exceed the padded lengths. If nothing
+  fits, the least demanding choice.
+
+  Args:
+    q_len, k_len: sequence lengths (unpadded).
+    qk_dim, v_dim: head dims of q/k (terms folded in) and of v.
+    itemsize: bytes per element of q, k and v.
+    has_bias: whether an offset bias is built into the tiles.
+    tiles: ``"gather"`` (Triton) or ``"roll"`` (Mosaic).
+    precision: ``"float32"`` or ``"tensorfloat32"`` (:func:`relative_flash_attention`).
+    budget: bytes of on-chip memory; None gives :func:`memory_budget` of this device.
+    block_q, block_k: fixed tile sizes (validated; gather ones clamped to the padded
+      lengths), or None to choose.
+
+  Returns:
+    The :class:`KernelBlocks`.
+  """
+  if tiles not in ("gather", "roll"):
+    raise ValueError(f"tiles: got {tiles!r}; allowed: gather, roll")
+  if precision not in ("float32", "tensorfloat32"):
+    raise ValueError(f"precision: got {precision!r}; allowed: float32, tensorfloat32")
+  smallest = 128 if tiles == "roll" else 16
+  for name, size in (("block_q", block_q), ("block_k", block_k)):
+    if size is not None and (size < smallest or size & (size - 1)):
+      raise ValueError(f"{name}: got {size}; expected a power of two >= {smallest} "
+                       f"(tiles={tiles!r})")
+  budget = memory_budget(tiles) if budget is None else budget
+  widths = (max(16, _next_pow2(qk_dim)), max(16, _next_pow2(v_dim)))
+  launches = [(None, None)] if tiles == "roll" else [(4, 2), (4, 1)]
+  candidates = [KernelBlocks(bq, bk, *widths, *launch)
+                for launch in launches
+                for bq in _block_sizes(q_len, block_q, tiles)
+                for bk in _block_sizes(k_len, block_k, tiles)]
+
+  def memory(blocks):
+    return kernel_memory(blocks, q_len=q_len, k_len=k_len, itemsize=itemsize,
+                         has_bias=has_bias, tiles=tiles, precision=precision)
+
+  fitting = [c for c in candidates if memory(c) <= budget]
+  if not fitting:
+    return min(candidates, key=memory)
+  return max(fitting, key=lambda c: (c.num_stages or 0, min(c.block_q, c.block_k),
+                                     c.block_q * c.block_k, c.block_q))
+
+
+def _block_sizes(length: int, fixed: int | None, tiles: str) -> list[int]:
+  """Candidate block sizes along a sequence of ``length``: ``fixed`` (gather: clamped to the
+  padded length), else each size the chooser considers that does not overrun it."""
+  if tiles == "roll":
+    padded = _round_up(length, 128)
+    return [fixed] if fixed else [b for b in (256, 128) if padded % b == 0]
+  longest = _next_pow2(max(length, 16))
+  return [min(fixed, longest)] if fixed else [b for b in (64, 32, 16) if b <= longest]
+
+
+def _triton_smem(blocks: KernelBlocks, itemsize: int, has_bias: bool, exact: bool) -> int:
+  """Shared memory (bytes) of the larger Triton backward kernel; the forward's tiles are a
+  subset of dq's.
+
+  Tiles, in bytes: ``Q = bq Dqk``, ``dO = bq Dv`` (the do rows), ``K = bk Dqk``,
+  ``V = bk Dv`` at the inputs' itemsize, ``P = bq bk`` at that itemsize (a probability or
+  cotangent tile converted for a product) and ``F = 4 bq bk`` (a float32 tile).
+
+  * Tensor-core products (bfloat16/float16, TF32): dq holds ``Q + dO`` and, per pipelining
+    stage ``S``, the ``K + V`` its loop loads, plus ``P`` (and ``2 F`` for the bias: its tile
+    and diagonal sums); dk/dv holds ``K + V``, ``S (Q + dO)``, ``2 P`` (and ``F``).
+  * Exact float32 products (FMA, no tensor cores): the four tiles once each, plus
+    ``(S + bias) F``.
+
+  Plus 1 KiB for small buffers. Fitted to the bytes XLA's Triton (jaxlib 0.11.2) asked for
+  on an H100 in 13 configurations (32 to 128-row tiles, head dims 128 and 256, 1 and 2
+  stages, with and without bias, bfloat16, TF32 and exact float32): an upper bound on the
+  larger kernel of each, within 0.3 % in exact float32 and 4-8 % for 64- and 128-row
+  tensor-core tiles, 12-49 % over where Triton takes other paths (TF32 with 32-row tiles or
+  one stage). The TUPE kernels of the old defaults (float32, 64 x 64 tiles, q/k padded
+  136 -> 256 and v with them to 256, 2 stages), which asked for up to 426752 bytes (TF32)
+  and 312064 (exact) against the H100's 232448, are estimated at 443392 and 312320.
+  """
+  bq, bk, stages = blocks.block_q, blocks.block_k, blocks.num_stages
+  q, do = bq * blocks.qk_dim * itemsize, bq * blocks.v_dim * itemsize
+  k, v = bk * blocks.qk_dim * itemsize, bk * blocks.v_dim * itemsize
+  p, f = bq * bk * itemsize, 4 * bq * bk
+  if exact:
+    return q + do + k + v + (stages + has_bias) * f + 1024
+  dq = q + do + stages * (k + v) + p + 2 * f * has_bias
+  dkv = k + v + stages * (q + do) + 2 * p + f * has_bias
+  return max(dq, dkv) + 1024
+
+
+def _mosaic_vmem(blocks: KernelBlocks, q_len: int, k_len: int, itemsize: int,
+                 has_bias: bool) -> int:
+  """VMEM (bytes) of the largest Mosaic kernel, not measured on a TPU.
+
+  Every block of a ``pallas_call`` is double-buffered, in ``(8 or 16, 128)`` tiles (so a
+  ``[L, 1]`` column takes ``L x 128`` words): the forward and dq hold a block of q (and do)
+  and the whole k, v, key segment ids and offset bias; dk/dv a block of k, v and the whole
+  q, do, query segment ids, lse and delta. Then float32 temporaries: accumulators, eight
+  ``[bq, bk]`` tiles and four ``[bq, bq + bk]`` windows for the bias.
+  """
+  bq, bk, dqk, dv = blocks.block_q, blocks.block_k, blocks.qk_dim, blocks.v_dim
+  lq, lk = _round_up(q_len, bq), _round_up(k_len, bk)
+  window = _window(bq, bk, "roll")
+  loff = _next_pow2(lq + lk - (bq + bk) + window)
+
+  def vmem(rows, cols, size=4):
+    return _round_up(rows, 32 // size) * _round_up(cols, 128) * size
+
+  def rows(n, size=itemsize):  # n rows of q/do or of k/v (both widths)
+    return vmem(n, dqk, size) + vmem(n, dv, size)
+
+  bias = vmem(1, loff) * has_bias
+  fwd = rows(bq) + rows(lk) + vmem(1, lk) + 2 * vmem(bq, 1) + bias
+  dq = fwd + rows(bq) + 2 * vmem(bq, 1) + bias
+  dkv = 2 * rows(bk) + rows(lq) + 3 * vmem(lq, 1) + vmem(1, bk) + bias
+  temporaries = rows(max(bq, bk), 4) + 8 * vmem(bq, bk) + 4 * vmem(bq, window) * has_bias
+  return 2 * max(fwd, dq, dkv) + temporaries
+
+
 @dataclasses.dataclass(frozen=True)
 class _Config:
   """Static kernel settings; lengths are the padded ones unless named otherwise."""
@@ -85,8 +302,8 @@ class _Config:
   zero_first: bool
   causal: bool
   scale: float
-  block_q: int
-  block_k: int
+  precision: str  # "float32" (exact float32 products) or "tensorfloat32"
+  blocks: KernelBlocks
   q_len: int  # Lq_p
   k_len: int  # Lk_p
   interpret: bool
@@ -97,17 +314,48 @@ class _Config:
       return None
     if self.tiles == "roll":
       return pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary"))
-    return plt.CompilerParams(num_warps=4, num_stages=2)
+    return plt.CompilerParams(num_warps=self.blocks.num_warps,
+                              num_stages=self.blocks.num_stages)
+
+  @property
+  def window(self) -> int:
+    """Width of a tile's window of offsets: its ``bq + bk`` diagonals, widened to a power of
+    two with gather tiles (Triton's arrays; the extra columns hold no diagonal of the tile)."""
+    return _window(self.blocks.block_q, self.blocks.block_k, self.tiles)
+
+  @property
+  def offset_len(self) -> int:
+    """``Loff_p``: the padded offset vector's length, a power of two long enough for every
+    offset (``Lq_p + Lk_p - 1``) and for the last tile's whole window."""
+    bq, bk = self.blocks.block_q, self.blocks.block_k
+    return _next_pow2(self.q_len + self.k_len - (bq + bk) + self.window)
 
   def window_start(self, qi, kj):
     """Offset index (in the padded vector) of the first diagonal a tile touches.
 
     Column ``w`` of a tile's window holds ``rel = kj*bk - qi*bq + w - (bq - 1)``,
-    i.e. vector entry ``window_start + w``; the window has ``bq + bk`` entries.
+    i.e. vector entry ``window_start + w``; the window has ``self.window`` entries.
     With roll tiles it is a multiple of 128 (lane-aligned), and says so to Mosaic.
     """
-    start = kj * self.block_k - qi * self.block_q + self.q_len - self.block_q
+    bq, bk = self.blocks.block_q, self.blocks.block_k
+    start = kj * bk - qi * bq + self.q_len - bq
     return pl.multiple_of(start, 128) if self.tiles == "roll" else start
+
+
+def _window(block_q: int, block_k: int, tiles: str) -> int:
+  """Window width of a ``[block_q, block_k]`` tile (:attr:`_Config.window`)."""
+  width = block_q + block_k
+  return width if tiles == "roll" else _next_pow2(width)
+
+
+def _dot(cfg, a, b, contract):
+  """``a`` . ``b`` contracting dim ``contract[0]`` of ``a`` with ``contract[1]`` of ``b``
+  (2-D operands), accumulated in float32. Float32 operands are multiplied exactly (IEEE)
+  unless ``cfg.precision`` is ``"tensorfloat32"`` (the backend's default: TF32 on Triton)."""
+  exact = a.dtype == jnp.float32 and cfg.precision == "float32"
+  return lax.dot_general(a, b, (((contract[0],), (contract[1],)), ((), ())),
+                         precision=lax.Precision.HIGHEST if exact else None,
+                         preferred_element_type=jnp.float32)
 
 
 def _barrier(cfg: _Config) -> None:
@@ -121,8 +369,7 @@ def _tile(cfg, q, k, ob_ref, qseg, kseg, qi, kj):
 
   ``qseg`` ``[bq, 1]`` and ``kseg`` ``[1, bk]`` are the tile's segment ids.
   """
-  s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-  s = s * cfg.scale
+  s = _dot(cfg, q, k, (1, 1)) * cfg.scale
   i, j = _positions(cfg, qi, kj)
   if cfg.has_bias:
     s = s + _cls_reset(cfg, _bias_tile(cfg, ob_ref, i, j, qi, kj), i, j)
@@ -134,9 +381,10 @@ def _tile(cfg, q, k, ob_ref, qseg, kseg, qi, kj):
 
 def _positions(cfg, qi, kj):
   """Query and key positions ``i``, ``j`` of a tile, each ``[bq, bk]`` int32."""
-  shape = (cfg.block_q, cfg.block_k)
-  return (qi * cfg.block_q + lax.broadcasted_iota(jnp.int32, shape, 0),
-          kj * cfg.block_k + lax.broadcasted_iota(jnp.int32, shape, 1))
+  bq, bk = cfg.blocks.block_q, cfg.blocks.block_k
+  shape = (bq, bk)
+  return (qi * bq + lax.broadcasted_iota(jnp.int32, shape, 0),
+          kj * bk + lax.broadcasted_iota(jnp.int32, shape, 1))
 
 
 def _cls_reset(cfg, tile, i, j):
@@ -151,31 +399,31 @@ def _bias_tile(cfg, ob_ref, i, j, qi, kj):
   """``[bq, bk]`` float32 tile ``ob[j - i + Lq_p - 1]`` from the ``[1, Loff_p]`` ref.
 
   ``gather``: an in-kernel gather (Triton loads through a pointer tensor).
-  ``roll``: the tile's window of ``bq + bk`` entries (a lane-aligned slice, the
+  ``roll``: the tile's window of ``W = cfg.window`` entries (a lane-aligned slice, the
   blocks being multiples of 128) broadcast to every row, row ``r`` rotated by
-  ``bk + 1 + r`` (one strided roll), then its first ``bk`` columns.
+  ``W - (bq - 1) + r`` (one strided roll), then its first ``bk`` columns.
   """
   if cfg.tiles == "gather":
     return ob_ref[0, j - i + (cfg.q_len - 1)].astype(jnp.float32)
-  bq, bk = cfg.block_q, cfg.block_k
-  window = ob_ref[:, pl.ds(cfg.window_start(qi, kj), bq + bk)]
-  rows = jnp.broadcast_to(window.astype(jnp.float32), (bq, bq + bk))
-  return pltpu.roll(rows, bk + 1, 1, stride=1, stride_axis=0)[:, :bk]
+  bq, bk, width = cfg.blocks.block_q, cfg.blocks.block_k, cfg.window
+  window = ob_ref[:, pl.ds(cfg.window_start(qi, kj), width)]
+  rows = jnp.broadcast_to(window.astype(jnp.float32), (bq, width))
+  return pltpu.roll(rows, width - (bq - 1), 1, stride=1, stride_axis=0)[:, :bk]
 
 
 def _diagonal_sums(cfg, dbias, ds_ref):
-  """``[1, bq + bk]`` sums of the tile ``dbias`` ``[bq, bk]`` along its diagonals (window order).
+  """``[1, W]`` sums of the tile ``dbias`` ``[bq, bk]`` along its diagonals (window order,
+  ``W = cfg.window``; columns past the tile's ``bq + bk - 1`` diagonals sum to zero).
 
   ``gather``: the tile goes through the ``ds_ref`` scratch and is read back
   skewed (column ``w`` of row ``r`` is tile column ``r + w - (bq - 1)``).
   ``roll``: the tile, zero-padded to the window width, is rotated back (row
-  ``r`` by ``-(bk + 1 + r)``) and summed over rows.
+  ``r`` by ``bq - 1 - r``, modulo ``W``) and summed over rows.
   """
-  bq, bk = cfg.block_q, cfg.block_k
-  width = bq + bk
+  bq, bk, width = cfg.blocks.block_q, cfg.blocks.block_k, cfg.window
   if cfg.tiles == "roll":
     padded = jnp.concatenate([dbias, jnp.zeros((bq, width - bk), jnp.float32)], axis=1)
-    back = pltpu.roll(padded, width - bk - 1, 1, stride=width - 1, stride_axis=0)
+    back = pltpu.roll(padded, bq - 1, 1, stride=width - 1, stride_axis=0)
     return jnp.sum(back, axis=0, keepdims=True)
   row = lax.broadcasted_iota(jnp.int32, (bq, width), 0)
   col = row + lax.broadcasted_iota(jnp.int32, (bq, width), 1) - (bq - 1)
@@ -190,22 +438,24 @@ def _diagonal_sums(cfg, dbias, ds_ref):
 
 def _num_k_blocks(cfg, qi):
   """k-blocks a query block needs (causal: up to the diagonal)."""
-  nk = cfg.k_len // cfg.block_k
+  bq, bk = cfg.blocks.block_q, cfg.blocks.block_k
+  nk = cfg.k_len // bk
   if not cfg.causal:
     return nk
   # lax.div: truncating division of non-negative ints (Mosaic lowers no floor division).
-  return jnp.minimum(nk, lax.div((qi + 1) * cfg.block_q + cfg.block_k - 1, cfg.block_k))
+  return jnp.minimum(nk, lax.div((qi + 1) * bq + bk - 1, bk))
 
 
 # ---------------------------------------------------------------------------
-# Kernels. Refs are one (batch, head) slice, every array 2-D: q/do [bq or Lq_p, Dp],
-# k/v [Lk_p or bk, Dp], offset bias [1, Loff_p], query segment ids and lse/delta
-# columns [bq or Lq_p, 1], key segment ids a row [1, Lk_p or bk].
+# Kernels. Refs are one (batch, head) slice, every array 2-D: q [bq or Lq_p, Dqk_p],
+# k [Lk_p or bk, Dqk_p], v [Lk_p or bk, Dv_p], out/do [bq or Lq_p, Dv_p], offset bias
+# [1, Loff_p], query segment ids and lse/delta columns [bq or Lq_p, 1], key segment ids a
+# row [1, Lk_p or bk].
 
 
 def _fwd_kernel(cfg, q_ref, k_ref, v_ref, ob_ref, qseg_ref, kseg_ref, o_ref, lse_ref):
   qi = pl.program_id(2)
-  bq, bk = cfg.block_q, cfg.block_k
+  bq, bk = cfg.blocks.block_q, cfg.blocks.block_k
   q, qseg = q_ref[...], qseg_ref[...]
 
   def body(kj, carry):
@@ -216,8 +466,7 @@ def _fwd_kernel(cfg, q_ref, k_ref, v_ref, ob_ref, qseg_ref, kseg_ref, o_ref, lse
     m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
     p = jnp.where(valid, jnp.exp(s - m_new), 0.0)
     alpha = jnp.exp(m - m_new)
-    pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-                         preferred_element_type=jnp.float32)
+    pv = _dot(cfg, p.astype(v.dtype), v, (1, 0))
     return m_new, alpha * l + jnp.sum(p, axis=1, keepdims=True), alpha * acc + pv
 
   init = (jnp.full((bq, 1), _NEG, jnp.float32), jnp.zeros((bq, 1), jnp.float32),
@@ -239,7 +488,7 @@ def _dq_kernel(cfg, q_ref, k_ref, v_ref, ob_ref, qseg_ref, kseg_ref, do_ref, lse
   mode's scratch, see :func:`_diagonal_sums`).
   """
   qi = pl.program_id(2)
-  bq, bk = cfg.block_q, cfg.block_k
+  bq, bk = cfg.blocks.block_q, cfg.blocks.block_k
   q, do, qseg = q_ref[...], do_ref[...], qseg_ref[...]
   lse, delta = lse_ref[...], delta_ref[...]
   if cfg.has_bias:
@@ -250,14 +499,12 @@ def _dq_kernel(cfg, q_ref, k_ref, v_ref, ob_ref, qseg_ref, kseg_ref, do_ref, lse
     v = v_ref[pl.ds(kj * bk, bk), :]
     s, valid = _tile(cfg, q, k, ob_ref, qseg, kseg_ref[:, pl.ds(kj * bk, bk)], qi, kj)
     p = jnp.where(valid, jnp.exp(s - lse), 0.0)
-    dp = lax.dot_general(do, v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    ds = p * (dp - delta)
+    ds = p * (_dot(cfg, do, v, (1, 1)) - delta)
     if cfg.has_bias:
-      window = (slice(None), pl.ds(cfg.window_start(qi, kj), bq + bk))
+      window = (slice(None), pl.ds(cfg.window_start(qi, kj), cfg.window))
       dbias = _cls_reset(cfg, ds, *_positions(cfg, qi, kj))
       dob_ref[window] = dob_ref[window] + _diagonal_sums(cfg, dbias, ds_ref)
-    return dq + lax.dot_general(ds.astype(k.dtype), k, (((1,), (0,)), ((), ())),
-                                preferred_element_type=jnp.float32)
+    return dq + _dot(cfg, ds.astype(k.dtype), k, (1, 0))
 
   dq = lax.fori_loop(0, _num_k_blocks(cfg, qi), body, jnp.zeros(q.shape, jnp.float32))
   dq_ref[...] = (dq * cfg.scale).astype(dq_ref.dtype)
@@ -266,7 +513,7 @@ def _dq_kernel(cfg, q_ref, k_ref, v_ref, ob_ref, qseg_ref, kseg_ref, do_ref, lse
 def _dkv_kernel(cfg, q_ref, k_ref, v_ref, ob_ref, qseg_ref, kseg_ref, do_ref, lse_ref, delta_ref,
                 dk_ref, dv_ref):
   kj = pl.program_id(2)
-  bq, bk = cfg.block_q, cfg.block_k
+  bq, bk = cfg.blocks.block_q, cfg.blocks.block_k
   k, v, kseg = k_ref[...], v_ref[...], kseg_ref[...]
 
   def body(qi, carry):
@@ -275,13 +522,9 @@ def _dkv_kernel(cfg, q_ref, k_ref, v_ref, ob_ref, qseg_ref, kseg_ref, do_ref, ls
     q, do = q_ref[rows, :], do_ref[rows, :]
     s, valid = _tile(cfg, q, k, ob_ref, qseg_ref[rows, :], kseg, qi, kj)
     p = jnp.where(valid, jnp.exp(s - lse_ref[rows, :]), 0.0)
-    dv = dv + lax.dot_general(p.astype(do.dtype), do, (((0,), (0,)), ((), ())),
-                              preferred_element_type=jnp.float32)
-    dp = lax.dot_general(do, v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    ds = p * (dp - delta_ref[rows, :])
-    dk = dk + lax.dot_general(ds.astype(q.dtype), q, (((0,), (0,)), ((), ())),
-                              preferred_element_type=jnp.float32)
-    return dk, dv
+    ds = p * (_dot(cfg, do, v, (1, 1)) - delta_ref[rows, :])
+    return (dk + _dot(cfg, ds.astype(q.dtype), q, (0, 0)),
+            dv + _dot(cfg, p.astype(do.dtype), do, (0, 0)))
 
   start = lax.div(kj * bk, bq) if cfg.causal else 0
   init = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
@@ -291,16 +534,35 @@ def _dkv_kernel(cfg, q_ref, k_ref, v_ref, ob_ref, qseg_ref, kseg_ref, do_ref, ls
 
 
 # ---------------------------------------------------------------------------
-# pallas_call wrappers on padded, head-major arrays: q/do [B, H, Lq_p, Dp],
-# k/v [B, H, Lk_p, Dp], offset bias [H, 1, Loff_p], query segment ids
-# [B, Lq_p, 1], key segment ids [B, 1, Lk_p], lse/delta [B, H, Lq_p, 1] float32.
+# pallas_call wrappers on padded, head-major arrays: q [B, H, Lq_p, Dqk_p], k [B, H, Lk_p,
+# Dqk_p], v [B, H, Lk_p, Dv_p], out/do [B, H, Lq_p, Dv_p], offset bias [H, 1, Loff_p], query
+# segment ids [B, Lq_p, 1], key segment ids [B, 1, Lk_p], lse/delta [B, H, Lq_p, 1] float32.
 
 
-def _specs(cfg, d, loff, *, over_queries: bool):
-  """BlockSpecs of (q, k, v, offset bias, q segments, kv segments, lse/delta) for a grid
-  ``(B, H, query blocks)`` or ``(B, H, key blocks)``."""
-  q_rows = cfg.block_q if over_queries else cfg.q_len
-  k_rows = cfg.k_len if over_queries else cfg.block_k
+class _Specs(NamedTuple):
+  """BlockSpecs of one grid (see :func:`_specs`)."""
+
+  q: pl.BlockSpec
+  k: pl.BlockSpec
+  v: pl.BlockSpec
+  out: pl.BlockSpec  # out and do
+  offset_bias: pl.BlockSpec
+  q_segments: pl.BlockSpec
+  kv_segments: pl.BlockSpec
+  row: pl.BlockSpec  # lse and delta
+
+  @property
+  def inputs(self):
+    """Specs of the backward kernels' inputs (q, k, v, ob, qseg, kseg, do, lse, delta); the
+    forward takes the first six."""
+    return [self.q, self.k, self.v, self.offset_bias, self.q_segments, self.kv_segments,
+            self.out, self.row, self.row]
+
+
+def _specs(cfg, *, over_queries: bool) -> _Specs:
+  """BlockSpecs for a grid ``(B, H, query blocks)`` or ``(B, H, key blocks)``."""
+  q_rows = cfg.blocks.block_q if over_queries else cfg.q_len
+  k_rows = cfg.k_len if over_queries else cfg.blocks.block_k
 
   def q_block(n):
     return n if over_queries else 0
@@ -308,26 +570,31 @@ def _specs(cfg, d, loff, *, over_queries: bool):
   def k_block(n):
     return 0 if over_queries else n
 
-  q_spec = pl.BlockSpec((None, None, q_rows, d), lambda b, h, n: (b, h, q_block(n), 0))
-  kv_spec = pl.BlockSpec((None, None, k_rows, d), lambda b, h, n: (b, h, k_block(n), 0))
-  ob_spec = pl.BlockSpec((None, 1, loff), lambda b, h, n: (h, 0, 0))
-  qseg_spec = pl.BlockSpec((None, q_rows, 1), lambda b, h, n: (b, q_block(n), 0))
-  kseg_spec = pl.BlockSpec((None, 1, k_rows), lambda b, h, n: (b, 0, k_block(n)))
-  row_spec = pl.BlockSpec((None, None, q_rows, 1), lambda b, h, n: (b, h, q_block(n), 0))
-  return q_spec, kv_spec, ob_spec, qseg_spec, kseg_spec, row_spec
+  def q_spec(width):
+    return pl.BlockSpec((None, None, q_rows, width), lambda b, h, n: (b, h, q_block(n), 0))
+
+  def k_spec(width):
+    return pl.BlockSpec((None, None, k_rows, width), lambda b, h, n: (b, h, k_block(n), 0))
+
+  qk_dim, v_dim = cfg.blocks.qk_dim, cfg.blocks.v_dim
+  return _Specs(
+      q=q_spec(qk_dim), k=k_spec(qk_dim), v=k_spec(v_dim), out=q_spec(v_dim),
+      offset_bias=pl.BlockSpec((None, 1, cfg.offset_len), lambda b, h, n: (h, 0, 0)),
+      q_segments=pl.BlockSpec((None, q_rows, 1), lambda b, h, n: (b, q_block(n), 0)),
+      kv_segments=pl.BlockSpec((None, 1, k_rows), lambda b, h, n: (b, 0, k_block(n))),
+      row=q_spec(1))
 
 
 def _forward(cfg, q, k, v, ob, qseg, kseg):
-  b, h, _, d = q.shape
-  q_spec, kv_spec, ob_spec, qseg_spec, kseg_spec, row = _specs(cfg, d, ob.shape[-1],
-                                                               over_queries=True)
+  b, h = q.shape[:2]
+  specs = _specs(cfg, over_queries=True)
   return pl.pallas_call(
       functools.partial(_fwd_kernel, cfg),
-      out_shape=(jax.ShapeDtypeStruct(q.shape, q.dtype),
+      out_shape=(jax.ShapeDtypeStruct((b, h, cfg.q_len, cfg.blocks.v_dim), q.dtype),
                  jax.ShapeDtypeStruct((b, h, cfg.q_len, 1), jnp.float32)),
-      grid=(b, h, cfg.q_len // cfg.block_q),
-      in_specs=[q_spec, kv_spec, kv_spec, ob_spec, qseg_spec, kseg_spec],
-      out_specs=(q_spec, row),
+      grid=(b, h, cfg.q_len // cfg.blocks.block_q),
+      in_specs=specs.inputs[:6],
+      out_specs=(specs.out, specs.row),
       interpret=cfg.interpret,
       compiler_params=cfg.compiler_params,
       name="relative_flash_fwd",
@@ -335,41 +602,39 @@ def _forward(cfg, q, k, v, ob, qseg, kseg):
 
 
 def _backward(cfg, q, k, v, ob, qseg, kseg, out, lse, do):
-  b, h, _, d = q.shape
-  loff = ob.shape[-1]
-  nq, nk = cfg.q_len // cfg.block_q, cfg.k_len // cfg.block_k
+  b, h = q.shape[:2]
+  bq, bk = cfg.blocks.block_q, cfg.blocks.block_k
+  nq, nk = cfg.q_len // bq, cfg.k_len // bk
   delta = jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32), axis=-1, keepdims=True)
   args = (q, k, v, ob, qseg, kseg, do, lse, delta)
 
-  q_spec, kv_spec, ob_spec, qseg_spec, kseg_spec, row = _specs(cfg, d, loff, over_queries=True)
-  in_specs = [q_spec, kv_spec, kv_spec, ob_spec, qseg_spec, kseg_spec, q_spec, row, row]
-  out_shapes, out_specs = [jax.ShapeDtypeStruct(q.shape, q.dtype)], [q_spec]
+  specs = _specs(cfg, over_queries=True)
+  out_shapes, out_specs = [jax.ShapeDtypeStruct(q.shape, q.dtype)], [specs.q]
   if cfg.has_bias:  # per query block: the offset-bias gradient (and the gather's scratch)
+    loff = cfg.offset_len
     out_shapes.append(jax.ShapeDtypeStruct((b, h, nq, 1, loff), jnp.float32))
     out_specs.append(pl.BlockSpec((None, None, None, 1, loff), lambda b, h, i: (b, h, i, 0, 0)))
     if cfg.tiles == "gather":
-      tile = (cfg.block_q, cfg.block_k)
-      out_shapes.append(jax.ShapeDtypeStruct((b, h, nq) + tile, jnp.float32))
-      out_specs.append(pl.BlockSpec((None, None, None) + tile, lambda b, h, i: (b, h, i, 0, 0)))
+      out_shapes.append(jax.ShapeDtypeStruct((b, h, nq, bq, bk), jnp.float32))
+      out_specs.append(pl.BlockSpec((None, None, None, bq, bk), lambda b, h, i: (b, h, i, 0, 0)))
   dq, *rest = pl.pallas_call(
       functools.partial(_dq_kernel, cfg),
       out_shape=tuple(out_shapes),
       grid=(b, h, nq),
-      in_specs=in_specs,
+      in_specs=specs.inputs,
       out_specs=tuple(out_specs),
       interpret=cfg.interpret,
       compiler_params=cfg.compiler_params,
       name="relative_flash_dq",
   )(*args)
 
-  q_spec, kv_spec, ob_spec, qseg_spec, kseg_spec, row = _specs(cfg, d, loff, over_queries=False)
-  in_specs = [q_spec, kv_spec, kv_spec, ob_spec, qseg_spec, kseg_spec, q_spec, row, row]
+  specs = _specs(cfg, over_queries=False)
   dk, dv = pl.pallas_call(
       functools.partial(_dkv_kernel, cfg),
       out_shape=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
       grid=(b, h, nk),
-      in_specs=in_specs,
-      out_specs=(kv_spec, kv_spec),
+      in_specs=specs.inputs,
+      out_specs=(specs.k, specs.v),
       interpret=cfg.interpret,
       compiler_params=cfg.compiler_params,
       name="relative_flash_dkv",
@@ -415,6 +680,7 @@ def relative_flash_attention(
     block_q: int | None = None,
     block_k: int | None = None,
     tiles: str | None = None,
+    precision: str = "float32",
     interpret: bool | None = None,
 ) -> Array:
   """Flash attention with a Toeplitz bias ``offset_bias[h, j - i + Lq - 1]`` built in the kernel.
@@ -433,12 +699,19 @@ def relative_flash_attention(
     causal: mask keys ``j > i``.
     zero_first: zero the bias in row 0 and column 0 (TUPE-R's [CLS] reset).
     scale: content scale; None gives ``1 / sqrt(D)``. The bias is not scaled.
-    block_q, block_k: tile sizes, powers of two (lengths are padded to block
-      multiples internally); None gives 64 (gather) or 128 (roll, which needs
-      multiples of 128). Gather tiles are clamped to the padded lengths.
+    block_q, block_k: tile sizes, powers of two, ``>= 16`` (gather) or ``>= 128`` (roll);
+      lengths are padded to block multiples internally, and gather tiles are clamped to the
+      padded lengths. None: :func:`kernel_blocks` picks them (and Triton's warps and
+      pipelining stages) to fit this device's on-chip memory.
     tiles: how bias tiles are built: ``"gather"`` (GPU/Triton) or ``"roll"``
       (TPU/Mosaic); None picks ``roll`` on TPU, else ``gather``. Both run in
       interpret mode.
+    precision: products of float32 inputs: ``"float32"`` multiplies exactly
+      (``lax.Precision.HIGHEST``: IEEE float32 on Triton, fp32 contraction on Mosaic);
+      ``"tensorfloat32"`` opts into the backend's default, TF32 on a GPU's tensor cores
+      (10 mantissa bits: about 1e-4 absolute error on unit-scale attention, against 4e-7
+      exact). Exact products skip the tensor cores: on an H100 they were 10-30 times
+      slower than TF32. bfloat16/float16 inputs are unaffected.
     interpret: Pallas interpret mode; None picks it on the CPU backend.
 
   Returns:
@@ -455,35 +728,24 @@ def relative_flash_attention(
                      f"[{h} or 1, Lq + Lk - 1 = {lq + lk - 1}]")
   if tiles is None:
     tiles = "roll" if jax.default_backend() == "tpu" else "gather"
-  if tiles not in ("gather", "roll"):
-    raise ValueError(f"tiles: got {tiles!r}; allowed: gather, roll")
-  smallest = 128 if tiles == "roll" else 16
-  block_q = (128 if tiles == "roll" else 64) if block_q is None else block_q
-  block_k = (128 if tiles == "roll" else 64) if block_k is None else block_k
-  for name, size in (("block_q", block_q), ("block_k", block_k)):
-    if size < smallest or size & (size - 1):
-      raise ValueError(f"{name}: got {size}; expected a power of two >= {smallest} "
-                       f"(tiles={tiles!r})")
+  blocks = kernel_blocks(lq, lk, d, dv, itemsize=max(x.dtype.itemsize for x in (q, k, v)),
+                         has_bias=offset_bias is not None, tiles=tiles, precision=precision,
+                         block_q=block_q, block_k=block_k)
   if (q_segment_ids is None) != (kv_segment_ids is None):
     raise ValueError("q_segment_ids, kv_segment_ids: give both or neither")
   if interpret is None:
     interpret = jax.default_backend() == "cpu"
   scale = 1.0 / math.sqrt(d) if scale is None else scale
 
-  if tiles == "gather":
-    block_q = min(block_q, _next_pow2(max(lq, 16)))
-    block_k = min(block_k, _next_pow2(max(lk, 16)))
-  lq_p, lk_p = _round_up(lq, block_q), _round_up(lk, block_k)
-  d_p = max(16, _next_pow2(max(d, dv)))
-  loff = _next_pow2(lq_p + lk_p)
+  lq_p, lk_p = _round_up(lq, blocks.block_q), _round_up(lk, blocks.block_k)
   cfg = _Config(has_bias=offset_bias is not None, tiles=tiles, zero_first=zero_first,
-                causal=causal,
-                scale=float(scale), block_q=block_q, block_k=block_k, q_len=lq_p, k_len=lk_p,
-                interpret=bool(interpret))
+                causal=causal, scale=float(scale), precision=precision, blocks=blocks,
+                q_len=lq_p, k_len=lk_p, interpret=bool(interpret))
+  loff = cfg.offset_len
 
-  def heads_major(x, length):
+  def heads_major(x, length, width):
     x = jnp.swapaxes(x, 1, 2)  # [B, H, L, D]
-    return jnp.pad(x, ((0, 0), (0, 0), (0, length - x.shape[2]), (0, d_p - x.shape[3])))
+    return jnp.pad(x, ((0, 0), (0, 0), (0, length - x.shape[2]), (0, width - x.shape[3])))
 
   if q_segment_ids is None:
     qseg, kseg = jnp.zeros((b, lq), jnp.int32), jnp.zeros((b, lk), jnp.int32)
@@ -505,6 +767,6 @@ def relative_flash_attention(
     ob = jnp.pad(jnp.broadcast_to(offset_bias, (h, lq + lk - 1)),
                  ((0, 0), (lq_p - lq, loff - (lq_p - lq) - (lq + lk - 1))))
   ob = jnp.broadcast_to(ob, (h, loff))[:, None, :]  # [H, 1, Loff_p]
-  out = _flash(cfg, heads_major(q, lq_p), heads_major(k, lk_p), heads_major(v, lk_p), ob, qseg,
-               kseg)
+  out = _flash(cfg, heads_major(q, lq_p, blocks.qk_dim), heads_major(k, lk_p, blocks.qk_dim),
+               heads_major(v, lk_p, blocks.v_dim), ob, qseg, kseg)
   return jnp.swapaxes(out[:, :, :lq, :dv], 1, 2)
