@@ -46,13 +46,15 @@ import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax import lax
 
-from posenc_jax.kernels import relative_flash_attention
+from posenc_jax.kernels import relative_flash, relative_flash_attention
 from posenc_jax.terms import Term, toeplitz_bias
 
 Array = jax.Array
 Route = Literal["auto", "reference", "fused"]
 ROUTES = ("auto", "reference", "fused")
+PRECISIONS = ("float32", "tensorfloat32")
 
 
 def _mask_4d(mask: Array | None, causal: bool, q_len: int, k_len: int,
@@ -72,9 +74,26 @@ def _mask_4d(mask: Array | None, causal: bool, q_len: int, k_len: int,
   return mask
 
 
+def dot_precision(precision: str, dtype) -> lax.Precision | None:
+  """The ``precision`` of attention's matmuls for inputs of ``dtype``.
+
+  ``"float32"``: float32 inputs multiply in full float32 (``Precision.HIGHEST``),
+  so every route agrees with a float32 reference to float32 rounding. JAX's
+  own default is faster and coarser (TF32 on NVIDIA GPUs from Ampere on,
+  bfloat16 passes on TPU); ``"tensorfloat32"`` opts into it. Inputs of 16 bits
+  are unaffected (None).
+  """
+  if precision not in PRECISIONS:
+    raise ValueError(f"precision: got {precision!r}; allowed: {', '.join(PRECISIONS)}")
+  if jnp.dtype(dtype) != jnp.dtype(jnp.float32) or precision == "tensorfloat32":
+    return None
+  return lax.Precision.HIGHEST
+
+
 def _reference(q, k, v, terms, mask, causal, scale, dropout_rate=0.0, dropout_rng=None,
-               segment_ids=None):
-  logits = jnp.einsum("bihd,bjhd->bhij", q, k) * scale
+               segment_ids=None, precision="float32"):
+  dot = dot_precision(precision, q.dtype)
+  logits = jnp.einsum("bihd,bjhd->bhij", q, k, precision=dot) * scale
   for term in terms:
     extra = term.logits(q, scale)
     if extra is not None:
@@ -88,7 +107,7 @@ def _reference(q, k, v, terms, mask, causal, scale, dropout_rate=0.0, dropout_rn
     keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, probs.shape)
     probs = jnp.where(keep, probs / (1.0 - dropout_rate), 0.0)
   probs = probs.astype(v.dtype)
-  out = jnp.einsum("bhij,bjhd->bihd", probs, v)
+  out = jnp.einsum("bhij,bjhd->bihd", probs, v, precision=dot)
   for term in terms:
     extra = term.value_output(probs)
     if extra is not None:
@@ -113,7 +132,7 @@ def cudnn_unsupported(q_shape: Sequence[int], k_shape: Sequence[int], dtype, *,
   if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
     return f"dtype {jnp.dtype(dtype).name} (cuDNN flash attention takes bfloat16/float16)"
   if compute_capability is None:
-    compute_capability = float(getattr(jax.devices()[0], "compute_capability", 0) or 0)
+    compute_capability = float(relative_flash.gpu_compute_capability() or 0)
   head_max = 256 if compute_capability >= 9.0 else 128
   head_dim = q_shape[-1]
   if head_dim % 8 or head_dim > head_max:
@@ -124,7 +143,7 @@ def cudnn_unsupported(q_shape: Sequence[int], k_shape: Sequence[int], dtype, *,
 
 
 def _fused(q, k, v, terms, mask, causal, scale, *, implementation, backend=None,
-           segment_ids=None):
+           segment_ids=None, precision="float32"):
   """The fused route (module docstring); ``backend`` None reads the default backend.
 
   Toeplitz terms without dense ones go to the Pallas kernel (gather tiles,
@@ -152,28 +171,55 @@ def _fused(q, k, v, terms, mask, causal, scale, *, implementation, backend=None,
     widen = [(0, 0)] * 3 + [(0, -q.shape[-1] % 8)]
     q, k = jnp.pad(q, widen), jnp.pad(k, widen)
   q_len, k_len = q.shape[1], k.shape[1]
-  kernel_mask_ok = mask is None or mask.ndim == 2
+  key_mask = mask is None or mask.ndim == 2
+  kernel_fits = not dense and key_mask and len({p.zero_first for p in toeplitz}) <= 1
   if implementation is None:
-    no_cudnn = cudnn_unsupported(q.shape, k.shape, q.dtype, has_bias=bool(dense or toeplitz),
-                                 backend=backend)
+    # A 4-D mask or packed segments reach cuDNN as a full [B, 1, Lq, Lk] bias.
+    full_mask = not key_mask or (segment_ids is not None and not kernel_fits)
+    no_cudnn = cudnn_unsupported(q.shape, k.shape, q.dtype,
+                                 has_bias=bool(dense or toeplitz or full_mask), backend=backend)
     implementation = "xla" if no_cudnn else "cudnn"
-  kernel_fits = not dense and kernel_mask_ok and len({p.zero_first for p in toeplitz}) <= 1
   if kernel_fits and not toeplitz and backend == "tpu" and _splash_fits(q, k):
     return _splash(q, k, v, mask, causal, scale, segment_ids)
-  if kernel_fits and (toeplitz or implementation == "xla"):
+
+  def kernel():
     offset_bias = sum(p.offset_bias for p in toeplitz) if toeplitz else None
     return relative_flash_attention(
         q, k, v, offset_bias, mask=mask, q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
         causal=causal, scale=scale, zero_first=bool(toeplitz) and toeplitz[0].zero_first,
-        tiles="roll" if backend == "tpu" else "gather")
+        tiles="roll" if backend == "tpu" else "gather", precision=precision)
+
+  # Packed segments: cuDNN (through dot_product_attention) has no segment ids; the kernel has.
+  if kernel_fits and (toeplitz or implementation == "xla" or segment_ids is not None):
+    return kernel()
   dense += [toeplitz_bias(p.offset_bias, q_len, k_len, p.zero_first) for p in toeplitz]
   bias = sum(dense[1:], dense[0]).astype(q.dtype) if dense else None
   # dot_product_attention wants v shaped like k: zero-pad, then slice off.
-  v = jnp.pad(v, [(0, 0)] * 3 + [(0, k.shape[-1] - head_dim)])
-  out = jax.nn.dot_product_attention(
-      q, k, v, bias=bias, mask=_mask_4d(mask, False, q_len, k_len, segment_ids), scale=scale,
-      is_causal=causal, implementation=implementation)
-  return out[..., :head_dim]
+  v_wide = jnp.pad(v, [(0, 0)] * 3 + [(0, k.shape[-1] - head_dim)])
+
+  def dot_product_attention(mask_4d=None, kv_lengths=None):
+    with jax.default_matmul_precision(precision):
+      out = jax.nn.dot_product_attention(
+          q, k, v_wide, bias=bias, mask=mask_4d, scale=scale, is_causal=causal,
+          key_value_seq_lengths=kv_lengths, implementation=implementation)
+    return out[..., :head_dim]
+
+  mask_4d = _mask_4d(mask, False, q_len, k_len, segment_ids)
+  if implementation != "cudnn" or mask_4d is None:
+    return dot_product_attention(mask_4d)
+  # cuDNN checks at trace time that a mask (turned into a bias) spans [Lq, Lk]. A key mask
+  # that keeps a prefix of every row (right padding, the usual case) goes as sequence
+  # lengths instead, with no [Lq, Lk] array; any other key mask is decided at run time:
+  # the Pallas kernel where it can run, else the mask broadcast to [B, 1, Lq, Lk].
+  full = lambda: dot_product_attention(  # noqa: E731
+      jnp.broadcast_to(mask_4d, mask_4d.shape[:2] + (q_len, k_len)))
+  if not key_mask or segment_ids is not None:
+    return full()
+  lengths = jnp.sum(mask.astype(jnp.int32), axis=-1)
+  is_prefix = jnp.all((jnp.arange(k_len)[None, :] < lengths[:, None]) == mask.astype(bool))
+  return lax.cond(is_prefix & jnp.all(lengths > 0),
+                  lambda: dot_product_attention(kv_lengths=lengths),
+                  kernel if kernel_fits else full)
 
 
 def _splash_fits(q: Array, k: Array) -> bool:
@@ -218,6 +264,7 @@ def attend(
     dropout_rate: float = 0.0,
     dropout_rng: Array | None = None,
     segment_ids: Array | None = None,
+    precision: str = "float32",
 ) -> Array:
   """Attention with positional/segment logit terms.
 
@@ -242,6 +289,10 @@ def attend(
       sequences (self-attention, ``Lq == Lk``): a query attends only keys of
       its own segment. The kernels take it natively; elsewhere it joins the
       mask.
+    precision: ``"float32"`` (default): float32 inputs multiply in full
+      float32 on every route, so routes and devices agree to float32
+      rounding; ``"tensorfloat32"`` opts into JAX's faster default (TF32 on
+      NVIDIA GPUs, bfloat16 passes on TPU). See :func:`dot_precision`.
 
   Returns:
     ``[B, Lq, H, D]``.
@@ -260,11 +311,12 @@ def attend(
   if segment_ids is not None and (segment_ids.shape != q.shape[:2] or k.shape[1] != q.shape[1]):
     raise ValueError(f"segment_ids: got shape {segment_ids.shape} for {q.shape[1]} queries and "
                      f"{k.shape[1]} keys; expected [B, L] = {q.shape[:2]} (self-attention)")
+  dot_precision(precision, q.dtype)  # a bad name fails here, on every route
   if choose_route(route, terms, dropout) == "reference":
     return _reference(q, k, v, terms, mask, causal, scale, dropout_rate, dropout_rng,
-                      segment_ids)
+                      segment_ids, precision)
   return _fused(q, k, v, terms, mask, causal, scale, implementation=implementation,
-                segment_ids=segment_ids)
+                segment_ids=segment_ids, precision=precision)
 
 
 def choose_route(route: Route, terms: Sequence[Term], dropout: bool = False,
@@ -316,6 +368,7 @@ class MultiHeadAttention(nn.Module):
     dtype: compute dtype (parameters stay float32).
     dropout_rate: attention-probability dropout (needs a ``dropout`` rng
       when ``deterministic`` is False).
+    precision: float32 matmul precision, see :func:`attend`.
 
   Incremental decoding (``decode=True``, self-attention only) keeps a KV
   cache in the ``cache`` collection, as flax's ``decode`` pattern does:
@@ -339,6 +392,7 @@ class MultiHeadAttention(nn.Module):
   route: Route = "auto"
   dtype: jnp.dtype = jnp.float32
   dropout_rate: float = 0.0
+  precision: str = "float32"
   kernel_init: nn.initializers.Initializer = nn.initializers.normal(0.02)
 
   @nn.compact
@@ -366,7 +420,8 @@ class MultiHeadAttention(nn.Module):
     if not deterministic and self.dropout_rate > 0.0:
       dropout_rng = self.make_rng("dropout")
     out = attend(q, k, v, terms, mask=mask, causal=causal, scale=scale, route=self.route,
-                 dropout_rate=self.dropout_rate, dropout_rng=dropout_rng)
+                 dropout_rate=self.dropout_rate, dropout_rng=dropout_rng,
+                 precision=self.precision)
     return output_projection(self, x.shape[-1])(out)
 
   def _decode_step(self, q, k, v, terms, mask, causal):

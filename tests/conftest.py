@@ -74,3 +74,5 @@ def padding_mask(batch=BATCH, length=LENGTH):
 @pytest.fixture(params=sorted(SCHEME_CONFIGS))
 def scheme_name(request):
   return request.param
+
+

@@ -15,6 +15,7 @@ from typing import Any
 import jax.numpy as jnp
 from flax.core import FrozenDict
 
+from posenc_jax.attention import PRECISIONS, ROUTES
 from posenc_jax.schemes import SchemeConfigError, validate_scheme_config
 from posenc_jax.schemes.linformer import DietAbsLin
 
@@ -22,7 +23,6 @@ ACTIVATIONS = ("gelu", "gelu_tanh", "relu")
 DTYPES = ("float32", "bfloat16")
 ATTENTIONS = ("full", "linformer")
 LINFORMER_SHARING = ("none", "kv", "layer")
-ROUTES = ("auto", "reference", "fused")
 # Schemes whose terms fit Linformer's projected keys: input-level ones, and
 # DIET-ABS-LIN (key side of k rows). Relative, query-dependent, RoPE and
 # [L, L] absolute terms index key positions that the projection removes.
@@ -64,6 +64,9 @@ class ModelConfig:
     linformer_sharing: ``none`` (E, F per layer), ``kv`` (E = F per layer),
       ``layer`` (one E = F for all layers).
     route: attention route (see :func:`posenc_jax.attend`).
+    attention_precision: matmul precision of attention in float32:
+      ``float32`` (exact, the default) or ``tensorfloat32`` (JAX's faster
+      default: TF32 on NVIDIA GPUs); see :func:`posenc_jax.attend`.
     num_decoder_layers: decoder layers of an encoder-decoder model (0: none).
     share_embeddings: encoder-decoder: one table for source, target and the
       output projection.
@@ -89,6 +92,7 @@ class ModelConfig:
   linformer_k: int = 128
   linformer_sharing: str = "none"
   route: str = "auto"
+  attention_precision: str = "float32"
   num_decoder_layers: int = 0
   share_embeddings: bool = True
 
@@ -168,7 +172,7 @@ def model_config(config: Any = None, **overrides) -> ModelConfig:
          cfg.layer_norm_eps, "a positive float")
   for field, allowed in (("activation", ACTIVATIONS), ("dtype", DTYPES),
                          ("attention", ATTENTIONS), ("linformer_sharing", LINFORMER_SHARING),
-                         ("route", ROUTES)):
+                         ("route", ROUTES), ("attention_precision", PRECISIONS)):
     value = getattr(cfg, field)
     _check(field, value in allowed, value, ", ".join(allowed))
   for field in ("pre_ln", "pooler", "share_embeddings"):

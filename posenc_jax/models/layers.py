@@ -78,7 +78,8 @@ def full_attention(config: ModelConfig, name: str | None = None) -> MultiHeadAtt
   """Full multi-head attention (decoder self-attention and cross-attention)."""
   return MultiHeadAttention(config.num_heads, config.dim_per_head, route=config.route,
                             dtype=config.compute_dtype,
-                            dropout_rate=config.attention_dropout_rate, name=name)
+                            dropout_rate=config.attention_dropout_rate,
+                            precision=config.attention_precision, name=name)
 
 
 def residual(config: ModelConfig, norm: nn.LayerNorm, dropout: nn.Dropout, sublayer, x: Array,

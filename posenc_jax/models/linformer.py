@@ -193,5 +193,6 @@ class LinformerSelfAttention(nn.Module):
     if not deterministic and cfg.attention_dropout_rate > 0.0:
       dropout_rng = self.make_rng("dropout")
     out = attend(q, k, v, terms, scale=scale, route=cfg.route,
-                 dropout_rate=cfg.attention_dropout_rate, dropout_rng=dropout_rng)
+                 dropout_rate=cfg.attention_dropout_rate, dropout_rng=dropout_rng,
+                 precision=cfg.attention_precision)
     return output_projection(self, x.shape[-1])(out)
