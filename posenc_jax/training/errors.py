@@ -6,6 +6,7 @@ from posenc_jax.training.config import TrainConfigError
 from posenc_jax.training.loop import NonFiniteLossError
 from posenc_jax.training.mesh import MeshConfigError
 from posenc_jax.training.optim import OptimizerConfigError
+from posenc_jax.training.signals import TrainingInterrupted
 
 USER_ERRORS = (ModelConfigError, SchemeConfigError, TrainConfigError, MeshConfigError,
-               OptimizerConfigError, NonFiniteLossError)
+               OptimizerConfigError, NonFiniteLossError, TrainingInterrupted)

@@ -5,7 +5,9 @@ jitted step with donated state, periodic eval, checkpoint, metrics.
 newest complete checkpoint in ``workdir``: state and data position, so it
 sees exactly the examples an uninterrupted run would. A NaN or Inf loss is
 never applied (the step keeps the old state), and stops the run with one
-message naming the step and the last good checkpoint.
+message naming the step and the last good checkpoint. SIGTERM or SIGINT
+(preemption, ``kill``, Ctrl-C) lets the step in flight finish, saves it, and
+stops with one line (:class:`~posenc_jax.training.signals.TrainingInterrupted`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import itertools
 import json
 import logging
 import os
+import signal
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -35,6 +38,7 @@ from posenc_jax.training.metrics import (MetricWriter, Throughput, console_line,
                                          train_flops_per_step)
 from posenc_jax.training.objectives import objective
 from posenc_jax.training.optim import make_optimizer
+from posenc_jax.training.signals import StopSignals, TrainingInterrupted
 
 Batch = dict[str, Any]
 
@@ -45,6 +49,20 @@ class NonFiniteLossError(RuntimeError):
 
 class TrainState(train_state.TrainState):
   """Step, parameters (float32) and optimizer state."""
+
+
+def _check_finite(all_finite: jax.Array, step: int, scalars: dict[str, float] | None,
+                  checkpointer: Checkpointer, last_saved: int | None) -> None:
+  """Raises :class:`NonFiniteLossError` (after pending saves land) if any step so far had a
+  non-finite loss or gradient."""
+  if bool(all_finite):
+    return
+  checkpointer.wait()
+  last = "" if scalars is None else (f" (last loss {scalars['loss']}, grad norm "
+                                     f"{scalars['grad_norm']})")
+  raise NonFiniteLossError(
+      f"loss or gradients became NaN/Inf by step {step}{last}: stopping; no such update was "
+      f"applied and the last good checkpoint is step {last_saved} in {checkpointer.directory}")
 
 
 def _sum_metrics(a: dict[str, jax.Array], b: dict[str, jax.Array]) -> dict[str, jax.Array]:
@@ -273,7 +291,7 @@ def train(config: ml_collections.ConfigDict, workdir: str,
                     out_shardings=(state_shardings, mesh_lib.replicated(mesh)),
                     donate_argnums=(0,))
   eval_fn = jax.jit(make_eval_step(model, config))
-  writer = MetricWriter(workdir)
+  writer = MetricWriter(workdir, start_step)
   best = BestKeeper(workdir, config.get("best_metric"))
   length = config.get("target_len") or config.seq_len
   tokens_per_step = config.batch_size * length
@@ -291,41 +309,52 @@ def train(config: ml_collections.ConfigDict, workdir: str,
 
   step = start_step
   all_finite = jnp.array(True)  # combined on device, read only when logging or saving
-  while step < config.total_steps:
-    batch = _global(next(train_batches), batch_sharding)
-    compile_start = time.perf_counter()
-    state, metrics = step_fn(state, batch, rng)
-    step += 1
-    if throughput.compile_seconds is None:
-      jax.block_until_ready(metrics)
-      throughput.compile_seconds = time.perf_counter() - compile_start
-      throughput.start(step)
-    all_finite = all_finite & (metrics["finite"] > 0)
-    log_now = step % config.log_every == 0 or step == config.total_steps or step == start_step + 1
-    save_now = step % config.checkpoint_every == 0 or step == config.total_steps
-    if log_now or save_now:
-      scalars = _host_scalars(metrics)
-      scalars.pop("finite")
-      if not bool(all_finite):
-        checkpointer.wait()
-        raise NonFiniteLossError(
-            f"loss or gradients became NaN/Inf by step {step} (last loss {scalars['loss']}, "
-            f"grad norm {scalars['grad_norm']}): stopping; no such update was applied and "
-            f"the last good checkpoint is step {last_saved} in {checkpointer.directory}")
-      if log_now:
-        scalars.pop("tokens")
-        scalars |= throughput.report(step)
-        scalars["compile_s"] = throughput.compile_seconds
-        if config.eval_every and (step % config.eval_every == 0 or step == config.total_steps):
-          scalars |= evaluate(eval_fn, state.params,
-                              data(config, "validation", 0, **host), batch_sharding)
-          scalars |= task_evaluation(config, model, state.params, data, host)
-          best.update(step, scalars, state.params)
-        writer.write(step, scalars)
-        history.append({"step": step, **scalars})
-        say(console_line(step, config.total_steps, scalars), flush=True)
-      if save_now and checkpointer.save(step, state, {"step": step}, force=True):
-        last_saved = step
+  stop = StopSignals()
+  with stop:
+    while step < config.total_steps:
+      # Multi-process jobs agree on a stop at logging steps (a collective), others at once.
+      if (jax.process_count() == 1 or step % config.log_every == 0) and stop.agreed():
+        break
+      batch = _global(next(train_batches), batch_sharding)
+      compile_start = time.perf_counter()
+      state, metrics = step_fn(state, batch, rng)
+      step += 1
+      if throughput.compile_seconds is None:
+        jax.block_until_ready(metrics)
+        throughput.compile_seconds = time.perf_counter() - compile_start
+        throughput.start(step)
+      all_finite = all_finite & (metrics["finite"] > 0)
+      log_now = (step % config.log_every == 0 or step == config.total_steps
+                 or step == start_step + 1)
+      save_now = step % config.checkpoint_every == 0 or step == config.total_steps
+      if log_now or save_now:
+        scalars = _host_scalars(metrics)
+        scalars.pop("finite")
+        _check_finite(all_finite, step, scalars, checkpointer, last_saved)
+        if log_now:
+          scalars.pop("tokens")
+          scalars |= throughput.report(step)
+          scalars["compile_s"] = throughput.compile_seconds
+          if config.eval_every and (step % config.eval_every == 0 or step == config.total_steps):
+            scalars |= evaluate(eval_fn, state.params,
+                                data(config, "validation", 0, **host), batch_sharding)
+            scalars |= task_evaluation(config, model, state.params, data, host)
+            best.update(step, scalars, state.params)
+          writer.write(step, scalars)
+          history.append({"step": step, **scalars})
+          say(console_line(step, config.total_steps, scalars), flush=True)
+        if save_now and checkpointer.save(step, state, {"step": step}, force=True):
+          last_saved = step
+  if stop.signum is not None and step < config.total_steps:
+    _check_finite(all_finite, step, None, checkpointer, last_saved)
+    if last_saved != step:
+      checkpointer.save(step, state, {"step": step}, force=True)
+    checkpointer.close()
+    best.close()
+    writer.close()
+    name = signal.Signals(stop.signum).name
+    raise TrainingInterrupted(f"stopped by {name} after step {step}: checkpoint {step} saved in "
+                              f"{checkpointer.directory}; run the same command to resume")
   checkpointer.close()
   best.close()
   writer.close()

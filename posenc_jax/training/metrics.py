@@ -93,19 +93,37 @@ class Throughput:
     return out
 
 
+def _truncate_after(path: str, step: int) -> None:
+  """Keeps the lines of ``path`` (JSONL with a ``step``) up to ``step``; replaced atomically."""
+  if not os.path.exists(path):
+    return
+  with open(path) as f:
+    lines = f.readlines()
+  kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= step]
+  if len(kept) == len(lines):
+    return
+  with open(path + ".tmp", "w") as f:
+    f.writelines(kept)
+  os.replace(path + ".tmp", path)
+
+
 class MetricWriter:
   """Writes scalars to ``<workdir>/metrics.jsonl`` and TensorBoard events (host 0 only).
 
-  Appends on resume, so a resumed run's file continues where it stopped.
+  A run resumed at ``start_step`` first drops the file's lines of later steps
+  (written after that checkpoint by the interrupted run, and about to be
+  recomputed), so every step appears once.
   """
 
-  def __init__(self, workdir: str):
+  def __init__(self, workdir: str, start_step: int = 0):
     self.active = jax.process_index() == 0
     self._jsonl = None
     self._tb = None
     if self.active:
       os.makedirs(workdir, exist_ok=True)
-      self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")  # noqa: SIM115
+      path = os.path.join(workdir, "metrics.jsonl")
+      _truncate_after(path, start_step)
+      self._jsonl = open(path, "a")  # noqa: SIM115
       from tensorboardX import SummaryWriter  # noqa: PLC0415
       self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
 

@@ -50,6 +50,7 @@ import flax.linen as nn  # noqa: E402
 from posenc_jax.presets import preset_config  # noqa: E402
 from posenc_jax.training.config import base_train_config  # noqa: E402
 from posenc_jax.training.loop import train  # noqa: E402
+from posenc_jax.training.signals import TrainingInterrupted  # noqa: E402
 
 VOCAB, LENGTH, BATCH = 64, 16, ARGS.batch
 
@@ -112,7 +113,11 @@ def synthetic(config, split, start_step, shard_id=0, num_shards=1):
 
 
 def main():
-  result = train(config(), ARGS.workdir, data=synthetic)
+  try:
+    result = train(config(), ARGS.workdir, data=synthetic)
+  except TrainingInterrupted as e:
+    print(e, flush=True)
+    return 3
   params = jax.tree.map(lambda x: np.asarray(jax.device_get(
       jax.experimental.multihost_utils.process_allgather(x, tiled=True))),
                         nn.unbox(result["state"].params))
