@@ -49,12 +49,12 @@ import jax.numpy as jnp
 from jax import lax
 
 from posenc_jax.kernels import relative_flash, relative_flash_attention
+from posenc_jax.kernels.relative_flash import PRECISIONS, dot_precision
 from posenc_jax.terms import Term, toeplitz_bias
 
 Array = jax.Array
 Route = Literal["auto", "reference", "fused"]
 ROUTES = ("auto", "reference", "fused")
-PRECISIONS = ("float32", "tensorfloat32")
 
 
 def _mask_4d(mask: Array | None, causal: bool, q_len: int, k_len: int,
@@ -72,22 +72,6 @@ def _mask_4d(mask: Array | None, causal: bool, q_len: int, k_len: int,
     same = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
     mask = same if mask is None else jnp.logical_and(mask, same)
   return mask
-
-
-def dot_precision(precision: str, dtype) -> lax.Precision | None:
-  """The ``precision`` of attention's matmuls for inputs of ``dtype``.
-
-  ``"float32"``: float32 inputs multiply in full float32 (``Precision.HIGHEST``),
-  so every route agrees with a float32 reference to float32 rounding. JAX's
-  own default is faster and coarser (TF32 on NVIDIA GPUs from Ampere on,
-  bfloat16 passes on TPU); ``"tensorfloat32"`` opts into it. Inputs of 16 bits
-  are unaffected (None).
-  """
-  if precision not in PRECISIONS:
-    raise ValueError(f"precision: got {precision!r}; allowed: {', '.join(PRECISIONS)}")
-  if jnp.dtype(dtype) != jnp.dtype(jnp.float32) or precision == "tensorfloat32":
-    return None
-  return lax.Precision.HIGHEST
 
 
 def _reference(q, k, v, terms, mask, causal, scale, dropout_rate=0.0, dropout_rng=None,

@@ -119,6 +119,26 @@ class KernelBlocks:
   num_stages: int | None = None
 
 
+PRECISIONS = ("float32", "tensorfloat32")
+
+
+def dot_precision(precision: str, dtype) -> lax.Precision | None:
+  """The ``precision`` of attention's matmuls (this kernel's and the other routes') for
+  inputs of ``dtype``.
+
+  ``"float32"``: float32 inputs multiply in full float32 (``Precision.HIGHEST``),
+  so every route agrees with a float32 reference to float32 rounding. JAX's
+  own default is faster and coarser (TF32 on NVIDIA GPUs from Ampere on,
+  bfloat16 passes on TPU); ``"tensorfloat32"`` opts into it. Inputs of 16 bits
+  are unaffected (None).
+  """
+  if precision not in PRECISIONS:
+    raise ValueError(f"precision: got {precision!r}; allowed: {', '.join(PRECISIONS)}")
+  if jnp.dtype(dtype) != jnp.dtype(jnp.float32) or precision == "tensorfloat32":
+    return None
+  return lax.Precision.HIGHEST
+
+
 def gpu_compute_capability() -> str | None:
   """The CUDA compute capability of the first device (e.g. ``"9.0"``), None if not an NVIDIA
   GPU. Block choice here and cuDNN's fit (:func:`posenc_jax.attention.cudnn_unsupported`)
@@ -194,8 +214,7 @@ def kernel_blocks(q_len: int, k_len: int, qk_dim: int, v_dim: int, *, itemsize: 
   """
   if tiles not in ("gather", "roll"):
     raise ValueError(f"tiles: got {tiles!r}; allowed: gather, roll")
-  if precision not in ("float32", "tensorfloat32"):
-    raise ValueError(f"precision: got {precision!r}; allowed: float32, tensorfloat32")
+  dot_precision(precision, jnp.float32)  # validates the name
   smallest = 128 if tiles == "roll" else 16
   for name, size in (("block_q", block_q), ("block_k", block_k)):
     if size is not None and (size < smallest or size & (size - 1)):
@@ -352,9 +371,8 @@ def _dot(cfg, a, b, contract):
   """``a`` . ``b`` contracting dim ``contract[0]`` of ``a`` with ``contract[1]`` of ``b``
   (2-D operands), accumulated in float32. Float32 operands are multiplied exactly (IEEE)
   unless ``cfg.precision`` is ``"tensorfloat32"`` (the backend's default: TF32 on Triton)."""
-  exact = a.dtype == jnp.float32 and cfg.precision == "float32"
   return lax.dot_general(a, b, (((contract[0],), (contract[1],)), ((), ())),
-                         precision=lax.Precision.HIGHEST if exact else None,
+                         precision=dot_precision(cfg.precision, a.dtype),
                          preferred_element_type=jnp.float32)
 
 
