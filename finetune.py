@@ -17,9 +17,10 @@ import sys
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # quiet the input pipeline's TensorFlow
 
 from absl import app, flags, logging
-from ml_collections import config_flags
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "configs/<file>.py:<task>[,...]")
+from posenc_jax import cli
+
+_CONFIG = cli.define_config("config", None, "configs/<file>.py:<task>[,...]")
 _WORKDIR = flags.DEFINE_string("workdir", None, "checkpoints, metrics and the best model")
 _INIT = flags.DEFINE_string("init_checkpoint", None, "train.py workdir or Hugging Face folder")
 _SWEEP = flags.DEFINE_bool("sweep", False, "seeds x learning rates, median of best")
@@ -44,4 +45,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=cli.flags_parser("finetune.py"))

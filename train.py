@@ -16,10 +16,10 @@ import sys
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # quiet the input pipeline's TensorFlow
 
 from absl import app, flags, logging
-from ml_collections import config_flags
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/pretrain.py",
-                                          "configs/<file>.py[:<presets>]")
+from posenc_jax import cli
+
+_CONFIG = cli.define_config("config", "configs/pretrain.py", "configs/<file>.py[:<presets>]")
 _WORKDIR = flags.DEFINE_string("workdir", None, "checkpoints, metrics and events go here")
 _COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of process 0")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "processes in the job")
@@ -55,4 +55,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=cli.flags_parser("train.py"))

@@ -1,8 +1,8 @@
 """Named model sizes and scheme presets (the papers' rows), combinable by name.
 
 ``preset_config("bert_base,diet_abs_share")`` gives an ``ml_collections``
-``ConfigDict`` with ``model`` (the :class:`~posenc_jax.models.ModelConfig`
-fields) and ``head`` (which model to build). One size preset comes first;
+``ConfigDict`` with ``model`` (every :class:`~posenc_jax.models.ModelConfig`
+field) and ``head`` (which model to build). One size preset comes first;
 scheme and modifier presets follow and are applied in order. Config files
 in ``configs/`` call this; ``--config.model.<field>=...`` overrides any field.
 """
@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import ml_collections
 
-from posenc_jax.models.config import ModelConfigError
+from posenc_jax.cli import nearest
+from posenc_jax.models.config import ModelConfig, ModelConfigError
 
 HEADS = ("mlm", "encoder", "classification", "span", "translation")
 
@@ -81,16 +82,21 @@ def preset_config(arg: str = "bert_base,bert") -> ml_collections.ConfigDict:
   """
   names = [n.strip() for n in arg.split(",") if n.strip()]
   if not names or names[0] not in SIZES:
-    raise ModelConfigError(f"config preset: {names[0] if names else arg!r} is not a model size; "
+    given = names[0] if names else arg
+    raise ModelConfigError(f"config preset: {given!r} is not a model size{nearest(given, SIZES)} "
                            f"allowed: {', '.join(SIZES)}")
-  model = dict(SIZES[names[0]])
+  model = ModelConfig().to_dict() | SIZES[names[0]]  # every field, so any can be overridden
   for name in names[1:]:
     if name not in SCHEMES:
-      raise ModelConfigError(f"config preset: {name!r} is unknown; allowed: "
-                             f"{', '.join(SCHEMES)}")
+      raise ModelConfigError(f"config preset: {name!r} is unknown{nearest(name, SCHEMES)} "
+                             f"allowed: {', '.join(SCHEMES)}")
     model.update(SCHEMES[name])
   config = ml_collections.ConfigDict()
   # Fields that may be None or change type (a scheme dict) stay unlocked-typed.
+  # A None field (head_dim) becomes a typed placeholder, so ``--config.model.head_dim=64`` parses.
+  placeholders = {"head_dim": int}
+  model = {k: ml_collections.config_dict.placeholder(placeholders[k]) if v is None and
+           k in placeholders else v for k, v in model.items()}
   config.model = ml_collections.ConfigDict(model, type_safe=False)
   config.head = default_head(names[0])
   return config

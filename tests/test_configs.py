@@ -48,7 +48,8 @@ def test_pair_tasks_get_per_head_segments_and_the_model_builds():
   params = abstract_params(build_model(config.model, config.head, num_labels=config.num_labels))
   assert "segment_bias" in params["bert"]["segment"]
   single = get_config("finetune_glue", "glue_sst2,bert_tiny")
-  assert single.model.get("segment") is None  # single sentences keep the preset's segments
+  # Single sentences keep the preset's segments.
+  assert single.model.segment.to_dict() == {"name": "segment_input"}
 
 
 def test_unknown_task_is_one_line():

@@ -1,0 +1,150 @@
+"""The command-line front door of train.py, finetune.py and ``python -m posenc_jax.analysis``:
+flags are parsed so that every mistake a user can type (an unknown preset, a misspelt
+``--config.<field>``, a missing config file, a value of the wrong type) ends in one line
+``<prog>: <field>: ...`` and a non-zero exit, never a traceback.
+
+  app.run(main, flags_parser=cli.flags_parser("train.py"))
+
+Also: :func:`check_output_dir` and :func:`check_output_file`, which tools call on every
+path they will write before any work starts.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import sys
+from collections.abc import Callable, Sequence
+
+from absl import flags
+
+
+def nearest(name: str, allowed: Sequence[str]) -> str:
+  """``"; did you mean 'x'?;"`` for the closest allowed name, else ``";"``."""
+  close = difflib.get_close_matches(str(name), [str(a) for a in allowed], n=1, cutoff=0.6)
+  return f"; did you mean {close[0]!r}?;" if close else ";"
+
+
+def _root(error: BaseException) -> BaseException:
+  """The first exception in ``error``'s chain (what the config file itself raised)."""
+  seen = []
+  while error is not None and error not in seen:
+    seen.append(error)
+    error = error.__cause__ or error.__context__
+  return seen[-1]
+
+
+def _first_line(error: BaseException) -> str:
+  text = str(error).strip().strip("'\"")
+  return text.splitlines()[0] if text else type(error).__name__
+
+
+def _unknown_override(config, argv: Sequence[str], name: str) -> str | None:
+  """The first ``--<name>.a.b=`` override whose path ``config`` lacks, as an error line."""
+  for arg in argv:
+    if not arg.startswith(f"--{name}."):
+      continue
+    path = arg[2:].partition("=")[0].split(".")[1:]
+    node = config
+    for depth, key in enumerate(path):
+      keys = list(node.keys()) if hasattr(node, "keys") else []
+      if key not in keys:
+        field = ".".join([name, *path[:depth + 1]])
+        where = ".".join([name, *path[:depth]])
+        return (f"{field}: unknown field{nearest(key, keys)} fields of {where}: "
+                f"{', '.join(sorted(map(str, keys))) or 'none'}")
+      node = node[key]
+  return None
+
+
+def describe_flag_error(error: BaseException, argv: Sequence[str], fv: flags.FlagValues,
+                        config_flag: str | None) -> str:
+  """One line for an error raised while parsing ``argv``."""
+  root = _root(error)
+  config = None
+  given = next((a.partition("=")[2] for a in argv if a.startswith(f"--{config_flag}=")), None)
+  if config_flag is not None and given:
+    from ml_collections.config_flags import config_flags  # noqa: PLC0415
+    try:  # the file alone, without the overrides
+      config = config_flags.ConfigFileFlagParser(config_flag, lock_config=False).parse(given)
+      config.keys()
+    except Exception:  # noqa: BLE001 - a config that fails to load is reported below
+      config = None
+  if config is not None:
+    line = _unknown_override(config, argv, config_flag)
+    if line:
+      return line
+  if isinstance(root, OSError) and "config file" in str(root):
+    reason = str(root).strip().splitlines()[-1].strip()
+    return f"{config_flag}: {given!r} does not load: {reason}"
+  if isinstance(error, flags.Error) and root is not error and "config file" in str(error):
+    line = _first_line(root)  # raised inside the config file's get_config
+    return line if line.startswith(config_flag) else f"{config_flag}: {line}"
+  text = _first_line(error)
+  return text.removeprefix("flag ")
+
+
+def define_config(name: str, default: str | None, help_text: str):
+  """``config_flags.DEFINE_config_file`` whose default is loaded at parse time, not import
+  time (where absl would turn a bad ``--<name>.<field>`` into a traceback): a missing
+  ``--<name>=`` is added to ``sys.argv`` before the flag is defined."""
+  from ml_collections import config_flags  # noqa: PLC0415
+
+  given = any(a == f"--{name}" or a.startswith(f"--{name}=") for a in sys.argv)
+  if default is not None and not given:
+    sys.argv.insert(1, f"--{name}={default}")
+  return config_flags.DEFINE_config_file(name, None, f"{help_text} (default: {default})")
+
+
+def flags_parser(prog: str, config_flag: str | None = "config",
+                 fv: flags.FlagValues | None = None) -> Callable[[list[str]], list[str]]:
+  """An absl ``flags_parser``: parses ``argv`` into ``fv`` (default ``flags.FLAGS``) and exits
+  with ``<prog>: <one line>`` on any error, including a config that fails to load."""
+  fv = flags.FLAGS if fv is None else fv
+
+  def parse(argv: list[str]) -> list[str]:
+    try:
+      rest = fv(argv)
+      if config_flag is not None and fv[config_flag].value is not None:
+        fv[config_flag].value.keys()  # a file that failed to load raises here
+    except (flags.Error, AttributeError, KeyError, OSError, ValueError, TypeError) as e:
+      sys.exit(f"{prog}: {describe_flag_error(e, argv, fv, config_flag)}")
+    return rest
+
+  return parse
+
+
+def check_output_dir(field: str, path: str) -> str:
+  """Creates ``path`` (a directory the tool writes into) or raises ``ValueError`` naming
+  ``field``; returns the absolute path. Remote paths (``gs://``) are left to their writer."""
+  if "://" in path:
+    return path
+  path = os.path.abspath(path)
+  parent = path
+  while not os.path.exists(parent):
+    parent = os.path.dirname(parent)
+  if not os.path.isdir(parent):
+    raise OutputPathError(f"{field}: {path!r} cannot be created: {parent!r} is a file")
+  try:
+    os.makedirs(path, exist_ok=True)
+  except OSError as e:
+    raise OutputPathError(f"{field}: {path!r} cannot be created: {e.strerror}") from None
+  if not os.access(path, os.W_OK | os.X_OK):
+    raise OutputPathError(f"{field}: {path!r} is not writable")
+  return path
+
+
+def check_output_file(field: str, path: str) -> str:
+  """Checks that ``path`` (a file the tool will write at the end) can be written, creating
+  its folder; raises ``OutputPathError`` naming ``field``. Returns the absolute path."""
+  path = os.path.abspath(path)
+  if os.path.isdir(path):
+    raise OutputPathError(f"{field}: {path!r} is a directory, not a file")
+  check_output_dir(field, os.path.dirname(path))
+  if os.path.exists(path) and not os.access(path, os.W_OK):
+    raise OutputPathError(f"{field}: {path!r} is not writable")
+  return path
+
+
+class OutputPathError(ValueError):
+  """A path a tool must write to cannot be written."""
