@@ -125,12 +125,21 @@ def vocab_path(model_dir) -> pathlib.Path:
 
 
 def read_hf_config(model_dir) -> dict[str, Any]:
-  """``config.json`` of a checkpoint folder as a dict."""
+  """``config.json`` of a checkpoint folder as a dict; :class:`ConversionError` naming the file
+  if it is missing, unreadable, not JSON or not a JSON object."""
   path = pathlib.Path(model_dir) / "config.json"
   if not path.is_file():
     raise ConversionError(f"{model_dir}: no config.json")
-  with open(path) as f:
-    return json.load(f)
+  try:
+    with open(path, encoding="utf-8") as f:
+      hf_config = json.load(f)
+  except OSError as e:
+    raise ConversionError(f"{path}: cannot be read: {e.strerror}") from None
+  except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+    raise ConversionError(f"{path}: not JSON: {e}") from None
+  if not isinstance(hf_config, dict):
+    raise ConversionError(f"{path}: not a JSON object but a {type(hf_config).__name__}")
+  return hf_config
 
 
 def _hf_field(hf_config: Mapping[str, Any], field: str, default: Any = None) -> Any:
@@ -139,6 +148,13 @@ def _hf_field(hf_config: Mapping[str, Any], field: str, default: Any = None) -> 
   if default is None:
     raise ConversionError(f"config.json {field}: missing")
   return default
+
+
+def _hf_float(hf_config: Mapping[str, Any], field: str, default: float) -> float:
+  value = _hf_field(hf_config, field, default)
+  if isinstance(value, bool) or not isinstance(value, (int, float)):
+    raise ConversionError(f"config.json {field}: got {value!r}; expected a number")
+  return float(value)
 
 
 def config_from_hf(hf_config: Mapping[str, Any], **overrides):
@@ -155,7 +171,7 @@ def config_from_hf(hf_config: Mapping[str, Any], **overrides):
   if model_type != "bert":
     raise ConversionError(f"config.json model_type: got {model_type!r}; supported: 'bert'")
   act = _hf_field(hf_config, "hidden_act", "gelu")
-  if act not in HF_ACTIVATIONS:
+  if not isinstance(act, str) or act not in HF_ACTIVATIONS:
     raise ConversionError(f"config.json hidden_act: got {act!r}; supported: "
                           f"{', '.join(HF_ACTIVATIONS)}")
   position_type = hf_config.get("position_embedding_type", "absolute")
@@ -175,9 +191,9 @@ def config_from_hf(hf_config: Mapping[str, Any], **overrides):
       head_dim=None,
       mlp_dim=_hf_field(hf_config, "intermediate_size"),
       max_len=_hf_field(hf_config, "max_position_embeddings"),
-      dropout_rate=float(_hf_field(hf_config, "hidden_dropout_prob", 0.1)),
-      attention_dropout_rate=float(_hf_field(hf_config, "attention_probs_dropout_prob", 0.1)),
-      layer_norm_eps=float(_hf_field(hf_config, "layer_norm_eps", 1e-12)),
+      dropout_rate=_hf_float(hf_config, "hidden_dropout_prob", 0.1),
+      attention_dropout_rate=_hf_float(hf_config, "attention_probs_dropout_prob", 0.1),
+      layer_norm_eps=_hf_float(hf_config, "layer_norm_eps", 1e-12),
       pre_ln=False,
       activation=HF_ACTIVATIONS[act],
       scheme={"name": "learned_ape"},
@@ -273,9 +289,16 @@ def _read_tensors(model_dir: pathlib.Path) -> dict[str, np.ndarray]:
   if not path.is_file():
     raise ConversionError(f"{model_dir}: no model.safetensors (a pytorch_model.bin needs "
                           "converting to safetensors first)")
-  from safetensors.numpy import load_file  # noqa: PLC0415 (optional dependency)
-
-  return load_file(str(path))
+  try:
+    from safetensors import SafetensorError  # noqa: PLC0415 (optional dependency)
+    from safetensors.numpy import load_file  # noqa: PLC0415
+  except ImportError:
+    raise ConversionError(f"{path}: reading it needs the safetensors package "
+                          "(pip install safetensors)") from None
+  try:
+    return load_file(str(path))
+  except (SafetensorError, OSError) as e:  # truncated, not a safetensors file, unreadable
+    raise ConversionError(f"{path}: not a readable safetensors file: {e}") from None
 
 
 def _init_args(config):
@@ -321,8 +344,11 @@ def load_hf_bert(model_dir, config=None, *, rng=None, model: str = "encoder"):
   model_dir = pathlib.Path(model_dir)
   tensors = {_canonical(k): v for k, v in _read_tensors(model_dir).items()}
   if config is None:
-    config = config_from_hf(read_hf_config(model_dir),
-                            pooler="pooler.dense.weight" in tensors)
+    hf_config = read_hf_config(model_dir)
+    try:
+      config = config_from_hf(hf_config, pooler="pooler.dense.weight" in tensors)
+    except ConversionError as e:  # names a config.json field: say which folder's
+      raise ConversionError(f"{model_dir}: {e}") from None
   else:
     try:
       config = model_config(config)
@@ -352,7 +378,8 @@ def load_hf_bert(model_dir, config=None, *, rng=None, model: str = "encoder"):
     value = tensors[name]
     if value.shape != _hf_shape(transform, shape):
       raise ConversionError(
-          f"{'/'.join(path)}: checkpoint tensor {name} has shape {value.shape}, expected "
+          f"{model_dir / 'model.safetensors'}: {'/'.join(path)}: checkpoint tensor {name} "
+          f"has shape {value.shape}, expected "
           f"{_hf_shape(transform, shape)} for the parameter's shape {shape}")
     value = jnp.asarray(_to_slot(transform, value, shape), struct.dtype)
     flat[path] = slot.replace_boxed(value) if isinstance(slot, Partitioned) else value

@@ -1,5 +1,6 @@
 """The errors a user's config or run can raise: entry points print them as one line."""
 
+from posenc_jax.convert.hf_bert import ConversionError
 from posenc_jax.models.config import ModelConfigError
 from posenc_jax.schemes import SchemeConfigError
 from posenc_jax.training.config import TrainConfigError
@@ -9,4 +10,4 @@ from posenc_jax.training.optim import OptimizerConfigError
 from posenc_jax.training.signals import TrainingInterrupted
 
 USER_ERRORS = (ModelConfigError, SchemeConfigError, TrainConfigError, MeshConfigError,
-               OptimizerConfigError, NonFiniteLossError, TrainingInterrupted)
+               OptimizerConfigError, NonFiniteLossError, TrainingInterrupted, ConversionError)
