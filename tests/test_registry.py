@@ -23,17 +23,18 @@ def test_config_dict_and_plain_dict_build_the_same_scheme():
 
 
 @pytest.mark.parametrize("config,message", [
-    ({"name": "diet_abz"}, "scheme name 'diet_abz' is unknown; allowed: alibi, bert_ad, diet_abs"),
+    ({"name": "diet_abz"}, "scheme name 'diet_abz' is unknown; did you mean 'diet_abs'?; allowed: "
+                           "alibi, bert_ad, diet_abs"),
     ({}, "scheme name None is unknown; allowed: "),
-    ({"name": "diet_abs", "rnak": 4}, "scheme 'diet_abs': unknown field 'rnak'; allowed fields: "
-                                      "content_scale, rank, sharing"),
+    ({"name": "diet_abs", "rnak": 4}, "scheme 'diet_abs': unknown field 'rnak'; did you mean "
+                                      "'rank'?; allowed fields: content_scale, rank, sharing"),
     ({"name": "diet_abs", "rank": 0}, "scheme 'diet_abs': rank must be a positive integer or None, got 0"),
     ({"name": "diet_abs", "rank": -3}, "rank must be a positive integer or None, got -3"),
     ({"name": "diet_abs", "rank": 2.5}, "rank must be a positive integer or None, got 2.5"),
     ({"name": "diet_abs", "rank": True}, "rank must be a positive integer or None, got True"),
     ({"name": "diet_abs", "sharing": "all"},
      "scheme 'diet_abs': sharing must be one of 'none', 'layer', 'head', got 'all'"),
-    ({"name": "diet_abs", "content_scale": 0.0}, "content_scale must be a positive number or None"),
+    ({"name": "diet_abs", "content_scale": 0.0}, "content_scale must be a finite positive number or None"),
     ({"name": "diet_rel", "clip": -1}, "scheme 'diet_rel': clip must be an integer >= 0 or None, got -1"),
     ({"name": "diet_rel", "sharing": "layers"}, "sharing must be one of 'none', 'layer', 'head'"),
     ({"name": "shaw", "clip": -2}, "scheme 'shaw': clip must be an integer >= 0, got -2"),
@@ -46,7 +47,7 @@ def test_config_dict_and_plain_dict_build_the_same_scheme():
     ({"name": "tupe_r", "max_distance": 0}, "scheme 'tupe_r': max_distance must be a positive integer"),
     ({"name": "segment_per_head", "num_segments": 0}, "num_segments must be a positive integer"),
     ({"name": "alibi", "causal": None}, "scheme 'alibi': causal must be true or false, got None"),
-    ({"name": "rope", "base": -1.0}, "scheme 'rope': base must be a positive number, got -1.0"),
+    ({"name": "rope", "base": -1.0}, "scheme 'rope': base must be a finite number > 1, got -1.0"),
     ({"name": "learned_ape", "max_len": 4}, "scheme 'learned_ape': unknown field 'max_len'; "
                                             "allowed fields: none"),
     ("diet_abs", "scheme config must be a mapping with a 'name', got 'diet_abs'"),

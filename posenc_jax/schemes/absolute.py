@@ -7,7 +7,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from posenc_jax.schemes.base import Scheme
+from posenc_jax.schemes.base import BOOL, Scheme
 from posenc_jax.terms import InputEmbedding, SchemeTerms
 
 Array = jax.Array
@@ -65,8 +65,10 @@ class SinusoidalAPE(Scheme):
 
   scheme_name = "sinusoidal_ape"
   even_dimension = "d_model"
+  hyperparameters = {"learnable": BOOL}
 
   @nn.compact
   def __call__(self, length, segment_ids=None):
+    self.check_length(length)
     freqs = sinusoid_param(self, self.d_model, self.learnable)
     return SchemeTerms(embedding=InputEmbedding(sinusoid(jnp.arange(length), freqs)))

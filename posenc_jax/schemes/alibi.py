@@ -8,7 +8,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from posenc_jax.schemes.base import Scheme
+from posenc_jax.schemes.base import BOOL, Scheme
 from posenc_jax.terms import SchemeTerms, Toeplitz
 
 Array = jax.Array
@@ -47,9 +47,10 @@ class Alibi(Scheme):
   causal: bool = False
 
   scheme_name = "alibi"
+  hyperparameters = {"causal": BOOL}
 
   @nn.compact
   def __call__(self, length, segment_ids=None):
-    del length  # the term is built for any length
+    self.check_length(length)  # the term is built for any length
     slopes = alibi_slopes(self.num_heads)[None, :, None]  # [1 (layers), H, 1]
     return SchemeTerms(terms=(Toeplitz(slopes, LinearDistance(self.causal)),))

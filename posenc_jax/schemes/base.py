@@ -9,11 +9,16 @@ computed once and reused.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+import math
+import numbers
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, ClassVar
 
 import flax.linen as nn
 import jax
 
+from posenc_jax.cli import nearest
 from posenc_jax.terms import SchemeTerms
 
 Array = jax.Array
@@ -21,10 +26,51 @@ Array = jax.Array
 # DIET's sharing vocabulary: separate per layer and head; one set per head
 # shared by all layers; one set per layer shared by all heads.
 SHARING = ("none", "layer", "head")
+# The model dimensions every scheme is built with.
+DIMENSIONS = ("num_layers", "num_heads", "head_dim", "d_model", "max_len")
 
 
 class SchemeConfigError(ValueError):
   """A scheme config names an unknown scheme or field, or an invalid value."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Check:
+  """A hyperparameter's rule: ``test(value)``, the words for what is allowed, and the
+  allowed names (for a typo's nearest suggestion) when the value is a name."""
+
+  test: Callable[[Any], bool]
+  allowed: str
+  names: Sequence[str] = ()
+
+  def enforce(self, scheme: str, field: str, value: Any) -> None:
+    """Raises one :class:`SchemeConfigError` line unless ``value`` passes."""
+    if not self.test(value):
+      hint = nearest(value, self.names).rstrip(";") if isinstance(value, str) else ""
+      raise SchemeConfigError(f"scheme {scheme!r}: {field} must be {self.allowed}, "
+                              f"got {value!r}{hint}")
+
+
+def is_int(x: Any) -> bool:
+  return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def is_finite_number(x: Any) -> bool:
+  return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+
+
+POSITIVE_INT = Check(lambda x: is_int(x) and x > 0, "a positive integer")
+NON_NEGATIVE_INT = Check(lambda x: is_int(x) and x >= 0, "an integer >= 0")
+POSITIVE_FLOAT = Check(lambda x: is_finite_number(x) and x > 0, "a finite positive number")
+BOOL = Check(lambda x: isinstance(x, bool), "true or false")
+
+
+def one_of(*values: str) -> Check:
+  return Check(lambda x: x in values, "one of " + ", ".join(repr(v) for v in values), values)
+
+
+def optional(check: Check) -> Check:
+  return Check(lambda x: x is None or check.test(x), check.allowed + " or None", check.names)
 
 
 class Scheme(nn.Module):
@@ -50,8 +96,47 @@ class Scheme(nn.Module):
   absolute_table = False
   # A model dimension that must be even (pairs of sin/cos or rotations).
   even_dimension = None
+  # Hyperparameter -> its rule (the registry's fields, less a registration's fixed ones).
+  hyperparameters: ClassVar[Mapping[str, Check]] = {}
+
+  def __post_init__(self):
+    for field in DIMENSIONS:
+      POSITIVE_INT.enforce(self.scheme_name, field, getattr(self, field))
+    self.check_hyperparameters(self.scheme_name,
+                               {f: getattr(self, f) for f in self.hyperparameters})
+    field = self.even_dimension
+    if field is not None and getattr(self, field) % 2:
+      raise SchemeConfigError(f"scheme {self.scheme_name!r}: {field} must be even, "
+                              f"got {getattr(self, field)}")
+    super().__post_init__()
+
+  @classmethod
+  def check_hyperparameters(cls, scheme: str, values: Mapping[str, Any]) -> None:
+    """Raises one :class:`SchemeConfigError` line for the first invalid value.
+
+    Args:
+      scheme: the registry name, for the message.
+      values: every hyperparameter of ``cls`` (defaults filled in).
+    """
+    for field, check in cls.hyperparameters.items():
+      check.enforce(scheme, field, values[field])
+    problem = cls.joint_problem(values)
+    if problem:
+      raise SchemeConfigError(f"scheme {scheme!r}: {problem}")
+
+  @classmethod
+  def joint_problem(cls, values: Mapping[str, Any]) -> str | None:
+    """What makes valid single values invalid together (``"<field> must be ..., got X"``),
+    or None; ``values`` as in :meth:`check_hyperparameters`."""
+    del values
+    return None
 
   def check_length(self, length: int) -> None:
+    """Raises one :class:`SchemeConfigError` line unless ``length`` is a positive integer
+    (at most ``max_len`` for a scheme with an absolute table)."""
+    if not is_int(length) or length < 1:
+      raise SchemeConfigError(f"scheme {self.scheme_name!r}: length must be a positive "
+                              f"integer, got {length!r}")
     if self.absolute_table and length > self.max_len:
       raise SchemeConfigError(
           f"scheme {self.scheme_name!r}: sequence length {length} exceeds max_len={self.max_len}"
@@ -105,4 +190,5 @@ class NoPosition(Scheme):
 
   @nn.compact
   def __call__(self, length, segment_ids=None):
+    self.check_length(length)
     return SchemeTerms()

@@ -12,7 +12,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from posenc_jax.schemes.base import Scheme
+from posenc_jax.schemes.base import (NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, SHARING,
+                                    Scheme, one_of, optional)
 from posenc_jax.terms import Factored, SchemeTerms, Toeplitz, lookup
 
 
@@ -43,9 +44,11 @@ class DietRel(Scheme):
   sharing: str = "none"
 
   scheme_name = "diet_rel"
+  hyperparameters = {"clip": optional(NON_NEGATIVE_INT), "sharing": one_of(*SHARING)}
 
   @nn.compact
   def __call__(self, length, segment_ids=None):
+    self.check_length(length)
     clip = self.max_len - 1 if self.clip is None else self.clip
     layers, heads = self.sharing_dims(self.sharing)
     table = self.logical_param("relative_bias", nn.initializers.normal(0.02),
@@ -72,6 +75,8 @@ class DietAbs(Scheme):
 
   scheme_name = "diet_abs"
   absolute_table = True
+  hyperparameters = {"rank": optional(POSITIVE_INT), "sharing": one_of(*SHARING),
+                     "content_scale": optional(POSITIVE_FLOAT)}
 
   @nn.compact
   def __call__(self, length, segment_ids=None):

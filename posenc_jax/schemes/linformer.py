@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import flax.linen as nn
 
-from posenc_jax.schemes.base import Scheme
+from posenc_jax.schemes.base import POSITIVE_INT, SHARING, Scheme, one_of, optional
 from posenc_jax.terms import Factored, SchemeTerms
 
 
@@ -43,6 +43,8 @@ class DietAbsLin(Scheme):
 
   scheme_name = "diet_abs_lin"
   absolute_table = True
+  hyperparameters = {"rank": optional(POSITIVE_INT), "k": POSITIVE_INT,
+                     "sharing": one_of(*SHARING)}
 
   @nn.compact
   def __call__(self, length, segment_ids=None):

@@ -12,12 +12,13 @@ Unknown names, unknown fields and invalid values raise one
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+from posenc_jax.cli import nearest
 from posenc_jax.schemes.absolute import LearnedAPE, SinusoidalAPE
 from posenc_jax.schemes.alibi import Alibi
-from posenc_jax.schemes.base import SHARING, Composite, NoPosition, Scheme, SchemeConfigError
+from posenc_jax.schemes.base import Composite, NoPosition, Scheme, SchemeConfigError
 from posenc_jax.schemes.diet import DietAbs, DietRel
 from posenc_jax.schemes.linformer import DietAbsLin
 from posenc_jax.schemes.rope import Rope
@@ -28,69 +29,46 @@ from posenc_jax.schemes.tupe import BertAd, Tupe
 
 
 @dataclasses.dataclass(frozen=True)
-class Check:
-  """A hyperparameter's rule: ``test(value)`` and the words for what is allowed."""
-
-  test: Callable[[Any], bool]
-  allowed: str
-
-
-def _is_int(x):
-  return isinstance(x, int) and not isinstance(x, bool)
-
-
-POSITIVE_INT = Check(lambda x: _is_int(x) and x > 0, "a positive integer")
-NON_NEGATIVE_INT = Check(lambda x: _is_int(x) and x >= 0, "an integer >= 0")
-POSITIVE_FLOAT = Check(lambda x: isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0,
-                       "a positive number")
-BOOL = Check(lambda x: isinstance(x, bool), "true or false")
-
-
-def one_of(*values: str) -> Check:
-  return Check(lambda x: x in values, "one of " + ", ".join(repr(v) for v in values))
-
-
-def optional(check: Check) -> Check:
-  return Check(lambda x: x is None or check.test(x), check.allowed + " or None")
-
-
-@dataclasses.dataclass(frozen=True)
 class SchemeSpec:
-  """A registered scheme: module class, fixed settings, checked hyperparameters."""
+  """A registered scheme: its module class, fixed settings, and the hyperparameters a
+  config may set (None: every one of the module's :attr:`~Scheme.hyperparameters` not
+  fixed). Each field's rule is the module's."""
 
   module: type[Scheme]
-  fields: Mapping[str, Check]
   fixed: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  settable: Sequence[str] | None = None
 
+  @property
+  def fields(self) -> tuple[str, ...]:
+    if self.settable is not None:
+      return tuple(self.settable)
+    return tuple(f for f in self.module.hyperparameters if f not in self.fixed)
 
-_TUPE_FIELDS = {"untie_cls": BOOL, "num_buckets": POSITIVE_INT, "max_distance": POSITIVE_INT}
+  def values(self, hyper: Mapping[str, Any]) -> dict[str, Any]:
+    """Every hyperparameter of the module: its default, then ``fixed``, then ``hyper``."""
+    defaults = {f.name: f.default for f in dataclasses.fields(self.module)}
+    return {f: defaults[f] for f in self.module.hyperparameters} | dict(self.fixed) | dict(hyper)
+
 
 SCHEMES: dict[str, SchemeSpec] = {
-    "none": SchemeSpec(NoPosition, {}),
-    "learned_ape": SchemeSpec(LearnedAPE, {}),
-    "sinusoidal_ape": SchemeSpec(SinusoidalAPE, {"learnable": BOOL}),
-    "shaw": SchemeSpec(ShawRPE, {"clip": NON_NEGATIVE_INT, "value": BOOL,
-                                 "sharing": one_of("none", "layer")}),
-    "sinusoidal_rpe": SchemeSpec(SinusoidalRPE, {"learnable": BOOL, "clip": NON_NEGATIVE_INT}),
-    "t5": SchemeSpec(T5Bias, {"num_buckets": POSITIVE_INT, "max_distance": POSITIVE_INT,
-                              "bidirectional": BOOL, "sharing": one_of(*SHARING)}),
-    "diet_rel": SchemeSpec(DietRel, {"clip": optional(NON_NEGATIVE_INT),
-                                     "sharing": one_of(*SHARING)}),
-    "diet_abs": SchemeSpec(DietAbs, {"rank": optional(POSITIVE_INT), "sharing": one_of(*SHARING),
-                                     "content_scale": optional(POSITIVE_FLOAT)}),
-    "diet_abs_lin": SchemeSpec(DietAbsLin, {"rank": optional(POSITIVE_INT), "k": POSITIVE_INT,
-                                            "sharing": one_of(*SHARING)}),
-    "tupe_a": SchemeSpec(Tupe, _TUPE_FIELDS, {"relative": False}),
-    "tupe_r": SchemeSpec(Tupe, _TUPE_FIELDS, {"relative": True}),
-    "bert_ad": SchemeSpec(BertAd, {}),
-    "segment_input": SchemeSpec(SegmentInput, {"num_segments": POSITIVE_INT}),
-    "segment_per_head": SchemeSpec(SegmentPerHead, {"num_segments": POSITIVE_INT,
-                                                    "sharing": one_of(*SHARING)}),
-    "alibi": SchemeSpec(Alibi, {"causal": BOOL}),
-    "rope": SchemeSpec(Rope, {"base": POSITIVE_FLOAT}),
+    "none": SchemeSpec(NoPosition),
+    "learned_ape": SchemeSpec(LearnedAPE),
+    "sinusoidal_ape": SchemeSpec(SinusoidalAPE),
+    "shaw": SchemeSpec(ShawRPE),
+    "sinusoidal_rpe": SchemeSpec(SinusoidalRPE),
+    "t5": SchemeSpec(T5Bias),
+    "diet_rel": SchemeSpec(DietRel),
+    "diet_abs": SchemeSpec(DietAbs),
+    "diet_abs_lin": SchemeSpec(DietAbsLin),
+    # TUPE-A has no relative bias, so no buckets to set.
+    "tupe_a": SchemeSpec(Tupe, {"relative": False}, ("untie_cls",)),
+    "tupe_r": SchemeSpec(Tupe, {"relative": True}),
+    "bert_ad": SchemeSpec(BertAd),
+    "segment_input": SchemeSpec(SegmentInput),
+    "segment_per_head": SchemeSpec(SegmentPerHead),
+    "alibi": SchemeSpec(Alibi),
+    "rope": SchemeSpec(Rope),
 }
-
-_DIMENSIONS = ("num_layers", "num_heads", "head_dim", "d_model", "max_len")
 
 
 def _as_dict(config: Any) -> dict[str, Any]:
@@ -102,19 +80,24 @@ def _as_dict(config: Any) -> dict[str, Any]:
 
 
 def validate_scheme_config(config: Any) -> tuple[SchemeSpec, dict[str, Any]]:
-  """Checks a scheme config; returns its spec and hyperparameters."""
+  """Checks a scheme config; returns its spec and hyperparameters.
+
+  Raises one :class:`SchemeConfigError` line for an unknown name or field (with the
+  nearest allowed one) or an invalid value, alone or with the others (T5's buckets).
+  """
   config = _as_dict(config)
   name = config.pop("name", None)
   if name not in SCHEMES:
-    raise SchemeConfigError(f"scheme name {name!r} is unknown; allowed: {', '.join(sorted(SCHEMES))}")
+    hint = nearest(name, SCHEMES) if isinstance(name, str) else ";"
+    raise SchemeConfigError(f"scheme name {name!r} is unknown{hint} "
+                            f"allowed: {', '.join(sorted(SCHEMES))}")
   spec = SCHEMES[name]
-  for field, value in config.items():
+  for field in config:
     if field not in spec.fields:
-      allowed = ", ".join(sorted(spec.fields)) or "none"
-      raise SchemeConfigError(f"scheme {name!r}: unknown field {field!r}; allowed fields: {allowed}")
-    check = spec.fields[field]
-    if not check.test(value):
-      raise SchemeConfigError(f"scheme {name!r}: {field} must be {check.allowed}, got {value!r}")
+      raise SchemeConfigError(f"scheme {name!r}: unknown field {field!r}"
+                              f"{nearest(field, spec.fields)} allowed fields: "
+                              f"{', '.join(sorted(spec.fields)) or 'none'}")
+  spec.module.check_hyperparameters(name, spec.values(config))
   return spec, config
 
 
@@ -131,23 +114,18 @@ def build_scheme(config: Any, *, num_layers: int, num_heads: int, head_dim: int,
   Returns:
     A :class:`Scheme`; ``scheme.init(rng, length, segment_ids)`` and
     ``scheme.apply(params, length, segment_ids)`` give :class:`SchemeTerms`.
+
+  Raises:
+    SchemeConfigError: one line for an invalid config or dimension (the module checks
+      its values when it is created, so a module built directly is checked too).
   """
   dims = dict(num_layers=num_layers, num_heads=num_heads, head_dim=head_dim, d_model=d_model,
               max_len=max_len)
-  for field in _DIMENSIONS:
-    if not POSITIVE_INT.test(dims[field]):
-      raise SchemeConfigError(f"{field} must be a positive integer, got {dims[field]!r}")
   if isinstance(config, Sequence) and not isinstance(config, str):
+    if not config:
+      raise SchemeConfigError("scheme config: got an empty list; allowed: a scheme config or a "
+                              "non-empty list of them")
     parts = [build_scheme(c, **dims) for c in config]
     return Composite(schemes=parts, name=name, **dims)
   spec, hyper = validate_scheme_config(config)
-  module = spec.module(**dims, **spec.fixed, **hyper, name=name)
-  _check_even_dimension(module)
-  return module
-
-
-def _check_even_dimension(module: Scheme) -> None:
-  field = module.even_dimension
-  if field is not None and getattr(module, field) % 2:
-    raise SchemeConfigError(f"scheme {module.scheme_name!r}: {field} must be even, "
-                            f"got {getattr(module, field)}")
+  return spec.module(**dims, **spec.fixed, **hyper, name=name)

@@ -7,16 +7,21 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from posenc_jax.schemes.base import Scheme, SchemeConfigError
+from posenc_jax.schemes.base import POSITIVE_INT, SHARING, Scheme, SchemeConfigError, one_of
 from posenc_jax.terms import Factored, InputEmbedding, SchemeTerms
 
 Array = jax.Array
 
 
-def _one_hot_segments(scheme: Scheme, segment_ids: Array | None, num_segments: int) -> Array:
-  """``[B, L, n_seg]`` one-hot of ``segment_ids`` ``[B, L]``."""
+def _one_hot_segments(scheme: Scheme, length: int, segment_ids: Array | None,
+                      num_segments: int) -> Array:
+  """``[B, L, n_seg]`` one-hot of ``segment_ids`` ``[B, L]`` (``L = length``)."""
+  scheme.check_length(length)
   if segment_ids is None:
     raise SchemeConfigError(f"scheme {scheme.scheme_name!r}: segment_ids are required")
+  if jnp.ndim(segment_ids) != 2 or jnp.shape(segment_ids)[1] != length:
+    raise SchemeConfigError(f"scheme {scheme.scheme_name!r}: segment_ids has shape "
+                            f"{jnp.shape(segment_ids)}; expected [B, L] with L = {length}")
   return jax.nn.one_hot(segment_ids, num_segments, dtype=jnp.float32)
 
 
@@ -30,10 +35,11 @@ class SegmentInput(Scheme):
   num_segments: int = 2
 
   scheme_name = "segment_input"
+  hyperparameters = {"num_segments": POSITIVE_INT}
 
   @nn.compact
   def __call__(self, length, segment_ids=None):
-    one_hot = _one_hot_segments(self, segment_ids, self.num_segments)
+    one_hot = _one_hot_segments(self, length, segment_ids, self.num_segments)
     table = self.logical_param("segment_embedding", nn.initializers.normal(0.02),
                                (self.num_segments, self.d_model), ("segments", "embed"))
     return SchemeTerms(embedding=InputEmbedding(one_hot @ table))
@@ -53,10 +59,11 @@ class SegmentPerHead(Scheme):
   sharing: str = "none"
 
   scheme_name = "segment_per_head"
+  hyperparameters = {"num_segments": POSITIVE_INT, "sharing": one_of(*SHARING)}
 
   @nn.compact
   def __call__(self, length, segment_ids=None):
-    one_hot = _one_hot_segments(self, segment_ids, self.num_segments)
+    one_hot = _one_hot_segments(self, length, segment_ids, self.num_segments)
     layers, heads = self.sharing_dims(self.sharing)
     n = self.num_segments
     table = self.logical_param("segment_bias", nn.initializers.normal(0.02),

@@ -7,7 +7,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from posenc_jax.schemes.absolute import sinusoid, sinusoid_param
-from posenc_jax.schemes.base import Scheme
+from posenc_jax.schemes.base import BOOL, NON_NEGATIVE_INT, Scheme, one_of
 from posenc_jax.terms import QueryRelative, SchemeTerms
 
 
@@ -25,9 +25,11 @@ class ShawRPE(Scheme):
   sharing: str = "none"
 
   scheme_name = "shaw"
+  hyperparameters = {"clip": NON_NEGATIVE_INT, "value": BOOL, "sharing": one_of("none", "layer")}
 
   @nn.compact
   def __call__(self, length, segment_ids=None):
+    self.check_length(length)
     layers, _ = self.sharing_dims(self.sharing)
     shape = (layers, 2 * self.clip + 1, self.head_dim)
     axes = ("layers", "relpos", "kv")
@@ -50,9 +52,11 @@ class SinusoidalRPE(Scheme):
 
   scheme_name = "sinusoidal_rpe"
   even_dimension = "head_dim"
+  hyperparameters = {"learnable": BOOL, "clip": NON_NEGATIVE_INT}
 
   @nn.compact
   def __call__(self, length, segment_ids=None):
+    self.check_length(length)
     freqs = sinusoid_param(self, self.head_dim, self.learnable)
     table = sinusoid(jnp.arange(-self.clip, self.clip + 1), freqs)
     return SchemeTerms(terms=(QueryRelative(table[None], None, clip=self.clip),))

@@ -10,10 +10,32 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from posenc_jax.schemes.base import Scheme
+from posenc_jax.schemes.base import BOOL, POSITIVE_INT, SHARING, Scheme, is_int, one_of
 from posenc_jax.terms import SchemeTerms, Toeplitz, lookup, offsets, toeplitz_bias
 
 Array = jax.Array
+
+
+def bucket_problem(num_buckets: int, max_distance: int, bidirectional: bool) -> str | None:
+  """Why T5 bucketing cannot take these settings (``"<field> must be ..., got X"``), or None.
+
+  Each direction needs a bucket of its own offsets and one logarithmic bucket, and the
+  logarithmic range ``[max_exact, max_distance)`` must be non-empty, ``max_exact`` being
+  half a direction's buckets. Bidirectional bucketing splits an even number of buckets.
+  """
+  if not (is_int(num_buckets) and is_int(max_distance) and max_distance > 0):
+    return (f"num_buckets and max_distance must be positive integers, got {num_buckets!r} and "
+            f"{max_distance!r}")
+  if bidirectional and (num_buckets < 4 or num_buckets % 2):
+    return (f"num_buckets must be an even integer >= 4 when bidirectional (half per "
+            f"direction), got {num_buckets}")
+  if num_buckets < 2:
+    return f"num_buckets must be an integer >= 2, got {num_buckets}"
+  max_exact = num_buckets // (4 if bidirectional else 2)
+  if max_distance <= max_exact:
+    return (f"max_distance must exceed the {max_exact} offsets with buckets of their own "
+            f"(num_buckets={num_buckets}, bidirectional={bidirectional}), got {max_distance}")
+  return None
 
 
 def relative_position_bucket(relative_position: Array, *, bidirectional: bool = True,
@@ -31,7 +53,13 @@ def relative_position_bucket(relative_position: Array, *, bidirectional: bool = 
 
   Returns:
     int32 array of the same shape, values in ``[0, num_buckets)``.
+
+  Raises:
+    ValueError: settings :func:`bucket_problem` rejects, in one line.
   """
+  problem = bucket_problem(num_buckets, max_distance, bidirectional)
+  if problem:
+    raise ValueError(f"relative_position_bucket: {problem}")
   n = -relative_position.astype(jnp.int32)
   bucket = jnp.zeros_like(n)
   if bidirectional:
@@ -91,9 +119,16 @@ class T5Bias(Scheme):
   sharing: str = "layer"
 
   scheme_name = "t5"
+  hyperparameters = {"num_buckets": POSITIVE_INT, "max_distance": POSITIVE_INT,
+                     "bidirectional": BOOL, "sharing": one_of(*SHARING)}
+
+  @classmethod
+  def joint_problem(cls, values):
+    return bucket_problem(values["num_buckets"], values["max_distance"], values["bidirectional"])
 
   @nn.compact
   def __call__(self, length, segment_ids=None):
+    self.check_length(length)
     layers, heads = self.sharing_dims(self.sharing)
     table = self.logical_param("relative_bias", nn.initializers.normal(0.02),
                                (layers, heads, self.num_buckets), ("layers", "heads", "buckets"))

@@ -22,8 +22,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from posenc_jax.schemes.base import Scheme
-from posenc_jax.schemes.t5 import BucketedOffsets
+from posenc_jax.schemes.base import BOOL, POSITIVE_INT, Scheme
+from posenc_jax.schemes.t5 import BucketedOffsets, bucket_problem
 from posenc_jax.terms import Factored, QKShift, SchemeTerms, Toeplitz
 
 Array = jax.Array
@@ -72,7 +72,7 @@ class Tupe(Scheme):
   Attributes:
     relative: add the T5 bias (TUPE-R).
     untie_cls: apply the [CLS] reset (False: TUPE-A^tie-cls).
-    num_buckets, max_distance: TUPE-R's T5 bucketing.
+    num_buckets, max_distance: TUPE-R's T5 bucketing (bidirectional); unused by TUPE-A.
   """
 
   relative: bool = False
@@ -85,6 +85,14 @@ class Tupe(Scheme):
     return "tupe_r" if self.relative else "tupe_a"
 
   absolute_table = True
+  hyperparameters = {"relative": BOOL, "untie_cls": BOOL, "num_buckets": POSITIVE_INT,
+                     "max_distance": POSITIVE_INT}
+
+  @classmethod
+  def joint_problem(cls, values):
+    if not values["relative"]:
+      return None
+    return bucket_problem(values["num_buckets"], values["max_distance"], bidirectional=True)
 
   @nn.compact
   def __call__(self, length, segment_ids=None):
