@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import logging
 import os
 import pathlib
 from collections.abc import Mapping
@@ -126,90 +125,27 @@ def from_config(config: Any, *, seed: int = 0, name: str | None = None) -> Loade
                      f"fresh:{label} (seed {seed})")
 
 
-def _manager(workdir: str):
-  import orbax.checkpoint as ocp  # noqa: PLC0415
-  directory = pathlib.Path(workdir).absolute() / "checkpoints"
-  if not directory.is_dir():
-    raise AnalysisError(f"workdir: {workdir} has no checkpoints/ folder (train.py writes "
-                        "<workdir>/checkpoints)")
-  return ocp.CheckpointManager(
-      directory, options=ocp.CheckpointManagerOptions(create=False),
-      item_names=("state", "data"),
-      item_handlers={"state": ocp.PyTreeCheckpointHandler(), "data": ocp.JsonCheckpointHandler()})
-
-
 def checkpoint_steps(workdir: str) -> list[int]:
-  """Steps saved under ``<workdir>/checkpoints``, oldest first."""
-  manager = _manager(workdir)
+  """Complete steps saved under ``<workdir>/checkpoints``, oldest first."""
+  from posenc_jax.training import checkpoint  # noqa: PLC0415
   try:
-    return sorted(manager.all_steps())
-  finally:
-    manager.close()
-
-
-def _shapes(tree: Any) -> dict[str, tuple[int, ...]]:
-  return {"/".join(str(getattr(k, "key", k)) for k in path): tuple(leaf.shape)
-          for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
-
-
-def _compare(saved: dict[str, tuple], expected: dict[str, tuple]) -> str | None:
-  """One line naming what differs between the saved and the expected parameters, or None."""
-  missing = sorted(set(expected) - set(saved))
-  extra = sorted(set(saved) - set(expected))
-  shapes = [f"{k} {saved[k]} vs {expected[k]}" for k in sorted(set(saved) & set(expected))
-            if saved[k] != expected[k]]
-  problems = [f"{what}: {', '.join(items[:4])}{' ...' if len(items) > 4 else ''}"
-              for what, items in (("missing in the checkpoint", missing),
-                                  ("not in the config's model", extra),
-                                  ("shape (checkpoint vs model)", shapes)) if items]
-  return "; ".join(problems) or None
+    return checkpoint.checkpoint_steps(workdir)
+  except checkpoint.CheckpointError as e:
+    raise AnalysisError(str(e)) from None
 
 
 def restore_params(workdir: str, abstract_params: Any, *, step: int | None = None
                    ) -> tuple[int, Any]:
-  """``(step, params)``: the ``params`` of the ``state`` item of the newest checkpoint that
-  restores (or of ``step``), placed on the local device, shaped as ``abstract_params``.
-
-  Only the parameters are read (Orbax partial restore): no optimizer state,
-  whatever optimizer the run used. The saved parameter tree must be exactly
-  the model's (names and shapes), else :class:`AnalysisError` says what differs.
-  """
-  import orbax.checkpoint as ocp  # noqa: PLC0415
-  manager = _manager(workdir)
+  """``(step, params)`` of the newest checkpoint that restores and verifies (or of
+  ``step``), shaped as ``abstract_params``, on the local device: see
+  :func:`posenc_jax.training.checkpoint.restore_params` (damaged steps are skipped
+  with a warning; a parameter tree other than the model's is an :class:`AnalysisError`
+  saying what differs)."""
+  from posenc_jax.training import checkpoint  # noqa: PLC0415
   try:
-    steps = sorted(manager.all_steps())
-    if not steps:
-      raise AnalysisError(f"workdir: {workdir}/checkpoints holds no complete checkpoint")
-    if step is not None and step not in steps:
-      raise AnalysisError(f"step: {step} is not saved in {workdir}/checkpoints; saved: "
-                          f"{', '.join(map(str, steps))}")
-    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    target = {"params": jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), abstract_params)}
-    restore_args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=device), target)
-    errors = []
-    for candidate in [step] if step is not None else sorted(steps, reverse=True):
-      try:
-        metadata = manager.item_metadata(candidate)["state"]
-        saved = _shapes(getattr(metadata, "tree", metadata)["params"])
-        mismatch = _compare(saved, _shapes(abstract_params))
-        if mismatch:
-          raise AnalysisError(f"checkpoint step {candidate} does not hold the config's model "
-                              f"(is --config the run's?): {mismatch}")
-        restored = manager.restore(candidate, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-            item=target, restore_args=restore_args, partial_restore=True)))
-      except AnalysisError:
-        raise
-      except Exception as e:  # noqa: BLE001 - reported below, or an older step is tried
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        errors.append(f"step {candidate}: {first}")
-        logging.warning("checkpoint %s does not restore (%s)", candidate, first)
-        continue
-      return candidate, restored.state["params"]
-  finally:
-    manager.close()
-  raise AnalysisError(f"workdir: no checkpoint in {workdir}/checkpoints restores: "
-                      f"{'; '.join(errors)}")
+    return checkpoint.restore_params(workdir, abstract_params, step=step)
+  except checkpoint.CheckpointError as e:
+    raise AnalysisError(str(e)) from None
 
 
 def from_checkpoint(workdir: str, config: Any, *, step: int | None = None) -> LoadedModel:

@@ -160,7 +160,7 @@ def mlm_dataset(task_name: str, split: str, seq_len: int, batch_size: int, seed:
                 shard_id: int = 0, num_shards: int = 1, repeat: bool = True,
                 shuffle: bool | None = None, start_step: int = 0, feature: str = "text",
                 shuffle_block: int = 16_384, drop_remainder: bool = True,
-                cache: bool = True) -> tf.data.Dataset:
+                cache: bool = True, mask_rate: float = 0.15) -> tf.data.Dataset:
   """Batches of masked-LM examples of a seqio task (module docstring: order, seeds, resume).
 
   Args:
@@ -181,6 +181,7 @@ def mlm_dataset(task_name: str, split: str, seq_len: int, batch_size: int, seed:
     cache: keep the packed epoch in memory after its first pass, so later epochs skip
       tokenising and packing (``N * L * 8`` bytes: 21 MB for WordNet's train split at
       ``L = 128``); False for corpora that do not fit.
+    mask_rate: fraction of maskable tokens selected for prediction (:func:`bert_mask`).
 
   Returns:
     ``tf.data.Dataset`` of dicts of ``[batch_size, L]`` tensors (``MLM_FEATURES``).
@@ -220,7 +221,8 @@ def mlm_dataset(task_name: str, split: str, seq_len: int, batch_size: int, seed:
 
   def corrupt(e, i, x):
     seed_e = tf.random.experimental.stateless_fold_in(mask_base, e)
-    return bert_mask(x, tf.random.experimental.stateless_fold_in(seed_e, i), vocab_size)
+    return bert_mask(x, tf.random.experimental.stateless_fold_in(seed_e, i), vocab_size,
+                     mask_rate)
 
   ds = ds.map(corrupt, num_parallel_calls=tf.data.AUTOTUNE)
   ds = ds.batch(batch_size, drop_remainder=drop_remainder or repeat)

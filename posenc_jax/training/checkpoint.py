@@ -1,20 +1,131 @@
-"""Orbax checkpoints: atomic, asynchronous, keep-N, resumable from the newest complete one.
+"""Orbax checkpoints that are atomic, verified and never collide with a damaged one.
 
 A checkpoint holds the train state (sharded arrays, restored onto the
-current mesh's shardings) and the data position (JSON), so a resumed run
-sees exactly the examples an uninterrupted one would. Orbax writes each
-step into a temporary directory and renames it when complete; a directory
-that still fails to restore (cut short outside Orbax) is skipped for the
-next older one, with a warning.
+current mesh's shardings) and a JSON item: the data position, so a resumed
+run sees exactly the examples an uninterrupted one would, and a fingerprint
+of every state leaf (:func:`fingerprints`: two position-weighted sums of the
+leaf's bits, and whether it is finite). Orbax writes each step into a
+temporary directory and renames it when complete.
+
+On restore, a step that does not restore (missing or truncated files), whose
+arrays do not match their fingerprints (flipped bytes), or whose floating
+leaves are not finite is skipped with a one-line warning for the next older
+one. The training run (:meth:`Checkpointer.restore_latest`) also moves it to
+``<workdir>/damaged_checkpoints/<step>``, so retraining to that step saves
+afresh instead of colliding with it; read-only readers (analysis,
+``--init_checkpoint``) use :func:`restore_params` and leave the folder as is.
+A save that fails in the background stops the run at the next step
+(:meth:`Checkpointer.check`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import pathlib
+import shutil
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
+
+_GOLDEN = 2654435761  # Knuth's multiplicative hash constant: weights differ per position
+
+
+class CheckpointError(ValueError):
+  """A checkpoint folder cannot be written, or holds no checkpoint that restores."""
+
+
+def _leaf_name(path: tuple) -> str:
+  return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
+                  for k in path)
+
+
+def _words(x: jax.Array) -> jax.Array:
+  """The bits of ``x`` as uint32 words, same shape (8-byte types: low and high words summed)."""
+  x = jnp.asarray(x)
+  if x.dtype == jnp.bool_:
+    return x.astype(jnp.uint32)
+  size = x.dtype.itemsize
+  if size == 4:
+    return jax.lax.bitcast_convert_type(x, jnp.uint32)
+  if size in (1, 2):
+    unsigned = jnp.uint8 if size == 1 else jnp.uint16
+    return jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
+  halves = jax.lax.bitcast_convert_type(x, jnp.uint32)  # [..., 2]
+  return halves[..., 0] + halves[..., 1] * jnp.uint32(_GOLDEN)
+
+
+def _position(shape: tuple[int, ...]) -> jax.Array:
+  """Row-major index of every element as uint32 (wrapping), built from iotas (no reshape,
+  so a sharded leaf stays sharded)."""
+  index = jnp.zeros(shape, jnp.uint32)
+  stride = 1
+  for axis in reversed(range(len(shape))):
+    iota = jax.lax.broadcasted_iota(jnp.uint32, shape, axis)
+    index = index + iota * jnp.uint32(stride % 2**32)
+    stride *= shape[axis]
+  return index
+
+
+@jax.jit
+def _leaf_fingerprints(leaves: list[jax.Array]) -> jax.Array:
+  """``[n, 3]`` uint32: per leaf, the sum of its words, their position-weighted sum, and 1
+  if every element is finite."""
+  rows = []
+  for x in leaves:
+    words = _words(x)
+    weights = _position(words.shape) * jnp.uint32(_GOLDEN) + jnp.uint32(1)
+    finite = (jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.inexact)
+              else jnp.bool_(True))
+    rows.append(jnp.stack([jnp.sum(words, dtype=jnp.uint32),
+                           jnp.sum(words * weights, dtype=jnp.uint32),
+                           finite.astype(jnp.uint32)]))
+  return jnp.stack(rows) if rows else jnp.zeros((0, 3), jnp.uint32)
+
+
+def fingerprints(tree: Any) -> dict[str, list[int]]:
+  """``{leaf path: [word sum, weighted word sum, finite]}`` of a pytree of arrays.
+
+  Any change of a single element changes the first sum (mod 2^32); swapped
+  elements change the second. Integer sums are exact, so the result does not
+  depend on how the leaves are sharded.
+  """
+  named = jax.tree_util.tree_leaves_with_path(tree)
+  table = np.asarray(jax.device_get(_leaf_fingerprints([leaf for _, leaf in named])))
+  return {_leaf_name(path): [int(v) for v in row] for (path, _), row in zip(named, table)}
+
+
+def damage(tree: Any, recorded: dict[str, list[int]] | None, prefix: str = "") -> str | None:
+  """What is wrong with restored ``tree`` (leaves named under ``prefix``), or None.
+
+  Args:
+    tree: restored arrays.
+    recorded: the fingerprints saved with them (None: a checkpoint written before
+      fingerprints; only finiteness is checked).
+    prefix: the path of ``tree`` within the saved state (``"params/"``).
+  """
+  actual = fingerprints(tree)
+  nonfinite = [name for name, row in actual.items() if not row[2]]
+  if nonfinite:
+    return f"non-finite values in {prefix}{nonfinite[0]} ({len(nonfinite)} leaves)"
+  if recorded is None:
+    return None
+  for name, row in actual.items():
+    saved = recorded.get(prefix + name)
+    if saved is None:
+      return f"{prefix}{name} has no recorded checksum"
+    if saved[:2] != row[:2]:
+      return f"checksum mismatch in {prefix}{name}"
+  return None
+
+
+def _first_line(error: BaseException) -> str:
+  text = str(error).strip()
+  return text.splitlines()[0] if text else type(error).__name__
 
 
 class Checkpointer:
@@ -25,25 +136,69 @@ class Checkpointer:
     save_interval_steps: save when ``step % save_interval_steps == 0``.
     max_to_keep: newest checkpoints kept.
     async_save: write in the background while training goes on.
+
+  Raises:
+    CheckpointError: the folder cannot be written (checked by writing to it).
   """
 
   def __init__(self, workdir: str, *, save_interval_steps: int, max_to_keep: int = 3,
                async_save: bool = True):
+    self.workdir = os.path.abspath(workdir)
+    self.directory = os.path.join(self.workdir, "checkpoints")
+    if jax.process_index() == 0 and "://" not in self.directory:
+      probe = os.path.join(self.directory, f".writable-{os.getpid()}")
+      try:
+        os.makedirs(self.directory, exist_ok=True)
+        pathlib.Path(probe).write_text("")
+        os.remove(probe)
+      except OSError as e:
+        raise CheckpointError(f"checkpoints: {self.directory} is not writable "
+                              f"({e.strerror or e})") from None
     options = ocp.CheckpointManagerOptions(
         save_interval_steps=save_interval_steps, max_to_keep=max_to_keep,
         enable_async_checkpointing=async_save, cleanup_tmp_directories=True, create=True)
-    self.directory = os.path.join(os.path.abspath(workdir), "checkpoints")
     self.manager = ocp.CheckpointManager(self.directory, options=options,
                                          item_names=("state", "data"))
+    self.last_saved: int | None = None
+
+  def check(self) -> None:
+    """Raises :class:`CheckpointError` if a background save failed (does not wait for one in
+    progress)."""
+    if self.manager.is_saving_in_progress():
+      return
+    try:
+      self.manager.wait_until_finished()
+    except Exception as e:  # noqa: BLE001 - any failed write stops the run with one line
+      raise CheckpointError(f"checkpoints: a save to {self.directory} failed "
+                            f"({_first_line(e)}); stopping: the last complete checkpoint is "
+                            f"step {self.completed_step()}") from None
+
+  def completed_step(self) -> int | None:
+    """The newest step whose directory is complete on disk."""
+    self.manager.reload()
+    return self.manager.latest_step()
 
   def save(self, step: int, state: Any, data_state: dict[str, Any], *, force: bool = False
            ) -> bool:
-    """Saves if the interval says so (or ``force``); returns whether it saved."""
-    return self.manager.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state)), force=force)
+    """Saves if the interval says so (or ``force``), with the state's fingerprints; returns
+    whether it saved."""
+    self.check()
+    if not (force or self.manager.should_save(step)):
+      return False
+    data = dict(data_state) | {"fingerprints": fingerprints(state)}
+    try:
+      saved = self.manager.save(step, args=ocp.args.Composite(
+          state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data)), force=True)
+    except Exception as e:  # noqa: BLE001 - a failed write stops the run with one line
+      raise CheckpointError(f"checkpoints: saving step {step} to {self.directory} failed "
+                            f"({_first_line(e)})") from None
+    if saved:
+      self.last_saved = step
+    return saved
 
   def restore_latest(self, abstract_state: Any) -> tuple[int, Any, dict[str, Any]] | None:
-    """``(step, state, data_state)`` of the newest checkpoint that restores, or None.
+    """``(step, state, data_state)`` of the newest checkpoint that restores and verifies, or
+    None; damaged ones on the way are moved to ``<workdir>/damaged_checkpoints``.
 
     Args:
       abstract_state: the state's ``jax.ShapeDtypeStruct`` tree with shardings.
@@ -52,17 +207,134 @@ class Checkpointer:
       try:
         restored = self.manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
+        data = dict(restored.data)
+        problem = damage(restored.state, data.pop("fingerprints", None))
       except Exception as e:  # noqa: BLE001 - any unreadable checkpoint is skipped
-        logging.warning("checkpoint %d in %s does not restore (%s); trying an older one",
-                        step, self.directory, str(e).splitlines()[0] if str(e) else type(e))
-        continue
-      return step, restored.state, dict(restored.data)
+        problem = _first_line(e)
+      if problem is None:
+        self.last_saved = step
+        return step, restored.state, data
+      moved = self._quarantine(step)
+      logging.warning("checkpoint %d is damaged (%s): moved to %s; trying an older one", step,
+                      problem, moved)
     return None
 
+  def _quarantine(self, step: int) -> str:
+    """Moves step ``step`` out of the checkpoint folder (process 0; all processes wait)."""
+    target = os.path.join(self.workdir, "damaged_checkpoints", str(step))
+    if jax.process_index() == 0:
+      os.makedirs(os.path.dirname(target), exist_ok=True)
+      suffix = 0
+      while os.path.exists(target + (f".{suffix}" if suffix else "")):
+        suffix += 1
+      target += f".{suffix}" if suffix else ""
+      shutil.move(os.path.join(self.directory, str(step)), target)
+    if jax.process_count() > 1:
+      multihost_utils.sync_global_devices(f"posenc_jax quarantine {step}")
+    self.manager.reload()
+    return target
+
   def wait(self) -> None:
-    """Blocks until pending asynchronous saves are on disk."""
+    """Blocks until pending asynchronous saves are on disk (raises if one failed)."""
     self.manager.wait_until_finished()
 
   def close(self) -> None:
     self.manager.wait_until_finished()
     self.manager.close()
+
+
+def _shapes(tree: Any) -> dict[str, tuple[int, ...]]:
+  return {_leaf_name(path): tuple(leaf.shape)
+          for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def _compare(saved: dict[str, tuple], expected: dict[str, tuple]) -> str | None:
+  """One line naming what differs between the saved and the expected parameters, or None."""
+  missing = sorted(set(expected) - set(saved))
+  extra = sorted(set(saved) - set(expected))
+  shapes = [f"{k} {saved[k]} vs {expected[k]}" for k in sorted(set(saved) & set(expected))
+            if saved[k] != expected[k]]
+  problems = [f"{what}: {', '.join(items[:4])}{' ...' if len(items) > 4 else ''}"
+              for what, items in (("missing in the checkpoint", missing),
+                                  ("not in the config's model", extra),
+                                  ("shape (checkpoint vs model)", shapes)) if items]
+  return "; ".join(problems) or None
+
+
+def checkpoint_steps(workdir: str, field: str = "workdir") -> list[int]:
+  """Complete steps saved under ``<workdir>/checkpoints``, oldest first."""
+  manager = _open(workdir, field)
+  try:
+    return sorted(manager.all_steps())
+  finally:
+    manager.close()
+
+
+def _open(workdir: str, field: str) -> ocp.CheckpointManager:
+  directory = pathlib.Path(workdir).absolute() / "checkpoints"
+  if not directory.is_dir():
+    raise CheckpointError(f"{field}: {workdir} has no checkpoints/ folder (train.py writes "
+                          "<workdir>/checkpoints)")
+  return ocp.CheckpointManager(
+      directory, options=ocp.CheckpointManagerOptions(create=False), item_names=("state", "data"),
+      item_handlers={"state": ocp.PyTreeCheckpointHandler(), "data": ocp.JsonCheckpointHandler()})
+
+
+def restore_params(workdir: str, abstract_params: Any = None, *, step: int | None = None,
+                   field: str = "workdir") -> tuple[int, Any]:
+  """``(step, params)``: the ``params`` of the newest checkpoint in ``<workdir>/checkpoints``
+  that restores and verifies (or of ``step``), on the first local device. Read-only:
+  damaged steps are skipped with a warning, not moved.
+
+  Only the parameters are read (Orbax partial restore), whatever optimizer the
+  run used.
+
+  Args:
+    workdir: a train.py workdir.
+    abstract_params: the expected parameter tree (shapes); the saved one must match
+      it exactly, else :class:`CheckpointError` says what differs. None: as saved.
+    step: a saved step; None: the newest good one.
+    field: the flag or argument named in errors (``workdir``, ``init_checkpoint``).
+  """
+  manager = _open(workdir, field)
+  try:
+    steps = sorted(manager.all_steps())
+    if not steps:
+      raise CheckpointError(f"{field}: {workdir}/checkpoints holds no complete checkpoint")
+    if step is not None and step not in steps:
+      raise CheckpointError(f"step: {step} is not saved in {workdir}/checkpoints; saved: "
+                            f"{', '.join(map(str, steps))}")
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    errors = []
+    for candidate in [step] if step is not None else sorted(steps, reverse=True):
+      try:
+        metadata = manager.item_metadata(candidate)["state"]
+        saved = getattr(metadata, "tree", metadata)["params"]
+        if abstract_params is not None:
+          mismatch = _compare(_shapes(saved), _shapes(abstract_params))
+          if mismatch:
+            raise CheckpointError(f"{field}: checkpoint step {candidate} does not hold the "
+                                  f"config's model (is --config the run's?): {mismatch}")
+        expected = saved if abstract_params is None else abstract_params
+        target = {"params": jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), expected)}
+        restore_args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=device), target)
+        restored = manager.restore(candidate, args=ocp.args.Composite(
+            state=ocp.args.PyTreeRestore(item=target, restore_args=restore_args,
+                                         partial_restore=True),
+            data=ocp.args.JsonRestore()))
+        params = restored.state["params"]
+        problem = damage(params, dict(restored.data).get("fingerprints"), prefix="params/")
+      except CheckpointError:
+        raise
+      except Exception as e:  # noqa: BLE001 - reported below, or an older step is tried
+        problem = _first_line(e)
+      if problem is None:
+        return candidate, params
+      errors.append(f"step {candidate}: {problem}")
+      logging.warning("checkpoint %s in %s is damaged (%s); skipped", candidate, workdir,
+                      problem)
+  finally:
+    manager.close()
+  raise CheckpointError(f"{field}: no checkpoint in {workdir}/checkpoints restores: "
+                        f"{'; '.join(errors)}")

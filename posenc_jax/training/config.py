@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import ml_collections
 
+from posenc_jax.cli import nearest
 from posenc_jax.models.build import HEADS
 from posenc_jax.models.config import model_config
 from posenc_jax.schemes import build_scheme
 from posenc_jax.training.objectives import HEAD_OF, OBJECTIVES
-from posenc_jax.training.optim import default_optimizer_config
+from posenc_jax.training.optim import check_optimizer_config, default_optimizer_config
 
 
 class TrainConfigError(ValueError):
@@ -45,9 +46,13 @@ def _fail(field: str, value, allowed: str):
   raise TrainConfigError(f"{field}: got {value!r}; allowed: {allowed}")
 
 
+def _is_int(value) -> bool:
+  return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _positive_int(config, field: str) -> None:
   value = config[field]
-  if not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+  if not (_is_int(value) and value > 0):
     _fail(field, value, "a positive integer")
 
 
@@ -66,21 +71,32 @@ def absolute_table_schemes(model) -> list[str]:
 
 def validate_train_config(config: ml_collections.ConfigDict) -> None:
   """Raises one :class:`TrainConfigError` (or ModelConfigError) line naming the bad field."""
-  if config.objective not in OBJECTIVES:
-    _fail("objective", config.objective, ", ".join(OBJECTIVES))
-  if config.head not in HEADS:
-    _fail("head", config.head, ", ".join(HEADS))
+  for field, allowed in (("objective", OBJECTIVES), ("head", HEADS)):
+    if config[field] not in allowed:
+      raise TrainConfigError(f"{field}: got {config[field]!r}{nearest(config[field], allowed)} "
+                             f"allowed: {', '.join(allowed)}")
   expected_head = HEAD_OF[config.objective]
   if config.head != expected_head:
     _fail("head", config.head, f"{expected_head!r} for objective {config.objective!r}")
   for field in ("seq_len", "batch_size", "total_steps", "grad_accum_steps", "log_every",
-                "checkpoint_every", "keep_checkpoints"):
+                "checkpoint_every", "keep_checkpoints", "eval_steps"):
     _positive_int(config, field)
+  if config.seq_len < 2:
+    _fail("seq_len", config.seq_len, "an integer >= 2 ([CLS] and one token)")
+  for field in ("eval_every", "seed"):
+    if not (_is_int(config[field]) and config[field] >= 0):
+      _fail(field, config[field], "an integer >= 0" + (" (0: no evaluation)"
+                                                        if field == "eval_every" else ""))
+  if not isinstance(config.async_checkpointing, bool):
+    _fail("async_checkpointing", config.async_checkpointing, "true or false")
+  if not (isinstance(config.mask_rate, (int, float)) and 0 < config.mask_rate <= 1):
+    _fail("mask_rate", config.mask_rate, "a number in (0, 1]")
   if config.batch_size % config.grad_accum_steps:
     _fail("batch_size", config.batch_size,
           f"a multiple of grad_accum_steps={config.grad_accum_steps}")
-  if not 0 <= config.label_smoothing < 1:
+  if not (isinstance(config.label_smoothing, (int, float)) and 0 <= config.label_smoothing < 1):
     _fail("label_smoothing", config.label_smoothing, "a number in [0, 1)")
+  check_optimizer_config(config.optimizer, config.total_steps)
   cfg = model_config(config.model)  # ModelConfigError names model.<field>
   lengths = [config.seq_len] + [config.get(f) for f in ("input_len", "target_len")
                                 if config.get(f)]

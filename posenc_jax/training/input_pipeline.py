@@ -105,7 +105,8 @@ def make_batches(config: ml_collections.ConfigDict, split: str, start_step: int,
     train = split == "train"
     ds = mlm_dataset(config.task, split, config.seq_len, config.batch_size // num_shards,
                      config.seed, shard_id=shard_id, num_shards=num_shards, repeat=train,
-                     start_step=start_step if train else 0, cache=train)
+                     start_step=start_step if train else 0, cache=train,
+                     mask_rate=config.mask_rate)
     if not train:
       ds = ds.take(config.eval_steps)
   return ds.as_numpy_iterator()

@@ -30,8 +30,10 @@ import optax
 from flax.training import train_state
 
 from posenc_jax.models.build import build_model
-from posenc_jax.models.config import model_config
+from posenc_jax.models.config import ModelConfig, model_config
+from posenc_jax.schemes import build_scheme
 from posenc_jax.training import mesh as mesh_lib
+from posenc_jax.training import workdir as workdir_lib
 from posenc_jax.training.checkpoint import Checkpointer
 from posenc_jax.training.config import TrainConfigError, validate_train_config
 from posenc_jax.training.metrics import (MetricWriter, Throughput, console_line,
@@ -47,14 +49,46 @@ class NonFiniteLossError(RuntimeError):
   """The loss or the gradients became NaN or Inf."""
 
 
+class DataError(ValueError):
+  """A batch holds values the model cannot embed."""
+
+
+def batch_limits(cfg: ModelConfig) -> dict[str, tuple[int, str]]:
+  """``{feature: (bound, name of the bound)}``: ids must lie in ``[0, bound)``."""
+  vocab = (cfg.vocab_size, f"model.vocab_size={cfg.vocab_size}")
+  limits = {k: vocab for k in ("input_ids", "inputs", "targets", "mlm_targets")}
+  parts = cfg.segment if isinstance(cfg.segment, tuple) else (cfg.segment,)
+  for part in (p for p in parts if p is not None):
+    scheme = build_scheme(part, num_layers=1, num_heads=cfg.num_heads, head_dim=cfg.dim_per_head,
+                          d_model=cfg.d_model, max_len=cfg.max_len)
+    if hasattr(scheme, "num_segments"):
+      limits["segment_ids"] = (scheme.num_segments,
+                               f"model.segment num_segments={scheme.num_segments}")
+  return limits
+
+
+def check_batch(batch: dict[str, np.ndarray], limits: dict[str, tuple[int, str]], step: int
+                ) -> dict[str, np.ndarray]:
+  """``batch`` (host-local numpy), after checking its ids against ``limits`` (an id outside
+  a table would embed as NaN, or be clamped)."""
+  for key, (bound, name) in limits.items():
+    if key in batch and batch[key].size:
+      low, high = int(np.min(batch[key])), int(np.max(batch[key]))
+      if low < 0 or high >= bound:
+        bad = high if high >= bound else low
+        raise DataError(f"data: {key} of the batch for step {step + 1} holds {bad}, outside "
+                        f"[0, {name})")
+  return batch
+
+
 class TrainState(train_state.TrainState):
   """Step, parameters (float32) and optimizer state."""
 
 
 def _check_finite(all_finite: jax.Array, step: int, scalars: dict[str, float] | None,
-                  checkpointer: Checkpointer, last_saved: int | None) -> None:
+                  checkpointer: Checkpointer) -> None:
   """Raises :class:`NonFiniteLossError` (after pending saves land) if any step so far had a
-  non-finite loss or gradient."""
+  non-finite loss, gradient or updated parameters."""
   if bool(all_finite):
     return
   checkpointer.wait()
@@ -62,7 +96,8 @@ def _check_finite(all_finite: jax.Array, step: int, scalars: dict[str, float] | 
                                      f"{scalars['grad_norm']})")
   raise NonFiniteLossError(
       f"loss or gradients became NaN/Inf by step {step}{last}: stopping; no such update was "
-      f"applied and the last good checkpoint is step {last_saved} in {checkpointer.directory}")
+      f"applied and the last good checkpoint is step {checkpointer.last_saved} in "
+      f"{checkpointer.directory}")
 
 
 def _sum_metrics(a: dict[str, jax.Array], b: dict[str, jax.Array]) -> dict[str, jax.Array]:
@@ -111,7 +146,8 @@ class BestKeeper:
 def make_train_step(model: nn.Module, config: ml_collections.ConfigDict,
                     schedule: optax.Schedule) -> Callable:
   """``step(state, batch, rng) -> (state, metrics)``, accumulating ``grad_accum_steps``
-  micro-batches; the update is skipped (state kept) when loss or gradients are not finite."""
+  micro-batches; the update is skipped (state kept) when the loss, the gradients or the
+  updated parameters' norm (overflowing float32) are not finite."""
   loss_fn = objective(config.objective)
   accum = config.grad_accum_steps
   smoothing = config.get("label_smoothing", 0.0)
@@ -136,9 +172,10 @@ def make_train_step(model: nn.Module, config: ml_collections.ConfigDict,
       (grads, sums), _ = jax.lax.scan(body, (zeros, first), (jnp.arange(accum), micro))
     weight = jnp.maximum(sums["weight"], 1.0)
     grads = jax.tree.map(lambda g: g / weight, grads)  # gradient of the mean loss
-    grad_norm = optax.global_norm(grads)
-    finite = jnp.isfinite(sums["loss"]) & jnp.isfinite(grad_norm)
+    grad_norm = optax.tree.norm(grads)
     updated = state.apply_gradients(grads=grads)
+    finite = (jnp.isfinite(sums["loss"]) & jnp.isfinite(grad_norm)
+              & jnp.isfinite(optax.tree.norm(updated.params)))
     state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), updated, state)
     state = state.replace(step=updated.step)  # the step (and data position) always advance
     metrics = {"loss": sums["loss"] / weight, "accuracy": sums["correct"] / weight,
@@ -256,13 +293,14 @@ def train(config: ml_collections.ConfigDict, workdir: str,
   Raises:
     NonFiniteLossError: the loss became NaN or Inf (the last good checkpoint stays).
   """
-  validate_train_config(config)  # before anything is compiled
+  validate_train_config(config)  # before anything is compiled or written
   mesh = mesh_lib.make_mesh(config.mesh.shape, config.mesh.axes)
   mesh_lib.check_batch(config.batch_size, mesh)
   if data is None:
     from posenc_jax.training.input_pipeline import check_data_config, make_batches  # noqa: PLC0415
     check_data_config(config)
     data = make_batches
+  workdir_lib.claim(workdir, config)  # refuses another config's workdir, touching nothing
   model = build_model(config.model, config.head, num_labels=config.get("num_labels", 2))
   tx, schedule = make_optimizer(config.optimizer, config.total_steps)
   batch_sharding = mesh_lib.batch_sharding(mesh)
@@ -271,7 +309,8 @@ def train(config: ml_collections.ConfigDict, workdir: str,
   checkpointer = Checkpointer(workdir, save_interval_steps=config.checkpoint_every,
                               max_to_keep=config.keep_checkpoints,
                               async_save=config.async_checkpointing)
-  first_batch = next(data(config, "train", 0, **host))
+  limits = batch_limits(model_config(config.model))
+  first_batch = check_batch(next(data(config, "train", 0, **host)), limits, 0)
   state, state_shardings = init_state(model, tx, _global(first_batch, batch_sharding), mesh,
                                       config, config.seed)
   start_step = 0
@@ -302,7 +341,6 @@ def train(config: ml_collections.ConfigDict, workdir: str,
   throughput = Throughput(config.total_steps, tokens_per_step, flops)
   rng = jax.random.key(config.seed + 1)
   history: list[dict[str, float]] = []
-  last_saved = start_step if restored is not None else None
   say = print if jax.process_index() == 0 else (lambda *a, **k: None)
   say(f"training {config.total_steps} steps from step {start_step} on {jax.device_count()} "
         f"devices, mesh {dict(mesh.shape)}, workdir {workdir}", flush=True)
@@ -315,7 +353,8 @@ def train(config: ml_collections.ConfigDict, workdir: str,
       # Multi-process jobs agree on a stop at logging steps (a collective), others at once.
       if (jax.process_count() == 1 or step % config.log_every == 0) and stop.agreed():
         break
-      batch = _global(next(train_batches), batch_sharding)
+      checkpointer.check()  # a failed background save stops the run here
+      batch = _global(check_batch(next(train_batches), limits, step), batch_sharding)
       compile_start = time.perf_counter()
       state, metrics = step_fn(state, batch, rng)
       step += 1
@@ -330,7 +369,7 @@ def train(config: ml_collections.ConfigDict, workdir: str,
       if log_now or save_now:
         scalars = _host_scalars(metrics)
         scalars.pop("finite")
-        _check_finite(all_finite, step, scalars, checkpointer, last_saved)
+        _check_finite(all_finite, step, scalars, checkpointer)
         if log_now:
           scalars.pop("tokens")
           scalars |= throughput.report(step)
@@ -343,11 +382,11 @@ def train(config: ml_collections.ConfigDict, workdir: str,
           writer.write(step, scalars)
           history.append({"step": step, **scalars})
           say(console_line(step, config.total_steps, scalars), flush=True)
-        if save_now and checkpointer.save(step, state, {"step": step}, force=True):
-          last_saved = step
+        if save_now:
+          checkpointer.save(step, state, {"step": step}, force=True)
   if stop.signum is not None and step < config.total_steps:
-    _check_finite(all_finite, step, None, checkpointer, last_saved)
-    if last_saved != step:
+    _check_finite(all_finite, step, None, checkpointer)
+    if checkpointer.last_saved != step:
       checkpointer.save(step, state, {"step": step}, force=True)
     checkpointer.close()
     best.close()

@@ -12,11 +12,14 @@ one optimizer update whatever ``grad_accum_steps`` is.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
 import ml_collections
 import optax
+
+from posenc_jax.cli import nearest
 
 OPTIMIZERS = ("adamw", "adam", "lamb")
 SCHEDULES = ("linear", "constant", "rsqrt")
@@ -63,25 +66,46 @@ def decay_mask(params: Any) -> Any:
   return jax.tree_util.tree_map_with_path(decays, params)
 
 
-def _check(config: ml_collections.ConfigDict, total_steps: int) -> None:
+def _is_number(value: Any) -> bool:
+  return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def check_optimizer_config(config: ml_collections.ConfigDict, total_steps: int) -> None:
+  """Raises one :class:`OptimizerConfigError` line naming the first invalid field."""
   def fail(field, value, allowed):
     raise OptimizerConfigError(f"optimizer.{field}: got {value!r}; allowed: {allowed}")
   if config.name not in OPTIMIZERS:
-    fail("name", config.name, ", ".join(OPTIMIZERS))
+    raise OptimizerConfigError(f"optimizer.name: got {config.name!r}"
+                               f"{nearest(config.name, OPTIMIZERS)} allowed: "
+                               f"{', '.join(OPTIMIZERS)}")
   if config.schedule not in SCHEDULES:
     fail("schedule", config.schedule, ", ".join(SCHEDULES))
-  if not config.learning_rate > 0:
-    fail("learning_rate", config.learning_rate, "a positive number")
-  if not 0 <= config.warmup_fraction < 1:
+  if not (_is_number(config.learning_rate) and config.learning_rate > 0):
+    fail("learning_rate", config.learning_rate, "a positive finite number")
+  for field in ("b1", "b2"):
+    if not (_is_number(config[field]) and 0 <= config[field] < 1):
+      fail(field, config[field], "a number in [0, 1)")
+  if not (_is_number(config.eps) and config.eps > 0):
+    fail("eps", config.eps, "a positive finite number")
+  if not (_is_number(config.weight_decay) and config.weight_decay >= 0):
+    fail("weight_decay", config.weight_decay, "a finite number >= 0")
+  if config.name == "adam" and config.weight_decay:
+    fail("weight_decay", config.weight_decay, "0 with name 'adam' (Adam has no weight decay; "
+         "use 'adamw')")
+  clip = config.grad_clip_norm
+  if not (clip is None or (_is_number(clip) and clip >= 0)):
+    fail("grad_clip_norm", clip, "a finite number > 0, or 0 / None for no clipping")
+  if not (_is_number(config.warmup_fraction) and 0 <= config.warmup_fraction < 1):
     fail("warmup_fraction", config.warmup_fraction, "a number in [0, 1)")
-  if not 0 <= warmup_steps(config, total_steps) <= total_steps:
+  if not (isinstance(config.warmup_steps, int) and not isinstance(config.warmup_steps, bool)
+          and 0 <= warmup_steps(config, total_steps) <= total_steps):
     fail("warmup_steps", config.warmup_steps, f"an integer in [0, total_steps={total_steps}]")
 
 
 def make_optimizer(config: ml_collections.ConfigDict, total_steps: int
                    ) -> tuple[optax.GradientTransformation, optax.Schedule]:
   """The optimizer (clipping, decay mask, schedule) and its LR schedule."""
-  _check(config, total_steps)
+  check_optimizer_config(config, total_steps)
   schedule = learning_rate_schedule(config, total_steps)
   if config.name == "lamb":
     inner = optax.lamb(schedule, b1=config.b1, b2=config.b2, eps=config.eps,

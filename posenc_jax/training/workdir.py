@@ -1,0 +1,97 @@
+"""A workdir belongs to the run that created it: ``<workdir>/config.json`` holds that run's
+full resolved config, and only a run with the same config may resume there.
+
+Fields that change how a run is carried out but not what it computes may
+differ on resume (:data:`RESUMABLE`: the step budget, logging, checkpoint and
+evaluation cadence, the mesh, the attention route). Anything else (the
+model, the task, the batch, the optimizer) is refused with one line before
+anything in the folder is touched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import jax
+import ml_collections
+from etils import epath
+
+from posenc_jax.models.config import model_config
+from posenc_jax.training.config import TrainConfigError
+
+CONFIG_FILE = "config.json"
+RESUMABLE = ("total_steps", "log_every", "eval_every", "eval_steps", "checkpoint_every",
+             "keep_checkpoints", "async_checkpointing", "mesh", "decode", "sweep",
+             "model.route", "model.attention_precision")
+
+
+def resolved_config(config: ml_collections.ConfigDict) -> dict[str, Any]:
+  """``config`` as JSON-ready data, with the model's unset fields filled with their defaults."""
+  data = json.loads(json.dumps(config.to_dict(), default=str))
+  data["model"] = json.loads(json.dumps(model_config(config.model).to_dict(), default=str))
+  return data
+
+
+def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
+  if isinstance(data, dict) and data:
+    out = {}
+    for key, value in data.items():
+      out |= _flatten(value, f"{prefix}{key}.")
+    return out
+  return {prefix[:-1]: data}
+
+
+def differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+  """``field: saved -> current`` for every field outside :data:`RESUMABLE` that differs."""
+  old, new = _flatten(saved), _flatten(current)
+  diffs = []
+  for field in sorted(set(old) | set(new)):
+    if any(field == r or field.startswith(r + ".") for r in RESUMABLE):
+      continue
+    if old.get(field, "<unset>") != new.get(field, "<unset>"):
+      diffs.append(f"{field}: {old.get(field, '<unset>')!r} there, "
+                   f"{new.get(field, '<unset>')!r} here")
+  return diffs
+
+
+def has_checkpoints(workdir: str) -> bool:
+  directory = epath.Path(workdir) / "checkpoints"
+  return directory.is_dir() and any(p.name.isdigit() for p in directory.iterdir())
+
+
+def claim(workdir: str, config: ml_collections.ConfigDict) -> None:
+  """Checks that ``config`` may run in ``workdir`` and records it in ``config.json``.
+
+  Raises:
+    TrainConfigError: ``workdir`` cannot be written, or holds another config's run
+      (or checkpoints with no ``config.json``); the folder is left untouched.
+  """
+  from posenc_jax.cli import OutputPathError, check_output_dir  # noqa: PLC0415
+
+  current = resolved_config(config)
+  path = epath.Path(workdir) / CONFIG_FILE
+  try:
+    check_output_dir("workdir", workdir)
+  except OutputPathError as e:
+    raise TrainConfigError(str(e)) from None
+  if path.exists():
+    try:
+      saved = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+      raise TrainConfigError(f"workdir: {path} does not read as JSON ({e}); move it away to "
+                             "reuse this workdir") from None
+    diffs = differences(saved, current)
+    if diffs:
+      more = f" (and {len(diffs) - 1} more)" if len(diffs) > 1 else ""
+      raise TrainConfigError(f"workdir: {workdir} holds a run of another config: {diffs[0]}"
+                             f"{more}; use a new --workdir (nothing there was changed)")
+  elif has_checkpoints(workdir):
+    raise TrainConfigError(f"workdir: {workdir} holds checkpoints but no {CONFIG_FILE}, so "
+                           "their model is unknown; use a new --workdir (nothing there was "
+                           "changed)")
+  if jax.process_index() == 0:
+    tmp = path.parent / f"{CONFIG_FILE}.tmp-{os.getpid()}"
+    tmp.write_text(json.dumps(current, indent=2, sort_keys=True))
+    tmp.replace(path)  # atomic on a local disk: a reader sees the old file or the new one
