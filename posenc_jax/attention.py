@@ -24,7 +24,10 @@
   active it picks the reference route, the only one that runs it.
 
 The routes agree to float32 rounding, gradients included (tested, the Pallas
-kernel in interpret mode).
+kernel in interpret mode). Every route starts from :func:`attend`, which first
+checks its arguments (:func:`check_arguments`: static shapes, at trace time, so
+nothing at run time) and raises one ValueError line naming the first that does
+not fit.
 
 cuDNN fallback: :func:`jax.nn.dot_product_attention` reaches cuDNN only when
 asked to; the fused route asks when :func:`cudnn_unsupported` returns None
@@ -39,22 +42,126 @@ shapes take the Pallas kernel.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any, Literal
 
-import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
+from posenc_jax.cli import nearest
 from posenc_jax.kernels import relative_flash, relative_flash_attention
 from posenc_jax.kernels.relative_flash import PRECISIONS, dot_precision
-from posenc_jax.terms import Term, toeplitz_bias
+from posenc_jax.terms import SchemeTerms, Term, toeplitz_bias
 
 Array = jax.Array
 Route = Literal["auto", "reference", "fused"]
 ROUTES = ("auto", "reference", "fused")
+IMPLEMENTATIONS = ("xla", "cudnn")
+
+
+def _is_number(x: Any) -> bool:
+  """A finite real Python or NumPy scalar (not a bool, not a traced array)."""
+  return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _is_float_dtype(dtype: Any) -> bool:
+  try:
+    return jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
+  except TypeError:
+    return False
+
+
+def _shape(name: str, x: Any, layout: str) -> tuple[int, ...]:
+  """``x``'s static shape; one ValueError line naming ``name`` if ``x`` is not an array."""
+  if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+    raise ValueError(f"attend: {name}: got {type(x).__name__}; expected an array {layout}")
+  return tuple(x.shape)
+
+
+def _one_of(name: str, value: Any, allowed: Sequence[Any]) -> None:
+  if value not in allowed:
+    hint = nearest(value, [str(a) for a in allowed]) if isinstance(value, str) else ";"
+    raise ValueError(f"attend: {name}: got {value!r}{hint} allowed: "
+                     f"{', '.join(str(a) for a in allowed)}")
+
+
+def check_mask(mask: Array | None, batch: int, heads: int, q_len: int, k_len: int) -> None:
+  """Raises one ValueError line unless ``mask`` is None, ``[B, Lk]`` or 4-D broadcastable to
+  ``[B, H, Lq, Lk]`` (each axis full or 1)."""
+  if mask is None:
+    return
+  shape = _shape("mask", mask, "[B, Lk] or [B|1, H|1, Lq|1, Lk|1]")
+  full = (batch, heads, q_len, k_len)
+  if shape == (batch, k_len) or (len(shape) == 4 and all(s in (1, f) for s, f in zip(shape, full))):
+    return
+  raise ValueError(f"attend: mask: got shape {shape}; expected [B, Lk] = {(batch, k_len)} or "
+                   f"4-D broadcastable to [B, H, Lq, Lk] = {full}")
+
+
+def check_arguments(q: Array, k: Array, v: Array, terms: Sequence[Term], *,
+                    mask: Array | None = None, causal: bool = False,
+                    scale: float | None = None, route: str = "auto",
+                    implementation: str | None = None, dropout_rate: float = 0.0,
+                    dropout_rng: Array | None = None,
+                    segment_ids: Array | None = None) -> None:
+  """Raises one ValueError line ``attend: <argument>: ...`` for the first argument of
+  :func:`attend` (same names and meanings) that does not fit, else returns None.
+
+  Only static facts are read (types, shapes, dtypes, Python values), so the check
+  costs nothing at run time; values inside traced arrays (token ids, mask entries)
+  are not checked. ``precision`` is checked by :func:`dot_precision`.
+  """
+  q_shape = _shape("q", q, "[B, Lq, H, D]")
+  k_shape = _shape("k", k, "[B, Lk, H, D]")
+  v_shape = _shape("v", v, "[B, Lk, H, D]")
+  for name, x, shape, layout in (("q", q, q_shape, "[B, Lq, H, D]"),
+                                 ("k", k, k_shape, "[B, Lk, H, D]"),
+                                 ("v", v, v_shape, "[B, Lk, H, D]")):
+    if len(shape) != 4:
+      raise ValueError(f"attend: {name}: got shape {shape}; expected {layout}")
+    if not _is_float_dtype(x.dtype):
+      raise ValueError(f"attend: {name}: got dtype {x.dtype}; expected a floating dtype")
+  batch, q_len, heads, _ = q_shape
+  if k_shape[0] != batch or k_shape[2:] != q_shape[2:]:
+    raise ValueError(f"attend: k: got shape {k_shape} for q {q_shape}; expected [B, Lk, H, D] "
+                     "with q's B, H and D")
+  if v_shape != k_shape:
+    raise ValueError(f"attend: v: got shape {v_shape}; expected k's {k_shape}")
+  if isinstance(terms, (Term, SchemeTerms)) or not isinstance(terms, Sequence):
+    raise ValueError(f"attend: terms: got a {type(terms).__name__}; expected a sequence of "
+                     "Terms (SchemeTerms.for_layer(layer) gives one layer's)")
+  for index, term in enumerate(terms):
+    if not isinstance(term, Term):
+      raise ValueError(f"attend: terms[{index}]: got a {type(term).__name__}; expected a Term")
+    problem = term.shape_problem(q_shape, k_shape)
+    if problem:
+      raise ValueError(f"attend: terms[{index}] ({type(term).__name__}): {problem}")
+  check_mask(mask, batch, heads, q_len, k_shape[1])
+  if not isinstance(causal, (bool, np.bool_)):
+    raise ValueError(f"attend: causal: got {causal!r}; allowed: True or False")
+  if scale is not None and not (_is_number(scale) and scale > 0):
+    raise ValueError(f"attend: scale: got {scale!r}; allowed: a finite positive number, or "
+                     "None for 1 / sqrt(D)")
+  _one_of("route", route, ROUTES)
+  _one_of("implementation", implementation, (None, *IMPLEMENTATIONS))
+  if not (_is_number(dropout_rate) and 0 <= dropout_rate < 1):
+    raise ValueError(f"attend: dropout_rate: got {dropout_rate!r}; allowed: a number in [0, 1)")
+  if dropout_rng is not None and not (
+      hasattr(dropout_rng, "dtype") and (jax.dtypes.issubdtype(dropout_rng.dtype,
+                                                               jax.dtypes.prng_key)
+                                         or dropout_rng.dtype == jnp.uint32)):
+    raise ValueError(f"attend: dropout_rng: got {type(dropout_rng).__name__} "
+                     f"{getattr(dropout_rng, 'dtype', '')}; allowed: a PRNG key or None")
+  if segment_ids is not None:
+    seg_shape = _shape("segment_ids", segment_ids, "[B, L]")
+    if seg_shape != (batch, q_len) or k_shape[1] != q_len:
+      raise ValueError(f"attend: segment_ids: got shape {seg_shape} for {q_len} queries and "
+                       f"{k_shape[1]} keys; expected [B, L] = {(batch, q_len)} "
+                       "(self-attention)")
 
 
 def _mask_4d(mask: Array | None, causal: bool, q_len: int, k_len: int,
@@ -62,7 +169,6 @@ def _mask_4d(mask: Array | None, causal: bool, q_len: int, k_len: int,
   """Padding mask ``[B, Lk]`` (or ``[B|1, H|1, Lq, Lk]``), causality and same-segment
   (``segment_ids`` ``[B, L]``, self-attention) as one 4-D bool."""
   if mask is not None:
-    chex.assert_rank(mask, {2, 4})
     mask = mask[:, None, None, :] if mask.ndim == 2 else mask
     mask = mask.astype(bool)
   if causal:
@@ -280,22 +386,20 @@ def attend(
 
   Returns:
     ``[B, Lq, H, D]``.
+
+  Raises:
+    ValueError: one line naming the first argument that does not fit
+      (:func:`check_arguments`), before any route runs.
   """
-  chex.assert_rank([q, k, v], 4)
-  chex.assert_equal_shape([k, v])
-  chex.assert_equal_shape_prefix([q, k], 1)
-  chex.assert_equal_shape_suffix([q, k], 2)
-  if route not in ROUTES:
-    raise ValueError(f"route: unknown route {route!r}; allowed: {', '.join(ROUTES)}")
+  check_arguments(q, k, v, terms, mask=mask, causal=causal, scale=scale, route=route,
+                  implementation=implementation, dropout_rate=dropout_rate,
+                  dropout_rng=dropout_rng, segment_ids=segment_ids)
+  dot_precision(precision, q.dtype)  # a bad name fails here, on every route
   scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
   terms = [term.with_key_length(k.shape[1]) for term in terms]
   for term in terms:
     q, k = term.transform_qk(q, k)
   dropout = dropout_rate > 0.0 and dropout_rng is not None
-  if segment_ids is not None and (segment_ids.shape != q.shape[:2] or k.shape[1] != q.shape[1]):
-    raise ValueError(f"segment_ids: got shape {segment_ids.shape} for {q.shape[1]} queries and "
-                     f"{k.shape[1]} keys; expected [B, L] = {q.shape[:2]} (self-attention)")
-  dot_precision(precision, q.dtype)  # a bad name fails here, on every route
   if choose_route(route, terms, dropout) == "reference":
     return _reference(q, k, v, terms, mask, causal, scale, dropout_rate, dropout_rng,
                       segment_ids, precision)
@@ -379,19 +483,36 @@ class MultiHeadAttention(nn.Module):
   precision: str = "float32"
   kernel_init: nn.initializers.Initializer = nn.initializers.normal(0.02)
 
+  def __post_init__(self):
+    # route, dropout_rate and precision are checked by attend, on every call.
+    for field in ("num_heads", "head_dim"):
+      value = getattr(self, field)
+      if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"MultiHeadAttention: {field}: got {value!r}; allowed: a positive "
+                         "integer")
+    if not _is_float_dtype(self.dtype):
+      raise ValueError(f"MultiHeadAttention: dtype: got {self.dtype!r}; allowed: a floating "
+                       "dtype")
+    super().__post_init__()
+
   @nn.compact
   def __call__(self, x: Array, terms: Sequence[Term] = (), *, context: Array | None = None,
                mask: Array | None = None, causal: bool = False,
                scale: float | None = None, deterministic: bool = True,
                decode: bool = False) -> Array:
-    """Args: ``x`` ``[B, Lq, d]``; ``context`` ``[B, Lk, d]`` (None: ``x``).
+    """Args: ``x`` ``[B, Lq, d]``; ``context`` ``[B, Lk, d']`` (None: ``x``).
 
     ``decode``: one incremental-decoding step (see the class docstring); a
     ``mask`` is then ``[B, L_dec]`` over the cache positions, ``causal`` is
     implied.
 
-    Returns ``[B, Lq, d]``.
+    Returns ``[B, Lq, d]``. The other arguments are checked by :func:`attend`.
     """
+    if jnp.ndim(x) != 3:
+      raise ValueError(f"MultiHeadAttention: x: got shape {jnp.shape(x)}; expected [B, Lq, d]")
+    if context is not None and (jnp.ndim(context) != 3 or context.shape[0] != x.shape[0]):
+      raise ValueError(f"MultiHeadAttention: context: got shape {jnp.shape(context)}; expected "
+                       f"[B, Lk, d'] with x's B = {x.shape[0]}")
     if decode and context is not None:
       raise ValueError("decode: the KV cache is for self-attention; cross-attention "
                        "(context given) recomputes its keys")
@@ -422,8 +543,11 @@ class MultiHeadAttention(nn.Module):
     cache_index = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
     if not initialized:
       return k, v, terms, mask, causal
-    batch, length, heads, head_dim = cached_key.value.shape
-    chex.assert_shape([q, k, v], (batch, 1, heads, head_dim))
+    batch, length, heads, _ = cached_key.value.shape
+    if q.shape[:2] != (batch, 1):
+      raise ValueError(f"decode: a step takes x [B, 1, d] with the cache's B = {batch}; got "
+                       f"B, L = {q.shape[:2]}")
+    check_mask(mask, batch, heads, 1, length)
     index = cache_index.value
     k = jax.lax.dynamic_update_slice(cached_key.value, k.astype(cached_key.value.dtype),
                                      (0, index, 0, 0))

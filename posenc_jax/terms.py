@@ -38,6 +38,9 @@ Each attention term implements the same small protocol, used by
 * ``with_key_length(k_len) -> Term``: tells a term whose arrays carry no key
   axis (Shaw's, which holds only an offset table) how many keys the
   attention has; :func:`posenc_jax.attend` calls it. Others return self.
+* ``shape_problem(q_shape, k_shape) -> str | None``: why the term's arrays do
+  not fit attention over q ``[B, Lq, H, D]`` and k ``[B, Lk, H, D]`` (static
+  shapes, checked by :func:`posenc_jax.attend` at trace time), or None.
 
 Slicing counts the query axis from the end of each array (``-2`` for
 ``[.., Lq, Lk]``, ``-3`` for ``[.., Lq, H, r]``), so it works on a term of
@@ -47,9 +50,10 @@ one layer and on a :class:`SchemeTerms` term with its leading layer axis.
 from __future__ import annotations
 
 import dataclasses
+import numbers
+from collections.abc import Sequence
 from typing import Any
 
-import chex
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -118,6 +122,38 @@ class Term:
     del k_len
     return self
 
+  def shape_problem(self, q_shape: Sequence[int], k_shape: Sequence[int]) -> str | None:
+    """Why the term does not fit q ``[B, Lq, H, D]`` and k ``[B, Lk, H, D]``, or None.
+
+    One clause naming the term's array and both sizes, e.g. ``"table [8, 15] has 8
+    heads, but q has 12"``. The base term holds no arrays and fits any attention.
+    """
+    del q_shape, k_shape
+    return None
+
+
+def _axis_problem(name: str, shape: Sequence[int], axis: int, noun: str, want: int,
+                  source: str, broadcast: bool = False) -> str | None:
+  """``"<name> [..] has <n> <noun>, but <source> <want>"`` when axis ``axis`` of ``shape`` is
+  not ``want`` (nor 1, with ``broadcast``), else None."""
+  got = shape[axis]
+  if got == want or (broadcast and got == 1):
+    return None
+  return f"{name} {list(shape)} has {got} {noun}, but {source} {want}"
+
+
+def _rank_problem(name: str, shape: Sequence[int], ranks: Sequence[int],
+                  layout: str) -> str | None:
+  """``"<name> is [..]; expected <layout>"`` unless ``shape`` has one of ``ranks`` axes."""
+  return None if len(shape) in ranks else f"{name} is {list(shape)}; expected {layout}"
+
+
+def _batch_problem(name: str, shape: Sequence[int], batch: int) -> str | None:
+  """A 4-D ``[B|1, ...]`` array whose leading axis is neither q's batch nor 1."""
+  if len(shape) < 4:
+    return None
+  return _axis_problem(name, shape, 0, "examples", batch, "q has", broadcast=True)
+
 
 def slice_rows(x: Array, start: int | Array, size: int, axis: int) -> Array:
   """``size`` entries of ``x`` from ``start`` along ``axis`` (negative: from the end).
@@ -134,7 +170,6 @@ def slice_rows(x: Array, start: int | Array, size: int, axis: int) -> Array:
 
 def _as_4d_bias(value: Array) -> Array:
   """``[H, Lq, Lk]`` -> ``[1, H, Lq, Lk]``; ``[B, H, Lq, Lk]`` unchanged."""
-  chex.assert_rank(value, {3, 4})
   return value[None] if value.ndim == 3 else value
 
 
@@ -144,10 +179,18 @@ class Bias(Term):
 
   Attributes:
     value: ``[H|1, Lq, Lk]`` (batch-free, e.g. DIET-REL, T5, ALiBi) or
-      ``[B, H|1, Lq, Lk]`` (per example).
+      ``[B|1, H|1, Lq, Lk]`` (per example).
   """
 
   value: Array
+
+  def shape_problem(self, q_shape, k_shape):
+    shape = jnp.shape(self.value)
+    return (_rank_problem("value", shape, (3, 4), "[H|1, Lq, Lk] or [B|1, H|1, Lq, Lk]")
+            or _axis_problem("value", shape, -1, "keys", k_shape[1], "k has")
+            or _axis_problem("value", shape, -2, "queries", q_shape[1], "q has")
+            or _axis_problem("value", shape, -3, "heads", q_shape[2], "q has", broadcast=True)
+            or _batch_problem("value", shape, q_shape[0]))
 
   def logits(self, q, scale):
     del q, scale
@@ -176,11 +219,24 @@ class Factored(Term):
   u: Array
   v: Array
 
+  def shape_problem(self, q_shape, k_shape):
+    u, v = jnp.shape(self.u), jnp.shape(self.v)
+    layout = "[L, H|1, r] or [B|1, L, H|1, r]"
+    problem = _rank_problem("u", u, (3, 4), layout) or _rank_problem("v", v, (3, 4), layout)
+    if problem:
+      return problem
+    if u[-1] != v[-1]:
+      return f"u {list(u)} has rank {u[-1]}, but v {list(v)} has {v[-1]}"
+    heads = q_shape[2]
+    return (_axis_problem("u", u, -3, "queries", q_shape[1], "q has")
+            or _axis_problem("v", v, -3, "keys", k_shape[1], "k has")
+            or _axis_problem("u", u, -2, "heads", heads, "q has", broadcast=True)
+            or _axis_problem("v", v, -2, "heads", heads, "q has", broadcast=True)
+            or _batch_problem("u", u, q_shape[0]) or _batch_problem("v", v, q_shape[0]))
+
   def _uv4(self) -> tuple[Array, Array]:
-    chex.assert_rank([self.u, self.v], {3, 4})
     u = self.u[None] if self.u.ndim == 3 else self.u
     v = self.v[None] if self.v.ndim == 3 else self.v
-    chex.assert_equal_shape_suffix([u, v], 1)
     return u, v
 
   def materialise(self) -> Bias:
@@ -302,6 +358,13 @@ class Toeplitz(Term):
   def with_key_length(self, k_len):
     return self.replace(k_len=k_len)
 
+  def shape_problem(self, q_shape, k_shape):
+    del k_shape  # the term is a function of the offset alone
+    shape = jnp.shape(self.table)
+    return (_rank_problem("table", shape, (2,), "[H|1, R] (SchemeTerms.for_layer drops the "
+                          "layer axis)")
+            or _axis_problem("table", shape, 0, "heads", q_shape[2], "q has", broadcast=True))
+
   def slice_queries(self, start, size):
     del size  # the table has no query axis
     offset = start if self.q_offset is None else self.q_offset + start
@@ -371,12 +434,30 @@ class QueryRelative(Term):
   def with_key_length(self, k_len):
     return self.replace(k_len=k_len)
 
+  def shape_problem(self, q_shape, k_shape):
+    del k_shape  # the tables hold offsets, not keys
+    if not isinstance(self.clip, numbers.Integral) or self.clip < 0:
+      return f"clip is {self.clip!r}; expected an integer >= 0"
+    _, _, heads, dim = q_shape
+    for name, table in (("key_table", self.key_table), ("value_table", self.value_table)):
+      if table is None:
+        continue
+      shape = jnp.shape(table)
+      problem = (_rank_problem(name, shape, (2, 3), "[2t+1, D] or [H|1, 2t+1, D]")
+                 or _axis_problem(name, shape, -2, "rows", 2 * self.clip + 1,
+                                  f"clip={self.clip} needs 2 clip + 1 =")
+                 or _axis_problem(name, shape, -1, "features", dim, "q has")
+                 or (len(shape) == 3 and _axis_problem(name, shape, 0, "heads", heads, "q has",
+                                                       broadcast=True)))
+      if problem:
+        return problem
+    return None
+
   def _k_len(self, q_len: int) -> int:
     return q_len if self.k_len is None else self.k_len
 
   @staticmethod
   def _per_head(table: Array, heads: int) -> Array:
-    chex.assert_rank(table, {2, 3})
     return table if table.ndim == 3 else jnp.broadcast_to(table, (heads,) + table.shape)
 
   def _spread(self, per_offset: Array, k_len: int) -> Array:
@@ -450,7 +531,6 @@ def rotate_pairs(x: Array, angles: Array) -> Array:
   Returns:
     ``[B, L, H, D]``.
   """
-  chex.assert_shape(angles, (x.shape[1], x.shape[3] // 2))
   cos = jnp.cos(angles)[None, :, None, :].astype(x.dtype)
   sin = jnp.sin(angles)[None, :, None, :].astype(x.dtype)
   even, odd = x[..., 0::2], x[..., 1::2]
@@ -469,6 +549,20 @@ class Rotation(Term):
 
   q_angles: Array
   k_angles: Array
+
+  def shape_problem(self, q_shape, k_shape):
+    dim = q_shape[3]
+    if dim % 2:
+      return f"rotates pairs of features, but q has an odd head dim {dim}"
+    for name, angles, length, source in (("q_angles", self.q_angles, q_shape[1], "q has"),
+                                         ("k_angles", self.k_angles, k_shape[1], "k has")):
+      shape = jnp.shape(angles)
+      problem = (_rank_problem(name, shape, (2,), "[L, D/2]")
+                 or _axis_problem(name, shape, 0, "positions", length, source)
+                 or _axis_problem(name, shape, 1, "angles", dim // 2, f"q's head dim {dim} needs"))
+      if problem:
+        return problem
+    return None
 
   def transform_qk(self, q, k):
     return rotate_pairs(q, self.q_angles), rotate_pairs(k, self.k_angles)
@@ -492,9 +586,15 @@ class QKShift(Term):
   q_shift: Array
   k_shift: Array
 
+  def shape_problem(self, q_shape, k_shape):
+    for name, shift, want, source in (("q_shift", self.q_shift, q_shape, "q"),
+                                      ("k_shift", self.k_shift, k_shape, "k")):
+      if tuple(jnp.shape(shift)) != tuple(want[1:]):
+        return (f"{name} is {list(jnp.shape(shift))}; expected [L, H, D] = {list(want[1:])} "
+                f"from {source}")
+    return None
+
   def transform_qk(self, q, k):
-    chex.assert_shape(self.q_shift, q.shape[1:])
-    chex.assert_shape(self.k_shift, k.shape[1:])
     return q + self.q_shift.astype(q.dtype), k + self.k_shift.astype(k.dtype)
 
   def slice_queries(self, start, size):
@@ -534,7 +634,16 @@ class SchemeTerms:
   content_scale: float | None = struct.field(pytree_node=False, default=None)
 
   def for_layer(self, layer: int) -> list[Term]:
-    """The terms of layer ``layer`` (shared terms are reused, not recomputed)."""
+    """The terms of layer ``layer`` (shared terms are reused, not recomputed).
+
+    Raises a one-line ValueError unless ``layer`` is an integer ``>= 0`` and, when a term
+    has one value per layer, below their number (shared terms fit any layer).
+    """
+    layers = max((jnp.shape(x)[0] for x in jax.tree.leaves(self.terms) if jnp.ndim(x)),
+                 default=1)
+    if not isinstance(layer, numbers.Integral) or layer < 0 or (layers > 1 and layer >= layers):
+      allowed = f"an integer in [0, {layers})" if layers > 1 else "an integer >= 0"
+      raise ValueError(f"SchemeTerms.for_layer: got layer {layer!r}; allowed: {allowed}")
 
     def pick(x):
       if jnp.ndim(x) == 0:  # a scalar shared by all layers (QueryRelative.q_offset)
@@ -555,10 +664,19 @@ class SchemeTerms:
     return self.replace(embedding=embedding, terms=terms)
 
   def embed(self, x: Array) -> Array:
-    """Adds the input-level term (if any) to embeddings ``x`` ``[B, L, d]``."""
+    """Adds the input-level term (if any) to embeddings ``x`` ``[B, L, d]``.
+
+    The embedding's value is ``[L, d]`` or ``[B|1, L, d]``; other shapes raise one
+    ValueError line.
+    """
     if self.embedding is None:
       return x
-    return x + self.embedding.value.astype(x.dtype)
+    value = self.embedding.value
+    if (jnp.ndim(x) != 3 or jnp.ndim(value) not in (2, 3) or value.shape[-2:] != x.shape[1:]
+        or (value.ndim == 3 and value.shape[0] not in (1, x.shape[0]))):
+      raise ValueError(f"SchemeTerms.embed: embedding.value is {list(jnp.shape(value))}, but x "
+                       f"is {list(jnp.shape(x))}; expected [L, d] or [B|1, L, d] for x [B, L, d]")
+    return x + value.astype(x.dtype)
 
   def __add__(self, other: SchemeTerms) -> SchemeTerms:
     """Composes two schemes' terms (e.g. a position and a segment scheme)."""

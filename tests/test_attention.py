@@ -97,7 +97,7 @@ def test_factored_equals_materialised(name):
 
 def test_unknown_route_is_rejected():
   q, k, v = qkv()
-  with pytest.raises(ValueError, match="route: unknown route 'flash'; allowed: auto, reference"):
+  with pytest.raises(ValueError, match="attend: route: got 'flash'; allowed: auto, reference"):
     attend(q, k, v, route="flash")
 
 
