@@ -106,13 +106,15 @@ def _source(examples_fn, columns: tuple[str, ...]) -> seqio.FunctionDataSource:
   return seqio.FunctionDataSource(dataset_fn, splits=SPLITS)
 
 
-def _output_features(vocabulary: seqio.Vocabulary) -> dict[str, seqio.Feature]:
+def _output_features(vocabulary: seqio.Vocabulary, num_labels: int) -> dict[str, seqio.Feature]:
+  """Token features over ``vocabulary``; ``label``'s vocabulary has ``num_labels`` ids (the
+  label count fine-tuning checks ``num_labels`` against, as GLUE's)."""
   ids = seqio.PassThroughVocabulary(size=vocabulary.vocab_size)
   return {"input_ids": seqio.Feature(vocabulary, add_eos=False, dtype=tf.int32),
           "segment_ids": seqio.Feature(ids, add_eos=False, dtype=tf.int32),
           "mask": seqio.Feature(ids, add_eos=False, dtype=tf.int32),
-          "label": seqio.Feature(ids, add_eos=False, dtype=tf.int32, rank=0)}
-
+          "label": seqio.Feature(seqio.PassThroughVocabulary(size=num_labels), add_eos=False,
+                                 dtype=tf.int32, rank=0)}
 
 
 def register_wordnet_tasks(vocabulary: seqio.Vocabulary | None = None, suffix: str = "") -> None:
@@ -121,12 +123,12 @@ def register_wordnet_tasks(vocabulary: seqio.Vocabulary | None = None, suffix: s
   register(f"wordnet_supersense{suffix}",
            source=_source(supersense_examples, ("a", "label")),
            preprocessors=[functools.partial(encode_classification, text_keys=("a",))],
-           output_features=_output_features(vocabulary), metric_fns=[accuracy],
+           output_features=_output_features(vocabulary, len(LEXNAMES)), metric_fns=[accuracy],
            shuffle_buffer_size=SHUFFLE_BUFFER)
   register(f"wordnet_hypernym{suffix}",
            source=_source(hypernym_examples, ("a", "b", "label")),
            preprocessors=[functools.partial(encode_classification, text_keys=("a", "b"))],
-           output_features=_output_features(vocabulary), metric_fns=[accuracy_and_f1],
+           output_features=_output_features(vocabulary, 2), metric_fns=[accuracy_and_f1],
            shuffle_buffer_size=SHUFFLE_BUFFER)
 
 

@@ -106,3 +106,16 @@ def task_metrics(task_name: str, predictions: list, references: list) -> dict[st
   for fn in task.metric_fns:
     scores |= {f"task_{k}": float(v) for k, v in fn(references, predictions).items()}
   return scores
+
+
+# (references, predictions) of two examples per fine-tuning objective, as task_metrics and
+# span_metrics hand them to the task's metric functions.
+_SAMPLES = {"classification": ([0, 1], [0, 1]), "regression": ([0.0, 1.0], [0.0, 1.0]),
+            "span": ([["a b"], ["c"]], ["a b", "c"])}
+
+
+def metric_names(task_name: str, objective: str) -> list[str]:
+  """The ``task_<name>`` keys the task's metrics report for ``objective`` (``classification``,
+  ``regression`` or ``span``), from its metric functions scored on a two-example sample."""
+  references, predictions = _SAMPLES[objective]
+  return sorted(task_metrics(task_name, predictions, references))
