@@ -11,6 +11,9 @@ Epochs: 10 on the small tasks (CoLA, MRPC, STS-B, RTE, WNLI), 5 on the rest
 (DIET: "5 or 10 epochs").
 """
 
+from ml_collections import config_dict
+
+from posenc_jax.cli import nearest
 from posenc_jax.presets import preset_config
 from posenc_jax.training.config import base_train_config
 
@@ -40,6 +43,8 @@ def finetune_config(task: str, presets: list[str], *, num_labels: int, regressio
   config.checkpoint_every = config.eval_every
   config.keep_checkpoints = 1
   config.best_metric = best_metric
+  config.eval_task = config_dict.placeholder(str)  # unset: evaluate on the task itself
+  config.eval_split = config_dict.placeholder(str)  # unset: 'validation'
   config.optimizer.update(dict(name="adamw", learning_rate=2e-5, warmup_steps=0,
                                warmup_fraction=0.1, weight_decay=0.01, grad_clip_norm=1.0))
   config.sweep = dict(seeds=[0, 1, 2, 3, 4], learning_rates=[1e-5, 2e-5, 3e-5, 4e-5])
@@ -52,8 +57,8 @@ def get_config(arg="glue_rte"):
   names = arg.split(",")
   task = names[0]
   if task not in TASK_INFO:
-    raise ValueError(f"config argument: task {task!r} is unknown; allowed: "
-                     f"{', '.join(sorted(TASK_INFO))}")
+    raise ValueError(f"config argument: task {task!r} is unknown{nearest(task, TASK_INFO)} "
+                     f"allowed: {', '.join(sorted(TASK_INFO))}")
   info = TASK_INFO[task]
   presets = [n for n in names[1:] if n != "no_per_head_segments"] or ["bert_base", "bert"]
   epochs = 10 if task in SMALL else 5

@@ -14,6 +14,8 @@ pre-training demo's). Pair tasks switch on per-head segment terms (DIET).
 import os
 import sys
 
+from posenc_jax.cli import nearest
+
 sys.path.insert(0, os.path.dirname(__file__))
 from finetune_glue import finetune_config  # noqa: E402
 
@@ -25,7 +27,8 @@ def get_config(arg="wordnet_supersense"):
   names = arg.split(",")
   task = names[0]
   if task not in TASKS:
-    raise ValueError(f"config argument: task {task!r} is unknown; allowed: {', '.join(TASKS)}")
+    raise ValueError(f"config argument: task {task!r} is unknown{nearest(task, TASKS)} "
+                     f"allowed: {', '.join(TASKS)}")
   presets = [n for n in names[1:] if n != "no_per_head_segments"] or ["bert_tiny",
                                                                       "diet_abs_share"]
   config = finetune_config(task, presets, num_labels=TASKS[task]["num_labels"], regression=False,

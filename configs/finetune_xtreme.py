@@ -16,6 +16,8 @@ decoded answers in the target language.
 import os
 import sys
 
+from posenc_jax.cli import nearest
+
 sys.path.insert(0, os.path.dirname(__file__))
 from finetune_glue import finetune_config  # noqa: E402
 
@@ -27,8 +29,9 @@ def get_config(arg="xnli_en"):
   target = names[0]
   family = target.split("_")[0]
   if family not in EVAL_SPLIT:
-    raise ValueError(f"config argument: target {target!r} is not xnli_<lang>, xquad_<lang>, "
-                     "mlqa_<lang> or tydiqa_goldp_<lang>")
+    guesses = [f"{name}_{target.partition('_')[2]}" for name in EVAL_SPLIT]
+    raise ValueError(f"config argument: target {target!r} is unknown{nearest(target, guesses)} "
+                     "allowed: xnli_<lang>, xquad_<lang>, mlqa_<lang>, tydiqa_goldp_<lang>")
   presets = names[1:] or ["bert_base_multilingual", "bert"]
   if family == "xnli":  # 392,702 MNLI pairs, 2 epochs at batch 32
     config = finetune_config("xnli_train", presets, num_labels=3, regression=False, pair=True,
