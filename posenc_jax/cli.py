@@ -6,15 +6,22 @@ flags are parsed so that every mistake a user can type (an unknown preset, a mis
   app.run(main, flags_parser=cli.flags_parser("train.py"))
 
 Also: :func:`check_output_dir` and :func:`check_output_file`, which tools call on every
-path they will write before any work starts.
+path they will write before any work starts, and for ``argparse`` tools
+:class:`ArgumentParser` with the types :func:`positive_int` and :func:`one_of`:
+
+  parser = cli.ArgumentParser(prog="bench")
+  parser.add_argument("--length", type=cli.positive_int, default=128)
+  parser.add_argument("--schemes", type=cli.one_of(SCHEMES, sep=","), default="bert,t5")
 """
 
 from __future__ import annotations
 
+import argparse
 import difflib
 import os
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from absl import flags
 
@@ -148,3 +155,51 @@ def check_output_file(field: str, path: str) -> str:
 
 class OutputPathError(ValueError):
   """A path a tool must write to cannot be written."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+  """An ``argparse.ArgumentParser`` whose every error is one line ``<prog>: <flag>: ...`` on
+  stderr and exit status 2 (no usage block); an unknown flag names the nearest defined one."""
+
+  def parse_args(self, args=None, namespace=None):
+    parsed, extra = self.parse_known_args(args, namespace)
+    if extra:
+      given = extra[0].partition("=")[0]
+      if not given.startswith("-"):
+        self.error(f"unexpected argument {extra[0]!r}")
+      options = sorted(o for a in self._actions for o in a.option_strings if o.startswith("--"))
+      self.error(f"{given}: unknown flag{nearest(given, options)} allowed: {', '.join(options)}")
+    return parsed
+
+  def error(self, message):
+    self.exit(2, f"{self.prog}: {message.removeprefix('argument ')}\n")
+
+
+def positive_int(text: str) -> int:
+  """An ``argparse`` type: an integer > 0; anything else is an error naming what was given."""
+  try:
+    value = int(text)
+  except ValueError:
+    value = None
+  if value is None or value <= 0:
+    given = text if value is not None else repr(text)
+    raise argparse.ArgumentTypeError(f"got {given}; allowed: a positive integer")
+  return value
+
+
+def one_of(allowed: Sequence[str], sep: str | None = None) -> Callable[[str], Any]:
+  """An ``argparse`` type: a name in ``allowed``, or with ``sep`` a non-empty ``sep``-separated
+  list of them (returned as a tuple). An unknown or empty name is an error naming it, the
+  nearest allowed name and all of them."""
+  allowed = tuple(allowed)
+
+  def parse(text: str) -> Any:
+    names = text.split(sep) if sep else [text]
+    for name in names:
+      if name not in allowed:
+        where = f" in {text!r}" if len(names) > 1 else ""
+        raise argparse.ArgumentTypeError(f"got {name!r}{where}{nearest(name, allowed)} allowed: "
+                                         f"{', '.join(allowed)}")
+    return tuple(names) if sep else text
+
+  return parse
