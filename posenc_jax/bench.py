@@ -2,7 +2,7 @@
 
   python -m posenc_jax.bench [--size tiny|small|base] [--length 128] [--batch 8]
       [--schemes bert,diet_abs,diet_rel,...] [--baseline bert] [--route auto]
-      [--dtype float32|bfloat16] [--json out.json]
+      [--dtype float32|bfloat16] [--repeats 10] [--json out.json]
 
 For every scheme preset (``posenc_jax.presets.SCHEMES``) it builds the
 masked-LM BERT of the given size, compiles a training step (forward,
@@ -17,12 +17,12 @@ Toeplitz kernel against itself without a bias.
 It prints milliseconds, the ratio to the baseline, tokens/s, peak device
 memory where the device reports it, and MFU (analytic FLOPs over the
 device's peak) on accelerators; ``--json`` writes the same rows.
-Compilation is excluded.
+Compilation is excluded. Every flag is checked (and the ``--json`` path made) before
+anything compiles; a bad one is one line ``bench: --<flag>: got ...; allowed: ...``.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 
@@ -30,8 +30,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from posenc_jax.models import BertForMaskedLM, ModelConfigError, model_config
-from posenc_jax.presets import preset_config
+from posenc_jax import cli
+from posenc_jax.attention import ROUTES
+from posenc_jax.models import BertForMaskedLM, model_config
+from posenc_jax.models.config import DTYPES
+from posenc_jax.presets import SCHEMES, preset_config
 from posenc_jax.training.metrics import peak_flops, train_flops_per_step
 from posenc_jax.training.objectives import weighted_cross_entropy
 
@@ -39,6 +42,8 @@ SIZES = {"tiny": "bert_tiny", "small": "bert_small", "base": "bert_base"}
 DEFAULT_SCHEMES = ("bert", "shaw", "t5", "tupe_a", "tupe_r", "diet_rel", "diet_rel_share",
                    "diet_abs", "diet_abs_share", "alibi", "rope")
 BASELINE = "bert"
+# Presets that set a position scheme (not the modifiers: segment_per_head, pre_ln, bf16, ...).
+POSITION_SCHEMES = tuple(name for name, preset in SCHEMES.items() if "scheme" in preset)
 
 
 def compiled_steps(size: str, scheme: str, *, batch: int, length: int, dtype: str,
@@ -103,22 +108,29 @@ def peak_memory() -> int | None:
 
 
 def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
-  parser.add_argument("--length", type=int, default=128)
-  parser.add_argument("--batch", type=int, default=8)
-  parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-  parser.add_argument("--repeats", type=int, default=10)
-  parser.add_argument("--schemes", default=",".join(DEFAULT_SCHEMES))
-  parser.add_argument("--baseline", default=BASELINE, help="scheme preset to divide by")
-  parser.add_argument("--route", choices=("auto", "reference", "fused"), default="auto")
+  parser = cli.ArgumentParser(prog="bench", description=__doc__.splitlines()[0])
+  parser.add_argument("--size", type=cli.one_of(SIZES), default="tiny",
+                      help=f"BERT size: {', '.join(SIZES)}")
+  parser.add_argument("--length", type=cli.positive_int, default=128, help="tokens per example")
+  parser.add_argument("--batch", type=cli.positive_int, default=8, help="examples per step")
+  parser.add_argument("--dtype", type=cli.one_of(DTYPES), default="float32",
+                      help=f"compute dtype: {', '.join(DTYPES)}")
+  parser.add_argument("--repeats", type=cli.positive_int, default=10,
+                      help="timed runs of each step (the median is reported)")
+  parser.add_argument("--schemes", type=cli.one_of(POSITION_SCHEMES, sep=","),
+                      default=",".join(DEFAULT_SCHEMES),
+                      help=f"comma-separated scheme presets: {', '.join(POSITION_SCHEMES)}")
+  parser.add_argument("--baseline", type=cli.one_of(POSITION_SCHEMES), default=BASELINE,
+                      help="scheme preset to divide by")
+  parser.add_argument("--route", type=cli.one_of(ROUTES), default="auto",
+                      help=f"attention route: {', '.join(ROUTES)}")
   parser.add_argument("--json", default=None, help="also write the rows to this file")
   args = parser.parse_args(argv)
-  for scheme in [args.baseline, *args.schemes.split(",")]:
-    try:
-      preset_config(f"{SIZES[args.size]},{scheme}")
-    except ModelConfigError as e:  # one line before anything compiles
-      parser.error(f"--schemes/--baseline: {e}")
+  if args.json is not None:
+    try:  # before anything compiles, so no timing is lost to a bad path
+      cli.check_output_file("--json", args.json)
+    except cli.OutputPathError as e:
+      parser.error(str(e))
   dims = dict(batch=args.batch, length=args.length, dtype=args.dtype, route=args.route)
   tokens = args.batch * args.length
   peak = peak_flops()
@@ -131,7 +143,7 @@ def main(argv=None):
   print(f"{'scheme':<16}{'train ms':>10}{ratio:>8}{'infer ms':>10}{ratio:>8}"
         f"{'tokens/s':>11}{'peak MB':>9}{'MFU':>7}")
   rows = []
-  for scheme in args.schemes.split(","):
+  for scheme in args.schemes:
     train, infer, cfg, num_params = compiled_steps(args.size, scheme, **dims)
     train_s, train_base = timed_against(train, base_train, args.repeats)
     infer_s, infer_base = timed_against(infer, base_infer, args.repeats)

@@ -65,5 +65,7 @@ def test_bench_unknown_scheme_is_one_line():
   out = subprocess.run([sys.executable, "-m", "posenc_jax.bench", "--baseline", "nope"],
                        capture_output=True, text=True)
   assert out.returncode == 2 and "Traceback" not in out.stderr
-  assert out.stderr.strip().splitlines()[-1].startswith(
-      "bench.py: error: --schemes/--baseline: config preset: 'nope' is unknown; allowed: bert")
+  assert out.stderr.strip().splitlines() == [
+      "bench: --baseline: got 'nope'; did you mean 'rope'?; allowed: bert, none, sinusoidal, "
+      "sinusoidal_learnable, shaw, sinusoidal_rpe, t5, tupe_a, tupe_a_tie_cls, tupe_r, bert_ad, "
+      "diet_rel, diet_rel_share, diet_abs, diet_abs_share, linformer, diet_abs_lin, alibi, rope"]
