@@ -90,12 +90,25 @@ def format_diet6(rows: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str]) -> None:
+  """Prints the counts of ``--config`` or the table of ``--table``; a bad flag (or preset) is one
+  line ``params: ...`` and exit status 1, before any model is built."""
   from absl import flags  # noqa: PLC0415
   from ml_collections import config_flags  # noqa: PLC0415
 
-  config_flag = config_flags.DEFINE_config_file("config", None, "configs/<file>.py:<presets>")
-  table = flags.DEFINE_enum("table", None, ["diet6"], "print a paper's table beside ours")
-  flags.FLAGS(argv)
+  from posenc_jax import cli  # noqa: PLC0415
+  from posenc_jax.models import ModelConfigError  # noqa: PLC0415
+
+  fv = flags.FlagValues()  # fresh, so main can run more than once in a process
+  config_flag = config_flags.DEFINE_config_file("config", None, "configs/<file>.py:<presets>",
+                                                flag_values=fv, sys_argv=argv)
+  table = flags.DEFINE_enum("table", None, ["diet6"], "print a paper's table beside ours",
+                            flag_values=fv)
+  rest = cli.flags_parser("params", fv=fv)(argv)
+  if rest[1:]:
+    raise SystemExit(f"params: unexpected argument {rest[1]!r} (flags only: --config, --table)")
+  if table.value is not None and config_flag.value is not None:
+    raise SystemExit(f"params: table: got {table.value!r} and a config; give one: "
+                     "--config=configs/<file>.py:<presets> or --table diet6")
   if table.value == "diet6":
     rows = diet6_rows()
     print(format_diet6(rows))
@@ -103,7 +116,11 @@ def main(argv: list[str]) -> None:
     return
   if config_flag.value is None:
     raise SystemExit("params: give --config=configs/<file>.py:<presets> or --table diet6")
-  print(json.dumps(model_counts(config_flag.value), indent=2))
+  try:
+    counts = model_counts(config_flag.value)
+  except ModelConfigError as e:
+    raise SystemExit(f"params: {e}") from None
+  print(json.dumps(counts, indent=2))
 
 
 if __name__ == "__main__":
