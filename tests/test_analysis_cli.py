@@ -22,7 +22,10 @@ from posenc_jax.training.optim import make_optimizer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RUN_CONFIG = "configs/pretrain.py:bert_tiny,diet_abs_share"
-FAST = ["--num_words=6", "--length=32", "--batch_size=6", "--rank_batch=2"]
+# Small settings; each command takes only the flags it reads.
+FAST_PROBE = ["--num_words=6", "--length=32", "--batch_size=6"]
+FAST_RANK = ["--length=32", "--rank_batch=2"]
+FAST = FAST_PROBE + ["--rank_batch=2"]  # plots reads both
 
 
 @pytest.fixture(autouse=True)
@@ -89,7 +92,7 @@ def test_plots_of_a_checkpoint(workdir, tmp_path, capsys):
 def test_indicators_table_and_json(tmp_path, capsys):
   out = tmp_path / "indicators.json"
   assert main(["analysis", "indicators", "--config=configs/model.py:bert_tiny,bert",
-               f"--out={out}"] + FAST) == 0
+               f"--out={out}"] + FAST_PROBE) == 0
   lines = capsys.readouterr().out.strip().splitlines()
   result = json.loads(out.read_text())
   assert result["paper_row"] == "BERT-style APE"
@@ -106,7 +109,7 @@ def test_indicators_table_and_json(tmp_path, capsys):
 
 def test_probe_writes_maps_and_per_head_json(tmp_path, capsys):
   _, result = run(["probe", "--config=configs/model.py:bert_tiny,alibi", "--per_head",
-                   f"--out_dir={tmp_path}"] + FAST, capsys)
+                   f"--out_dir={tmp_path}"] + FAST_PROBE, capsys)
   attention = np.asarray(result["probing"]["attention"])
   assert attention.shape == (32, 32)
   np.testing.assert_allclose(attention.sum(-1), 1.0, rtol=1e-4)
@@ -122,7 +125,7 @@ def test_rank_command_line_on_the_checkpoint(workdir, tmp_path):
   out = tmp_path / "rank.json"
   proc = subprocess.run([sys.executable, "-m", "posenc_jax.analysis", "rank",
                          f"--config={RUN_CONFIG}", f"--workdir={path}", f"--out={out}",
-                         f"--out_dir={tmp_path}"] + FAST, cwd=ROOT, capture_output=True,
+                         f"--out_dir={tmp_path}"] + FAST_RANK, cwd=ROOT, capture_output=True,
                         text=True, timeout=120)
   assert proc.returncode == 0, proc.stderr[-2000:]
   report = json.loads(out.read_text())["rank"]
@@ -146,7 +149,7 @@ def test_params_table(monkeypatch, capsys):
 
 def test_errors_are_one_line(workdir, tmp_path):
   path, _ = workdir
-  with pytest.raises(SystemExit, match="give one command"):
+  with pytest.raises(SystemExit, match="command: got none; allowed: one of probe"):
     main(["analysis", "--config=configs/model.py:bert_tiny,bert"])
   with pytest.raises(SystemExit, match="checkpoints"):
     main(["analysis", "rank", f"--config={RUN_CONFIG}", f"--workdir={tmp_path}"])

@@ -29,6 +29,12 @@ JSON goes to ``--out`` if given, else to stdout (after the table for
       --workdir=/tmp/posenc_demo --out_dir=/tmp/posenc_demo/analysis
   python -m posenc_jax.analysis rank --hf_package --out=/tmp/minilm_rank.json
   python -m posenc_jax.analysis params
+
+Every flag is checked before any model is built: against the command (a flag the command
+does not read is an error), the other flags (one model source; ``--workdir`` needs
+``--config``, ``--step`` a workdir), the model's dimensions (``--layer``, ``--length``,
+``--k``, ``--db_offset``, read from the config or ``config.json``) and the output paths. A
+mistake is one line ``analysis[ <command>]: <flag>: ...`` and exit status 1.
 """
 
 from __future__ import annotations
@@ -40,7 +46,19 @@ from typing import Any
 
 import numpy as np
 
+from posenc_jax import cli
+
 COMMANDS = ("probe", "indicators", "rank", "plots", "params")
+# The flags each command reads; giving it any other is an error.
+_MODEL = ("config", "workdir", "step", "hf_dir", "hf_package", "seed", "label", "layer", "length")
+_PROBING = ("num_words", "batch_size", "special")
+COMMAND_FLAGS = {
+    "probe": (*_MODEL, *_PROBING, "per_head", "out", "out_dir"),
+    "indicators": (*_MODEL, *_PROBING, "k", "db_offset", "paper", "out"),
+    "rank": (*_MODEL, "rtol", "rank_batch", "out", "out_dir"),
+    "plots": (*_MODEL, *_PROBING, "rtol", "rank_batch", "per_head", "out", "out_dir"),
+    "params": ("config", "label", "out"),
+}
 
 
 def _define_flags(argv: list[str]):
@@ -52,22 +70,29 @@ def _define_flags(argv: list[str]):
   config_flags.DEFINE_config_file("config", None, "configs/<file>.py:<presets> (model or run)",
                                   flag_values=fv, sys_argv=argv)
   flags.DEFINE_string("workdir", None, "train.py workdir: analyse its checkpoint", flag_values=fv)
-  flags.DEFINE_integer("step", None, "checkpoint step (default: the newest)", flag_values=fv)
+  flags.DEFINE_integer("step", None, "checkpoint step (default: the newest)", lower_bound=0,
+                       flag_values=fv)
   flags.DEFINE_string("hf_dir", None, "Hugging Face BERT folder", flag_values=fv)
   flags.DEFINE_bool("hf_package", False, "the installed MiniLM checkpoint", flag_values=fv)
-  flags.DEFINE_integer("seed", 0, "fresh-initialisation and sampling seed", flag_values=fv)
+  flags.DEFINE_integer("seed", 0, "fresh-initialisation and sampling seed", lower_bound=0,
+                       flag_values=fv)
   flags.DEFINE_integer("layer", 0, "layer analysed (the papers: 0)", flag_values=fv)
   flags.DEFINE_integer("length", None, "sequence length (default min(128, max_len))",
                        flag_values=fv)
-  flags.DEFINE_integer("num_words", 300, "probing words averaged over", flag_values=fv)
-  flags.DEFINE_integer("batch_size", 50, "probing sequences per forward pass", flag_values=fv)
+  flags.DEFINE_integer("num_words", 300, "probing words averaged over", lower_bound=1,
+                       flag_values=fv)
+  flags.DEFINE_integer("batch_size", 50, "probing sequences per forward pass", lower_bound=1,
+                       flag_values=fv)
   flags.DEFINE_enum("special", "cls_sep", ["cls_sep", "cls", "none"],
                     "special tokens around the probing word", flag_values=fv)
   flags.DEFINE_integer("k", 20, "monotonicity over the first k offsets", flag_values=fv)
   flags.DEFINE_integer("db_offset", 20, "direction balance within this offset", flag_values=fv)
   flags.DEFINE_float("rtol", None, "rank tolerance: singular values > rtol * s_max "
                      "(default posenc_jax.analysis.DEFAULT_RTOL)", flag_values=fv)
-  flags.DEFINE_integer("rank_batch", 8, "examples in the rank batch", flag_values=fv)
+  flags.register_validator("rtol", lambda rtol: rtol is None or 0 < rtol < 1,
+                           "allowed: a number in (0, 1)", flag_values=fv)
+  flags.DEFINE_integer("rank_batch", 8, "examples in the rank batch", lower_bound=1,
+                       flag_values=fv)
   flags.DEFINE_bool("per_head", False, "probe: also per-head maps and positional terms in the "
                     "JSON; probe, plots: per-head probing maps", flag_values=fv)
   flags.DEFINE_bool("paper", True, "indicators: append Wang et al.'s full Table 2",
@@ -83,13 +108,89 @@ def _rounded(x: Any, digits: int = 6) -> Any:
   return np.vectorize(lambda v: float(f"{v:.{digits}g}"), otypes=[float])(np.asarray(x)).tolist()
 
 
+def _hf_dir(fv) -> str | None:
+  """The Hugging Face folder of ``--hf_dir`` or ``--hf_package``, else None."""
+  from posenc_jax.convert import package_model_dir  # noqa: PLC0415
+  return str(package_model_dir()) if fv.hf_package else fv.hf_dir
+
+
+def _command(args: list[str]) -> str:
+  """The one command among the positional arguments, else ``SystemExit`` with one line."""
+  if len(args) == 1 and args[0] in COMMANDS:
+    return args[0]
+  given = " ".join(args)
+  raise SystemExit(f"analysis: command: got {repr(given) if args else 'none'}"
+                   f"{cli.nearest(given, COMMANDS)} allowed: one of {', '.join(COMMANDS)} "
+                   "(python -m posenc_jax.analysis --help)")
+
+
+def _model_config(fv):
+  """The :class:`ModelConfig` of the model source flags, read from the config or the Hugging
+  Face ``config.json`` (nothing is built or loaded)."""
+  from posenc_jax.analysis import AnalysisError  # noqa: PLC0415
+  from posenc_jax.convert import ConversionError, config_from_hf, read_hf_config  # noqa: PLC0415
+  from posenc_jax.models import model_config  # noqa: PLC0415
+
+  if fv.hf_package or fv.hf_dir is not None:
+    source = "hf_package" if fv.hf_package else "hf_dir"
+    try:
+      return config_from_hf(read_hf_config(_hf_dir(fv)))
+    except ConversionError as e:
+      raise AnalysisError(f"{source}: {e}") from None
+  if fv.config is None:
+    raise AnalysisError("config: required (configs/<file>.py:<presets>), or give hf_dir or "
+                        "hf_package")
+  return model_config(fv.config.model)
+
+
+def _check_flags(fv, command: str) -> None:
+  """Rejects, with one :class:`AnalysisError` line, a flag ``command`` does not read, flags
+  that conflict, values outside the model's dimensions, and output paths that cannot be
+  written (checked last: a valid folder is created)."""
+  from posenc_jax.analysis import AnalysisError  # noqa: PLC0415
+  from posenc_jax.analysis.probing import _check_model, default_length  # noqa: PLC0415
+  from posenc_jax.models import BertEncoder  # noqa: PLC0415
+
+  for name in fv:
+    flag = name.partition(".")[0]  # config.model.x overrides belong to config
+    if fv[name].present and flag not in COMMAND_FLAGS[command]:
+      users = [c for c, names in COMMAND_FLAGS.items() if flag in names]
+      raise AnalysisError(f"{flag}: got {fv[flag].value!r}, which the {command} command does "
+                          f"not read; read by: {', '.join(users)}")
+  if command != "params":
+    if fv.hf_package and fv.hf_dir is not None:
+      raise AnalysisError(f"hf_package: given with hf_dir={fv.hf_dir!r}; give one of them")
+    hf = "hf_package" if fv.hf_package else "hf_dir" if fv.hf_dir is not None else None
+    if hf and (fv.config is not None or fv.workdir is not None):
+      raise AnalysisError(f"{hf}: got {fv[hf].value!r} with a config or workdir; give one "
+                          "model source")
+    if fv.workdir is not None and fv.config is None:
+      raise AnalysisError(f"workdir: got {fv.workdir!r} without config; give the run's "
+                          "--config (the workdir does not store it)")
+    if fv.step is not None and fv.workdir is None:
+      raise AnalysisError(f"step: got {fv.step} without workdir; it picks a checkpoint of "
+                          "--workdir")
+    encoder = BertEncoder(_model_config(fv))  # a module description: no parameters yet
+    _check_model(encoder, fv.layer)
+    length = default_length(encoder, fv.length)
+    if command == "indicators" and not 1 <= fv.k <= length:
+      raise AnalysisError(f"k: got {fv.k}; allowed: 1..{length} (the probing length)")
+    if command == "indicators" and not 1 <= fv.db_offset < length:
+      raise AnalysisError(f"db_offset: got {fv.db_offset}; allowed: 1..{length - 1} (offsets "
+                          f"within the probing length {length})")
+  if command == "plots" and fv.out_dir is None:
+    raise AnalysisError("out_dir: required by the plots command")
+  for name, check in (("out", cli.check_output_file), ("out_dir", cli.check_output_dir)):
+    if fv[name].value == "":
+      raise AnalysisError(f"{name}: got ''; allowed: a path")
+    if fv[name].value is not None:
+      check(name, fv[name].value)
+
+
 def _load(fv):
   from posenc_jax import analysis  # noqa: PLC0415
-  from posenc_jax.convert import package_model_dir  # noqa: PLC0415
 
-  hf_dir = fv.hf_dir
-  if fv.hf_package:
-    hf_dir = str(package_model_dir())
+  hf_dir = _hf_dir(fv)
   name = None
   if fv.config is not None:
     from ml_collections import config_flags  # noqa: PLC0415
@@ -197,8 +298,6 @@ def _rank_histogram(report: dict[str, Any], path: str, label: str) -> None:
 def cmd_plots(fv) -> tuple[dict[str, Any], str | None]:
   from posenc_jax import analysis  # noqa: PLC0415
   from posenc_jax.analysis import plots  # noqa: PLC0415
-  if not fv.out_dir:
-    raise analysis.AnalysisError("out_dir: required by the plots command")
   model = _load(fv)
   label = _label(fv, model)
   enc, variables = model.encoder, model.variables
@@ -232,11 +331,11 @@ def cmd_plots(fv) -> tuple[dict[str, Any], str | None]:
 
 def cmd_params(fv) -> tuple[dict[str, Any], str | None]:
   from posenc_jax.params import diet6_rows, format_diet6, model_counts  # noqa: PLC0415
+  counts = None if fv.config is None else model_counts(fv.config)  # a bad model stops first
   rows = diet6_rows()
   result: dict[str, Any] = {"diet_table6": rows}
   table = format_diet6(rows)
-  if fv.config is not None:
-    counts = model_counts(fv.config)
+  if counts is not None:
     result["model"] = counts
     name = fv.label or "given model"
     table += f"\n{name}: {counts['total']:,} parameters ({counts['total'] / 1e6:.1f}M)"
@@ -245,36 +344,25 @@ def cmd_params(fv) -> tuple[dict[str, Any], str | None]:
 
 def main(argv: list[str]) -> int:
   """Runs one command; returns the exit status (errors raise ``SystemExit`` with one line)."""
-  from absl import flags  # noqa: PLC0415
-
   if any(a in ("-h", "--help", "help") for a in argv[1:]):
     print(__doc__)
     return 0
   fv = _define_flags(argv)
-  try:
-    rest = fv(argv)
-  except flags.Error as e:
-    raise SystemExit(f"analysis: {e}") from None
-  commands = rest[1:]
-  if len(commands) != 1 or commands[0] not in COMMANDS:
-    raise SystemExit(f"analysis: give one command: {', '.join(COMMANDS)} (got {commands})\n"
-                     "usage: python -m posenc_jax.analysis <command> --config=... "
-                     "[--workdir=...] | --hf_dir=... (see the module docstring)")
+  command = _command(cli.flags_parser("analysis", fv=fv)(argv)[1:])
   from posenc_jax.analysis import AnalysisError  # noqa: PLC0415
   from posenc_jax.convert import ConversionError  # noqa: PLC0415
   from posenc_jax.models import ModelConfigError  # noqa: PLC0415
 
-  command = globals()[f"cmd_{commands[0]}"]
   try:
-    result, table = command(fv)
-  except (AnalysisError, ConversionError, ModelConfigError) as e:
-    raise SystemExit(f"analysis {commands[0]}: {e}") from None
-  result = {"command": commands[0], **result}
+    _check_flags(fv, command)
+    result, table = globals()[f"cmd_{command}"](fv)
+  except (AnalysisError, ConversionError, ModelConfigError, cli.OutputPathError) as e:
+    raise SystemExit(f"analysis {command}: {e}") from None
+  result = {"command": command, **result}
   if table is not None:
     print(table)
   text = json.dumps(result, default=_json_default)
-  if fv.out:
-    os.makedirs(os.path.dirname(os.path.abspath(fv.out)), exist_ok=True)
+  if fv.out is not None:
     with open(fv.out, "w") as f:
       f.write(text + "\n")
   else:
