@@ -1,0 +1,201 @@
+"""Every bad flag of the command-line tools (``python -m posenc_jax.bench``, ``.params``,
+``.analysis``) is one line naming the flag, what was given and what is allowed, and stops the
+tool before it prints, compiles or writes anything.
+
+Each case runs the tool as a subprocess (about 2 s: imports, then the error); the cases run two
+at a time, so the table costs about a minute on two cores.
+"""
+
+import concurrent.futures
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+MODEL = "--config=configs/model.py:bert_tiny,alibi"
+
+# (tool, arguments, start of the error line, texts in it). In arguments and texts, {dir} is an
+# empty directory, {file} a file and {ro} a directory the tool cannot write into.
+CASES = [
+    # bench: argparse flags.
+    ("bench", ["--length", "-5"], "bench: --length:", ["got -5", "a positive integer"]),
+    ("bench", ["--length", "0"], "bench: --length:", ["got 0", "a positive integer"]),
+    ("bench", ["--length", "x"], "bench: --length:", ["got 'x'", "a positive integer"]),
+    ("bench", ["--length"], "bench: --length:", ["expected one argument"]),
+    ("bench", ["--batch", "0"], "bench: --batch:", ["got 0", "a positive integer"]),
+    ("bench", ["--repeats", "0"], "bench: --repeats:", ["got 0", "a positive integer"]),
+    ("bench", ["--schemes", ""], "bench: --schemes:", ["got ''", "allowed: bert, none"]),
+    ("bench", ["--schemes", "bert,,t5"], "bench: --schemes:", ["got '' in 'bert,,t5'"]),
+    ("bench", ["--schemes", "t5,diet_abz"], "bench: --schemes:",
+     ["got 'diet_abz' in 't5,diet_abz'", "did you mean 'diet_abs'?", "allowed: bert"]),
+    ("bench", ["--schemes", "bf16"], "bench: --schemes:", ["got 'bf16'", "allowed: bert"]),
+    ("bench", ["--baseline", "nope"], "bench: --baseline:", ["got 'nope'", "allowed: bert"]),
+    ("bench", ["--size", "tinyy"], "bench: --size:",
+     ["got 'tinyy'", "did you mean 'tiny'?", "allowed: tiny, small, base"]),
+    ("bench", ["--dtype", "float16"], "bench: --dtype:", ["got 'float16'", "float32, bfloat16"]),
+    ("bench", ["--route", "fuse"], "bench: --route:", ["got 'fuse'", "did you mean 'fused'?"]),
+    ("bench", ["--lenght", "5"], "bench: --lenght: unknown flag", ["did you mean '--length'?"]),
+    ("bench", ["tiny"], "bench: unexpected argument", ["'tiny'"]),
+    ("bench", ["--json", "{dir}"], "bench: --json:", ["{dir}", "is a directory, not a file"]),
+    ("bench", ["--json", "{file}/out.json"], "bench: --json:", ["{file}", "is a file"]),
+    ("bench", ["--json", "{ro}/out.json"], "bench: --json:", ["{ro}", "is not writable"]),
+    # params: absl flags and the config's presets and fields.
+    ("params", ["--config=configs/model.py:bert_tiny,diet_abz"], "params: config preset:",
+     ["'diet_abz' is unknown", "did you mean 'diet_abs'?"]),
+    ("params", ["--config=configs/model.py:bert_tinyy"], "params: config preset:",
+     ["'bert_tinyy' is not a model size", "did you mean 'bert_tiny'?"]),
+    ("params", ["--config=configs/pretrain.py:bert_tiny,diet_protocl"], "params: config preset:",
+     ["'diet_protocl' is unknown"]),
+    ("params", ["--config=configs/nope.py"], "params: config:",
+     ["'configs/nope.py' does not load"]),
+    ("params", [MODEL, "--config.model.num_layer=3"], "params: config.model.num_layer:",
+     ["unknown field", "did you mean 'num_layers'?"]),
+    ("params", [MODEL, "--config.model.num_layers=x"], "params: --config.model.num_layers=x:",
+     ["invalid literal for int()"]),
+    ("params", [MODEL, "--config.model.num_layers=0"], "params: model.num_layers:",
+     ["got 0", "a positive integer"]),
+    ("params", [MODEL, "--config.head=mlmm"], "params: head:", ["got 'mlmm'", "allowed: mlm"]),
+    ("params", ["--table=diet7"], "params: --table=diet7:", ["diet6"]),
+    ("params", ["--table=diet6", MODEL], "params: table:", ["got 'diet6' and a config"]),
+    ("params", ["--tabel=diet6"], "params: Unknown command line flag 'tabel'",
+     ["Did you mean: table"]),
+    ("params", [MODEL, "bert_tiny"], "params: unexpected argument", ["'bert_tiny'"]),
+    # analysis: the command, absl bounds, the model source, the model's dimensions, outputs.
+    ("analysis", ["rnak", MODEL], "analysis: command:", ["got 'rnak'", "did you mean 'rank'?"]),
+    ("analysis", [MODEL], "analysis: command:", ["got none", "allowed: one of probe"]),
+    ("analysis", ["rank", MODEL, "--rank_batch=0"], "analysis: --rank_batch=0:",
+     ["not a positive integer"]),
+    ("analysis", ["probe", MODEL, "--num_words=0"], "analysis: --num_words=0:",
+     ["not a positive integer"]),
+    ("analysis", ["probe", MODEL, "--batch_size=-2"], "analysis: --batch_size=-2:",
+     ["not a positive integer"]),
+    ("analysis", ["rank", MODEL, "--seed=-1"], "analysis: --seed=-1:",
+     ["not a non-negative integer"]),
+    ("analysis", ["rank", MODEL, "--rtol=0"], "analysis: --rtol=0.0:", ["a number in (0, 1)"]),
+    ("analysis", ["rank", MODEL, "--rtol=1.5"], "analysis: --rtol=1.5:", ["a number in (0, 1)"]),
+    ("analysis", ["probe", MODEL, "--special=cls_sepp"], "analysis: --special=cls_sepp:",
+     ["cls_sep|cls|none"]),
+    ("analysis", ["rank", MODEL, "--lenght=5"], "analysis: Unknown command line flag 'lenght'",
+     ["Did you mean: length"]),
+    ("analysis", ["rank", "--config=configs/model.py:bert_tiny,diet_abz"],
+     "analysis: config preset:", ["'diet_abz' is unknown", "did you mean 'diet_abs'?"]),
+    ("analysis", ["rank", "--config=configs/pretrain.py:bert_tiny,diet_protocl",
+                  "--workdir={dir}"], "analysis: config preset:", ["'diet_protocl' is unknown"]),
+    ("analysis", ["rank", MODEL, "--config.model.num_layer=3"],
+     "analysis: config.model.num_layer:", ["did you mean 'num_layers'?"]),
+    ("analysis", ["rank", MODEL, "--config.model.max_len=0"], "analysis rank: model.max_len:",
+     ["got 0"]),
+    ("analysis", ["params", MODEL, "--config.model.num_heads=3"],
+     "analysis params: model.num_heads:", ["got 3", "a divisor of d_model=128"]),
+    ("analysis", ["params", MODEL, "--length=32"], "analysis params: length:",
+     ["got 32", "read by: probe, indicators, rank, plots"]),
+    ("analysis", ["rank", MODEL, "--num_words=5"], "analysis rank: num_words:",
+     ["got 5", "read by: probe, indicators, plots"]),
+    ("analysis", ["indicators", MODEL, "--out_dir={dir}/pics"], "analysis indicators: out_dir:",
+     ["{dir}/pics", "read by: probe, rank, plots"]),
+    ("analysis", ["rank", "--workdir={dir}"], "analysis rank: workdir:",
+     ["got '{dir}' without config"]),
+    ("analysis", ["rank", "--hf_dir={dir}", "--hf_package"], "analysis rank: hf_package:",
+     ["hf_dir='{dir}'"]),
+    ("analysis", ["rank", MODEL, "--hf_package"], "analysis rank: hf_package:",
+     ["got True with a config"]),
+    ("analysis", ["rank", MODEL, "--step=3"], "analysis rank: step:", ["got 3 without workdir"]),
+    ("analysis", ["rank", "--hf_dir={dir}"], "analysis rank: hf_dir:", ["{dir}: no config.json"]),
+    ("analysis", ["rank"], "analysis rank: config: required", ["hf_dir"]),
+    ("analysis", ["rank", MODEL, "--layer=2"], "analysis rank: layer:", ["got 2", "0..1"]),
+    ("analysis", ["probe", MODEL, "--layer=-1"], "analysis probe: layer:", ["got -1", "0..1"]),
+    ("analysis", ["rank", MODEL, "--length=129"], "analysis rank: length:",
+     ["got 129", "2..128 (the model's max_len)"]),
+    ("analysis", ["indicators", MODEL, "--length=32", "--k=33"], "analysis indicators: k:",
+     ["got 33", "1..32"]),
+    ("analysis", ["indicators", MODEL, "--length=32", "--db_offset=32"],
+     "analysis indicators: db_offset:", ["got 32", "1..31"]),
+    ("analysis", ["rank", "--config=configs/model.py:bert_tiny,linformer"],
+     "analysis rank: model.attention:", ["'linformer'", "attention='full'"]),
+    ("analysis", ["plots", MODEL], "analysis plots: out_dir:", ["required"]),
+    ("analysis", ["rank", MODEL, "--out={dir}"], "analysis rank: out:",
+     ["{dir}", "is a directory, not a file"]),
+    ("analysis", ["rank", MODEL, "--out={file}/rank.json"], "analysis rank: out:",
+     ["{file}", "is a file"]),
+    ("analysis", ["rank", MODEL, "--out="], "analysis rank: out:", ["got ''"]),
+    ("analysis", ["plots", MODEL, "--out_dir={file}"], "analysis plots: out_dir:",
+     ["{file}", "is a file"]),
+    ("analysis", ["probe", MODEL, "--out_dir={ro}"], "analysis probe: out_dir:",
+     ["{ro}", "is not writable"]),
+]
+
+
+@pytest.fixture(scope="module")
+def results(request, tmp_path_factory):
+  """Runs every selected case, two at a time: ``{case index: (places, process, listing before,
+  listing after)}`` where the listings are of the case's own directories."""
+  selected = [item.callspec.params["index"] for item in request.session.items
+              if item.module is request.module and hasattr(item, "callspec")
+              and "index" in item.callspec.params]
+
+  def run(index):
+    tool, argv, _, _ = CASES[index]
+    places = _places(tmp_path_factory.mktemp(f"case{index}"))
+    before = _listing(places)
+    proc = subprocess.run([sys.executable, "-m", f"posenc_jax.{tool}",
+                           *(a.format(**places) for a in argv)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    return index, (places, proc, before, _listing(places))
+
+  with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    return dict(pool.map(run, selected))
+
+
+def _places(tmp: pathlib.Path) -> dict[str, str]:
+  (tmp / "dir").mkdir()
+  (tmp / "file").write_text("not a directory\n")
+  if os.geteuid() == 0:  # root writes through permission bits, not into /proc/self
+    ro = pathlib.Path("/proc/self")
+  else:
+    ro = tmp / "ro"
+    ro.mkdir(mode=0o555)
+  return {"dir": str(tmp / "dir"), "file": str(tmp / "file"), "ro": str(ro), "tmp": str(tmp)}
+
+
+def _listing(places: dict[str, str]) -> list[str]:
+  return sorted(str(p) for p in pathlib.Path(places["tmp"]).rglob("*"))
+
+
+@pytest.mark.parametrize("index", range(len(CASES)),
+                         ids=[" ".join([tool, *(a for a in argv if a != MODEL)])
+                              for tool, argv, _, _ in CASES])
+def test_bad_flag_is_one_line_before_any_work(index, results):
+  _, _, prefix, texts = CASES[index]
+  places, proc, before, after = results[index]
+  line = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else ""
+  assert proc.returncode != 0, proc.stdout[-2000:]
+  assert "Traceback" not in proc.stdout + proc.stderr, proc.stderr[-3000:]
+  assert line.startswith(prefix), line
+  for text in texts:
+    assert text.format(**places) in line, line
+  assert proc.stdout == ""  # nothing ran: bench prints its header before compiling
+  assert after == before  # no output file or folder written
+
+
+# Positive controls: valid flags still work (bench and analysis runs: test_readme.py and
+# test_analysis_cli.py).
+
+
+def test_params_counts_bert_tiny():
+  proc = subprocess.run([sys.executable, "-m", "posenc_jax.params", MODEL,
+                         "--config.model.num_layers=3"], cwd=ROOT, capture_output=True,
+                        text=True, timeout=120)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  counts = json.loads(proc.stdout)
+  assert counts["total"] == sum(counts["modules"].values()) and "bert/layers_*" in counts["modules"]
+
+
+def test_bench_help_lists_the_schemes():
+  proc = subprocess.run([sys.executable, "-m", "posenc_jax.bench", "--help"], cwd=ROOT,
+                        capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0 and "diet_abs_share" in proc.stdout and "--repeats" in proc.stdout
+
