@@ -206,7 +206,7 @@ def test_every_parameter_has_logical_axes():
 @pytest.mark.parametrize("overrides,field", [
     (dict(segment={"name": "segment_input"}), "model.segment"),
     (dict(num_decoder_layers=0), "model.num_decoder_layers"),
-    (dict(attention="linformer"), "model.attention"),
+    (dict(attention="linformer", linformer_k=4), "model.attention"),
 ])
 def test_invalid_translation_configs(overrides, field):
   with pytest.raises(ModelConfigError, match=field):

@@ -26,9 +26,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from posenc_jax.models.config import ModelConfig, ModelConfigError
-from posenc_jax.models.layers import (ACTIVATION_FNS, EncoderLayer, as_mask, dense, layer_norm,
-                                      scheme_dims, token_embedding)
+from posenc_jax.models.config import ModelConfig, ModelConfigError, scheme_dims
+from posenc_jax.models.layers import (ACTIVATION_FNS, EncoderLayer, as_mask, check_like,
+                                      check_token_ids, dense, layer_norm, token_embedding)
 from posenc_jax.models.linformer import shared_projection
 from posenc_jax.schemes import build_scheme
 from posenc_jax.terms import SchemeTerms
@@ -87,9 +87,14 @@ class BertEncoder(nn.Module):
     Returns:
       ``hidden`` ``[B, L, d]`` and the pooled [CLS] vector ``[B, d]`` (None
       without a pooler).
+
+    Raises:
+      ValueError: one line naming an input of the wrong shape or dtype.
     """
     cfg = self.config
-    batch, length = input_ids.shape
+    batch, length = check_token_ids("BertEncoder", "input_ids", input_ids)
+    check_like("BertEncoder", "segment_ids", segment_ids, (batch, length))
+    check_like("BertEncoder", "mask", mask, (batch, length))
     segment_ids = jnp.zeros_like(input_ids) if segment_ids is None else segment_ids
     mask = as_mask(mask, (batch, length))
     terms = self.terms(length, segment_ids)
@@ -142,13 +147,10 @@ class BertForMaskedLM(nn.Module):
     """Logits ``[B, L, V]``, or ``[B, P, V]`` at ``masked_positions`` ``[B, P]``."""
     hidden, _ = self.bert(input_ids, segment_ids, mask, deterministic=deterministic)
     if masked_positions is not None:
+      check_token_ids("BertForMaskedLM", "masked_positions", masked_positions,
+                      hidden.shape[0])
       hidden = jnp.take_along_axis(hidden, masked_positions[..., None], axis=1)
     return self.mlm(hidden, self.bert)
-
-
-def _require_pooler(config: ModelConfig, head: str) -> None:
-  if not config.pooler:
-    raise ModelConfigError(f"model.pooler: {head} classifies the pooled [CLS]; set pooler=True")
 
 
 class BertForSequenceClassification(nn.Module):
@@ -157,13 +159,25 @@ class BertForSequenceClassification(nn.Module):
   Attributes:
     config: the encoder's config.
     num_labels: classes, or 1 for regression (STS-B).
+
+  Raises ModelConfigError when created without a pooler or with a ``num_labels`` that is
+  not a positive integer.
   """
 
   config: ModelConfig
   num_labels: int = 2
 
+  def __post_init__(self):
+    if not self.config.pooler:
+      raise ModelConfigError("model.pooler: BertForSequenceClassification classifies the "
+                             "pooled [CLS]; set pooler=True")
+    labels = self.num_labels
+    if not isinstance(labels, int) or isinstance(labels, bool) or labels < 1:
+      raise ModelConfigError(f"num_labels: got {labels!r}; allowed: a positive integer "
+                             "(1: regression)")
+    super().__post_init__()
+
   def setup(self):
-    _require_pooler(self.config, "BertForSequenceClassification")
     self.bert = BertEncoder(self.config)
     self.dropout = nn.Dropout(self.config.dropout_rate)
     self.classifier = dense(self.num_labels, ("embed", "labels"), self.config)

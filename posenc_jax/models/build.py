@@ -8,33 +8,44 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from posenc_jax.cli import nearest
 from posenc_jax.models.bert import (BertEncoder, BertForMaskedLM, BertForQuestionAnswering,
                                     BertForSequenceClassification)
 from posenc_jax.models.config import ModelConfig, ModelConfigError, model_config
 
 HEADS = ("mlm", "encoder", "classification", "span", "translation")
+BERT_MODELS = {"mlm": BertForMaskedLM, "encoder": BertEncoder, "span": BertForQuestionAnswering}
 
 
 def build_model(model: Any, head: str = "mlm", *, num_labels: int = 2) -> nn.Module:
   """The model for ``head`` (``mlm``, ``encoder``, ``classification``, ``span``,
-  ``translation``) from a model config (ConfigDict, dict or :class:`ModelConfig`)."""
+  ``translation``) from a model config (ConfigDict, dict or :class:`ModelConfig`).
+
+  ``num_labels`` is the classification head's. Raises one :class:`ModelConfigError` line for
+  an unknown head (with the nearest name), an invalid config, or a config the head cannot
+  run (decoder layers under a BERT head; see also
+  :func:`~posenc_jax.models.transformer.check_translation_config`).
+  """
   cfg = model if isinstance(model, ModelConfig) else model_config(model)
-  if head == "mlm":
-    return BertForMaskedLM(cfg)
-  if head == "encoder":
-    return BertEncoder(cfg)
-  if head == "classification":
-    return BertForSequenceClassification(cfg, num_labels=num_labels)
-  if head == "span":
-    return BertForQuestionAnswering(cfg)
+  if head not in HEADS:
+    raise ModelConfigError(f"head: got {head!r}{nearest(str(head), HEADS)} allowed: "
+                           f"{', '.join(HEADS)}")
   if head == "translation":
     from posenc_jax.models.transformer import EncoderDecoder  # noqa: PLC0415
     return EncoderDecoder(cfg)
-  raise ModelConfigError(f"head: got {head!r}; allowed: {', '.join(HEADS)}")
+  if cfg.num_decoder_layers:
+    raise ModelConfigError(f"model.num_decoder_layers: got {cfg.num_decoder_layers}; allowed: 0 "
+                           f"for head {head!r} (only 'translation' has a decoder)")
+  if head == "classification":
+    return BertForSequenceClassification(cfg, num_labels=num_labels)
+  return BERT_MODELS[head](cfg)
 
 
 def init_inputs(model: nn.Module, length: int = 8, batch: int = 1) -> tuple[jax.Array, ...]:
   """Placeholder int inputs ``[batch, length]`` (clipped to max_len) to initialise ``model``."""
+  for name, value in (("length", length), ("batch", batch)):
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+      raise ValueError(f"init_inputs: {name}: got {value!r}; allowed: a positive integer")
   length = min(length, model.config.max_len)
   ids = jnp.ones((batch, length), jnp.int32)
   if model.config.num_decoder_layers:

@@ -3,12 +3,17 @@
 Configs arrive as ``ml_collections.ConfigDict`` (from ``configs/``), plain
 dicts, or keyword arguments; :func:`model_config` checks every field and
 returns a frozen :class:`ModelConfig` that Flax modules can hold. Bad input
-raises one :class:`ModelConfigError` line naming the field.
+raises one :class:`ModelConfigError` line naming the field, what was given and
+what is allowed (the nearest name for a typo), before any model is built: the
+schemes are checked against the model's dimensions, the decoder's causal form
+included.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -16,7 +21,8 @@ import jax.numpy as jnp
 from flax.core import FrozenDict
 
 from posenc_jax.attention import PRECISIONS, ROUTES
-from posenc_jax.schemes import SchemeConfigError, validate_scheme_config
+from posenc_jax.cli import nearest
+from posenc_jax.schemes import SchemeConfigError, build_scheme
 from posenc_jax.schemes.linformer import DietAbsLin
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu")
@@ -27,6 +33,10 @@ LINFORMER_SHARING = ("none", "kv", "layer")
 # DIET-ABS-LIN (key side of k rows). Relative, query-dependent, RoPE and
 # [L, L] absolute terms index key positions that the projection removes.
 LINFORMER_SCHEMES = ("none", "learned_ape", "sinusoidal_ape", "diet_abs_lin", "segment_input")
+# The schemes of the ``segment`` field (token types); ``scheme`` takes the others.
+SEGMENT_SCHEMES = ("segment_input", "segment_per_head")
+# Scheme fields that turn a scheme into its decoder (causal) variant.
+CAUSAL_FIELDS = {"t5": {"bidirectional": False}, "alibi": {"causal": True}}
 
 
 class ModelConfigError(ValueError):
@@ -134,8 +144,34 @@ def _thaw(value):
   return value
 
 
+def causal_variant(scheme: Any) -> Any:
+  """The decoder form of a scheme config: T5 unidirectional, ALiBi causal, others unchanged.
+
+  Args:
+    scheme: ``{"name": ..., **hyperparameters}`` or a tuple of them.
+
+  Returns:
+    The same config(s) as plain dicts, with the causal fields set.
+  """
+  if isinstance(scheme, (tuple, list)):
+    return tuple(causal_variant(s) for s in scheme)
+  scheme = dict(scheme)
+  return scheme | CAUSAL_FIELDS.get(scheme["name"], {})
+
+
+def scheme_dims(config: ModelConfig, num_layers: int | None = None) -> dict[str, int]:
+  """The model dimensions a scheme is built with."""
+  return dict(num_layers=config.num_layers if num_layers is None else num_layers,
+              num_heads=config.num_heads, head_dim=config.dim_per_head, d_model=config.d_model,
+              max_len=config.max_len)
+
+
 def _is_int(x):
-  return isinstance(x, int) and not isinstance(x, bool)
+  return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _is_number(x):
+  return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def _check(field: str, ok: bool, value: Any, allowed: str) -> None:
@@ -143,15 +179,30 @@ def _check(field: str, ok: bool, value: Any, allowed: str) -> None:
     raise ModelConfigError(f"model.{field}: got {value!r}; allowed: {allowed}")
 
 
+def _check_name(field: str, value: Any, allowed: Sequence[str]) -> None:
+  """``model.<field>: got 'x'; did you mean 'y'?; allowed: ...`` unless ``value`` is allowed."""
+  if value not in allowed:
+    hint = nearest(value, allowed) if isinstance(value, str) else ";"
+    raise ModelConfigError(f"model.{field}: got {value!r}{hint} allowed: {', '.join(allowed)}")
+
+
 def model_config(config: Any = None, **overrides) -> ModelConfig:
-  """Validates a model config (ConfigDict, dict or keywords) into a :class:`ModelConfig`."""
+  """Validates a model config (ConfigDict, dict or keywords) into a :class:`ModelConfig`.
+
+  Raises:
+    ModelConfigError: one line ``model.<field>: got X; allowed: ...`` for the first invalid
+      field or combination of fields.
+  """
   if hasattr(config, "to_dict"):
     config = config.to_dict()
+  if config is not None and not isinstance(config, Mapping):
+    raise ModelConfigError(f"model: got {config!r}; allowed: a ModelConfig, dict or ConfigDict "
+                           "of its fields")
   values = dict(config or {}) | overrides
   for field in values:
     if field not in FIELDS:
-      raise ModelConfigError(f"model.{field}: unknown field; allowed fields: "
-                             f"{', '.join(sorted(FIELDS))}")
+      raise ModelConfigError(f"model.{field}: unknown field{nearest(field, sorted(FIELDS))} "
+                             f"allowed fields: {', '.join(sorted(FIELDS))}")
   cfg = ModelConfig(**{k: _freeze(v) for k, v in values.items()})
   for field in ("vocab_size", "d_model", "num_layers", "num_heads", "mlp_dim", "max_len",
                 "linformer_k"):
@@ -167,30 +218,54 @@ def model_config(config: Any = None, **overrides) -> ModelConfig:
            "a positive integer or None")
   for field in ("dropout_rate", "attention_dropout_rate"):
     value = getattr(cfg, field)
-    _check(field, isinstance(value, (int, float)) and 0 <= value < 1, value, "a number in [0, 1)")
-  _check("layer_norm_eps", isinstance(cfg.layer_norm_eps, float) and cfg.layer_norm_eps > 0,
-         cfg.layer_norm_eps, "a positive float")
+    _check(field, _is_number(value) and 0 <= value < 1, value, "a number in [0, 1)")
+  _check("layer_norm_eps", isinstance(cfg.layer_norm_eps, float) and _is_number(cfg.layer_norm_eps)
+         and cfg.layer_norm_eps > 0, cfg.layer_norm_eps, "a finite positive float")
   for field, allowed in (("activation", ACTIVATIONS), ("dtype", DTYPES),
                          ("attention", ATTENTIONS), ("linformer_sharing", LINFORMER_SHARING),
                          ("route", ROUTES), ("attention_precision", PRECISIONS)):
-    value = getattr(cfg, field)
-    _check(field, value in allowed, value, ", ".join(allowed))
+    _check_name(field, getattr(cfg, field), allowed)
   for field in ("pre_ln", "pooler", "share_embeddings"):
     _check(field, isinstance(getattr(cfg, field), bool), getattr(cfg, field), "true or false")
-  _check_scheme("scheme", cfg.scheme)
+  if cfg.attention == "linformer":
+    _check("linformer_k", cfg.linformer_k <= cfg.max_len, cfg.linformer_k,
+           f"at most max_len={cfg.max_len} (E projects the L <= max_len keys to k rows)")
+  _check_scheme(cfg, "scheme", cfg.scheme)
   if cfg.segment is not None:
-    _check_scheme("segment", cfg.segment)
+    _check_scheme(cfg, "segment", cfg.segment)
   _check_linformer(cfg)
   return cfg
 
 
-def _check_scheme(field: str, config: Any) -> None:
-  parts = config if isinstance(config, tuple) else (config,)
-  for part in parts:
+def _names(config: Any) -> tuple[str, ...]:
+  """The registry names of a (checked) scheme config or tuple of them."""
+  return tuple(part["name"] for part in (config if isinstance(config, tuple) else (config,)))
+
+
+def _forms(cfg: ModelConfig, field: str, config: Any):
+  """``(label, config, num_layers)`` of each form the model builds: the encoder's, then
+  (a scheme of a model with a decoder) the decoder's causal form, made once the first is
+  known to be valid."""
+  yield "", config, cfg.num_layers
+  if field == "scheme" and cfg.num_decoder_layers:
+    yield "decoder (causal form): ", causal_variant(config), cfg.num_decoder_layers
+
+
+def _check_scheme(cfg: ModelConfig, field: str, config: Any) -> None:
+  """``config`` builds at the model's dimensions, and is a segment scheme exactly when
+  ``field`` is ``segment``."""
+  for label, form, num_layers in _forms(cfg, field, config):
     try:
-      validate_scheme_config(part)
+      build_scheme(form, **scheme_dims(cfg, num_layers))
     except SchemeConfigError as e:
-      raise ModelConfigError(f"model.{field}: {e}") from None
+      raise ModelConfigError(f"model.{field}: {label}{e}") from None
+  for name in _names(config):
+    if field == "segment" and name not in SEGMENT_SCHEMES:
+      raise ModelConfigError(f"model.segment: got {name!r}; allowed: "
+                             f"{', '.join(SEGMENT_SCHEMES)} or None")
+    if field == "scheme" and name in SEGMENT_SCHEMES:
+      raise ModelConfigError(f"model.scheme: got {name!r}, a segment scheme; allowed: a "
+                             "position scheme (segment schemes go in model.segment)")
 
 
 def _check_linformer(cfg: ModelConfig) -> None:

@@ -171,11 +171,25 @@ class DecoderLayer(nn.Module):
                     deterministic)
 
 
-def scheme_dims(config: ModelConfig, num_layers: int | None = None) -> dict[str, int]:
-  """The model dimensions a scheme is built with."""
-  return dict(num_layers=config.num_layers if num_layers is None else num_layers,
-              num_heads=config.num_heads, head_dim=config.dim_per_head, d_model=config.d_model,
-              max_len=config.max_len)
+def check_token_ids(owner: str, name: str, ids: Array, batch: int | None = None
+                    ) -> tuple[int, int]:
+  """``(B, L)`` of ``ids`` ``[B, L]`` (integer dtype; ``batch`` examples if given), or one
+  ValueError line ``<owner>: <name>: ...``. Static facts only: the values are not read."""
+  shape, dtype = jnp.shape(ids), jnp.result_type(ids)
+  if len(shape) != 2 or not jnp.issubdtype(dtype, jnp.integer):
+    raise ValueError(f"{owner}: {name}: got shape {shape} of {dtype}; expected [B, L] "
+                     "integer ids")
+  if batch is not None and shape[0] != batch:
+    raise ValueError(f"{owner}: {name}: got shape {shape}; expected B = {batch} examples")
+  return shape
+
+
+def check_like(owner: str, name: str, x: Array | None, shape: tuple[int, int]) -> None:
+  """One ValueError line unless ``x`` (segment ids, a padding mask) is None or ``[B, L]`` =
+  ``shape``, that of the ids or inputs it goes with."""
+  if x is not None and tuple(jnp.shape(x)) != tuple(shape):
+    raise ValueError(f"{owner}: {name}: got shape {jnp.shape(x)}; expected [B, L] = "
+                     f"{tuple(shape)}")
 
 
 def as_mask(mask: Array | None, shape: tuple[int, int]) -> Array:

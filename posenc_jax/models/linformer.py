@@ -40,7 +40,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -48,6 +47,7 @@ from flax import struct
 
 from posenc_jax.attention import attend, head_projection, output_projection
 from posenc_jax.models.config import ModelConfig
+from posenc_jax.models.layers import check_like
 from posenc_jax.terms import SchemeTerms, Term
 
 Array = jax.Array
@@ -148,13 +148,15 @@ class LinformerSelfAttention(nn.Module):
         raise ValueError("Linformer: linformer_sharing='layer' needs the encoder's shared E "
                          f"among the terms (one LinformerProjection), got {len(shared)}")
       e = f = shared[0].e
+      if e.shape != (self.config.linformer_k, length):
+        raise ValueError(f"Linformer: the shared E is {list(e.shape)}; expected "
+                         f"[linformer_k, L] = {[self.config.linformer_k, length]}")
     else:
       if shared:
         raise ValueError(f"Linformer: linformer_sharing={sharing!r} keeps E, F in each layer; "
                          "got a shared LinformerProjection in the terms")
       e = projection_param(self, "E", self.config)[:, :length]
       f = e if sharing == "kv" else projection_param(self, "F", self.config)[:, :length]
-    chex.assert_shape([e, f], (self.config.linformer_k, length))
     return e, f
 
   @nn.compact
@@ -177,14 +179,16 @@ class LinformerSelfAttention(nn.Module):
       ``[B, L, d]``.
     """
     cfg = self.config
+    if jnp.ndim(x) != 3:
+      raise ValueError(f"Linformer: x: got shape {jnp.shape(x)}; expected [B, L, d]")
     batch, length, _ = x.shape
     _check_length(cfg, length)
+    check_like("Linformer", "mask", mask, (batch, length))
     shared = [t for t in terms if isinstance(t, LinformerProjection)]
     terms = [t for t in terms if not isinstance(t, LinformerProjection)]
     e, f = self._projections(shared, length)
     q, k, v = (head_projection(self, name)(x) for name in ("query", "key", "value"))
     if mask is not None:
-      chex.assert_shape(mask, (batch, length))
       keep = mask.astype(bool)[:, :, None, None]
       k, v = jnp.where(keep, k, 0), jnp.where(keep, v, 0)
     k = jnp.einsum("rj,bjhd->brhd", e.astype(k.dtype), k)  # [B, k, H, D]

@@ -58,36 +58,17 @@ Cache layout (``decode=True``)::
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from posenc_jax.models.config import ModelConfig, ModelConfigError
-from posenc_jax.models.layers import (DecoderLayer, EncoderLayer, as_mask, dense, layer_norm,
-                                      scheme_dims, token_embedding)
+from posenc_jax.models.config import ModelConfig, ModelConfigError, causal_variant, scheme_dims
+from posenc_jax.models.layers import (DecoderLayer, EncoderLayer, as_mask, check_like,
+                                      check_token_ids, dense, layer_norm, token_embedding)
 from posenc_jax.schemes import build_scheme
 
 Array = jax.Array
-
-# Scheme fields that turn a scheme into its decoder (causal) variant.
-CAUSAL_FIELDS = {"t5": {"bidirectional": False}, "alibi": {"causal": True}}
-
-
-def causal_variant(scheme: Any) -> Any:
-  """The decoder form of a scheme config: T5 unidirectional, ALiBi causal, others unchanged.
-
-  Args:
-    scheme: ``{"name": ..., **hyperparameters}`` or a tuple of them.
-
-  Returns:
-    The same config(s) as plain dicts, with the causal fields set.
-  """
-  if isinstance(scheme, (tuple, list)):
-    return tuple(causal_variant(s) for s in scheme)
-  scheme = dict(scheme)
-  return scheme | CAUSAL_FIELDS.get(scheme["name"], {})
 
 
 def shift_right(ids: Array, bos_id: int = 0) -> Array:
@@ -126,10 +107,14 @@ class Encoder(nn.Module):
   @nn.compact
   def __call__(self, src_ids: Array, src_mask: Array | None = None, *,
                deterministic: bool = True) -> Array:
-    """``src_ids`` ``[B, Ls]``, ``src_mask`` ``[B, Ls]`` (True = token) -> ``[B, Ls, d]``."""
+    """``src_ids`` ``[B, Ls]``, ``src_mask`` ``[B, Ls]`` (True = token) -> ``[B, Ls, d]``.
+
+    Inputs of the wrong shape or dtype raise one ValueError line naming them.
+    """
     cfg = self.config
     position = build_scheme(cfg.scheme, **scheme_dims(cfg), name="position")
-    batch, length = src_ids.shape
+    batch, length = check_token_ids("Encoder", "src_ids", src_ids)
+    check_like("Encoder", "src_mask", src_mask, (batch, length))
     mask = as_mask(src_mask, (batch, length))
     terms = position(length)
     x = self.embed(src_ids).astype(jnp.float32) * math.sqrt(cfg.d_model)
@@ -179,11 +164,19 @@ class Decoder(nn.Module):
 
     Returns:
       ``[B, Lt, d]``.
+
+    Raises:
+      ValueError: one line naming an input of the wrong shape or dtype.
     """
     cfg = self.config
+    if jnp.ndim(encoded) != 3 or encoded.shape[-1] != cfg.d_model:
+      raise ValueError(f"Decoder: encoded: got shape {jnp.shape(encoded)}; expected [B, Ls, d] "
+                       f"with d = {cfg.d_model}")
+    batch, length = check_token_ids("Decoder", "tgt_ids", tgt_ids, encoded.shape[0])
+    check_like("Decoder", "src_mask", src_mask, encoded.shape[:2])
+    check_like("Decoder", "tgt_mask", tgt_mask, (batch, length))
     position = build_scheme(causal_variant(cfg.scheme),
                             **scheme_dims(cfg, cfg.num_decoder_layers), name="position")
-    length = tgt_ids.shape[1]
     step = decode and self._decode_length() is not None
     x = self.embed(tgt_ids).astype(jnp.float32) * math.sqrt(cfg.d_model)
     if step:
