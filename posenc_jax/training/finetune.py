@@ -7,7 +7,15 @@ Hugging Face BERT folder (``config.json`` present; read by
 :func:`posenc_jax.convert.load_hf_bert`). Every encoder parameter whose path
 and shape match is copied; the rest (the task head, a per-head segment
 scheme switched on for sentence pairs as DIET did, a swapped-in position
-scheme) keep their fresh initialisation, and the report says which.
+scheme) keep their fresh initialisation, and the report says which. Any other
+difference (another size, layer count or vocabulary) is refused with one line
+naming ``init_checkpoint``, the first parameter that differs and the
+``model.<field>`` to set.
+
+:func:`check_finetune` runs first and rejects, with one line naming the field,
+what would otherwise go wrong silently or late: a ``num_labels`` other than
+the task's label count, an unregistered task or split, a ``best_metric`` the
+evaluation does not report, a sweep without seeds or learning rates.
 
 The sweep reports what DIET reports: for each learning rate the median over
 seeds of each run's best evaluation score, and the best of those medians.
@@ -27,7 +35,16 @@ import ml_collections
 import numpy as np
 from flax import traverse_util
 
-from posenc_jax.training.config import TrainConfigError
+from posenc_jax.cli import nearest
+from posenc_jax.training.config import TrainConfigError, validate_train_config
+from posenc_jax.training.input_pipeline import FINETUNE_FEATURES
+
+# Encoder parameters that may differ in shape, be fresh or go unused: the position and segment
+# schemes (one swapped in; per-head segments for pairs). The pooler may also be absent.
+SCHEMES = ("position/", "segment/")
+OPTIONAL = SCHEMES + ("pooler/",)
+# Size fields read off parameter shapes, in the order a mismatch is explained by them.
+SIZE_FIELDS = ("num_layers", "vocab_size", "d_model", "num_heads", "mlp_dim")
 
 
 @dataclasses.dataclass
@@ -51,14 +68,33 @@ class InitReport:
             f"{', '.join(self.fresh) or 'none'}; unused: {', '.join(self.unused) or 'none'}")
 
 
-def pretrained_encoder(path: str, config: ml_collections.ConfigDict) -> dict[str, Any]:
-  """The encoder parameters (``BertEncoder`` layout, plain arrays) stored at ``path``."""
+def hf_encoder(path: str) -> dict[str, Any]:
+  """The encoder parameters of the Hugging Face folder ``path``, read with its own
+  ``config.json`` (so that :func:`merge_encoder` compares sizes): only the tensors it holds.
+
+  Raises:
+    ConversionError: ``init_checkpoint: <file>: <problem>`` (not JSON, a field missing, a
+      truncated ``model.safetensors``, a tensor of the wrong shape).
+  """
   from flax import linen as nn  # noqa: PLC0415
 
-  if os.path.exists(os.path.join(path, "config.json")):
-    from posenc_jax.convert.hf_bert import load_hf_bert  # noqa: PLC0415
-    _, variables, _ = load_hf_bert(path, config.model)
-    return nn.unbox(variables["params"])
+  from posenc_jax.convert.hf_bert import ConversionError, load_hf_bert  # noqa: PLC0415
+  try:
+    _, variables, report = load_hf_bert(path)
+  except ConversionError as e:
+    raise ConversionError(f"init_checkpoint: {e}") from None
+  flat = traverse_util.flatten_dict(nn.unbox(variables["params"]), sep="/")
+  return traverse_util.unflatten_dict({p: v for p, v in flat.items() if p in report.loaded},
+                                      sep="/")
+
+
+def pretrained_encoder(path: str) -> dict[str, Any]:
+  """The encoder parameters (``BertEncoder`` layout, plain arrays) stored at ``path``: a
+  ``train.py`` workdir (``checkpoints/``; its ``config.json`` is the run's) or else a Hugging
+  Face folder (``config.json``)."""
+  if not os.path.isdir(os.path.join(path, "checkpoints")) and os.path.exists(
+      os.path.join(path, "config.json")):
+    return hf_encoder(path)
   import orbax.checkpoint as ocp  # noqa: PLC0415
 
   directory = os.path.join(os.path.abspath(path), "checkpoints")
@@ -76,11 +112,54 @@ def pretrained_encoder(path: str, config: ml_collections.ConfigDict) -> dict[str
   return params["bert"] if "bert" in params else params
 
 
+def encoder_sizes(flat: dict[str, Any]) -> dict[str, int]:
+  """The ``SIZE_FIELDS`` that flat encoder parameters (``a/b/c`` paths) show."""
+  sizes = {"num_layers": len({p.split("/")[0] for p in flat if p.startswith("layers_")})}
+  for path, fields in (("token_embed/embedding", ("vocab_size", "d_model")),
+                       ("layers_0/attention/query/kernel", (None, "num_heads")),
+                       ("layers_0/mlp/wi/kernel", (None, "mlp_dim"))):
+    if path in flat:
+      sizes |= {f: n for f, n in zip(fields, np.shape(flat[path])) if f}
+  return sizes
+
+
+def check_encoder_fit(target: dict[str, Any], source: dict[str, Any], source_name: str) -> None:
+  """Raises one ``init_checkpoint`` line unless the flat encoders ``target`` (the model's) and
+  ``source`` (the checkpoint's) differ only in ``OPTIONAL`` parameters: the first parameter
+  of another shape, or that one side lacks, and the ``model.<field>`` values that explain it."""
+  def fail(problem: str):
+    ours, theirs = encoder_sizes(target), encoder_sizes(source)
+    sizes = ", ".join(f"{f}={theirs[f]} (model.{f} is {ours[f]})" for f in SIZE_FIELDS
+                      if f in ours and f in theirs and ours[f] != theirs[f])
+    hint = (f"the pre-trained model has {sizes}" if sizes
+            else "the model's presets must be the pre-trained model's")
+    raise TrainConfigError(f"init_checkpoint: {source_name!r} does not fit the model: "
+                           f"{problem}; {hint}")
+
+  for path, value in target.items():
+    if path in source and not path.startswith(SCHEMES) and (
+        np.shape(source[path]) != np.shape(value)):
+      fail(f"bert/{path} has shape {np.shape(source[path])} in the checkpoint, "
+           f"{np.shape(value)} in the model")
+  for one, other, here, there in ((target, source, "model", "checkpoint"),
+                                  (source, target, "checkpoint", "model")):
+    only = [p for p in one if p not in other and not p.startswith(OPTIONAL)]
+    if only:
+      fail(f"bert/{only[0]} is in the {here}, not in the {there} ({len(only)} such parameters)")
+
+
 def merge_encoder(target: Any, source: dict[str, Any], source_name: str) -> tuple[Any, InitReport]:
-  """``target`` params (``bert/...`` + head) with every matching encoder leaf from ``source``."""
+  """``target`` params (``bert/...`` + head) with every matching encoder leaf from ``source``.
+
+  Raises:
+    TrainConfigError: the encoders differ beyond the schemes and the pooler
+      (:func:`check_encoder_fit`).
+  """
   report = InitReport(source_name)
   flat_target = traverse_util.flatten_dict(target, sep="/")
   flat_source = traverse_util.flatten_dict(source, sep="/")
+  check_encoder_fit({p.removeprefix("bert/"): v for p, v in flat_target.items()
+                     if p.startswith("bert/")}, flat_source, source_name)
   for path, value in flat_target.items():
     inner = path.removeprefix("bert/")
     if path.startswith("bert/") and inner in flat_source and (
@@ -93,14 +172,144 @@ def merge_encoder(target: Any, source: dict[str, Any], source_name: str) -> tupl
   return traverse_util.unflatten_dict(flat_target, sep="/"), report
 
 
+def _registered_task(field: str, name: str):
+  """The seqio task ``name`` (``config.<field>``); one line with the nearest name if none."""
+  import seqio  # noqa: PLC0415
+
+  from posenc_jax.training import input_pipeline  # noqa: PLC0415
+  try:
+    return input_pipeline._task(name)  # noqa: SLF001 - registers every task, TF off the GPU
+  except TrainConfigError:
+    names = sorted(n for n in seqio.TaskRegistry.names()
+                   if _objective_features(seqio.get_mixture_or_task(n)))
+    raise TrainConfigError(f"{field}: {name!r} is not a registered task{nearest(name, names)} "
+                           f"fine-tuning tasks: {', '.join(names)}") from None
+
+
+def _objective_features(task) -> list[str]:
+  """The fine-tuning objectives whose features ``task`` has."""
+  return [o for o, keys in FINETUNE_FEATURES.items() if set(keys) <= set(task.output_features)]
+
+
+def _check_labels(config: ml_collections.ConfigDict, field: str, task) -> None:
+  """``task`` (``config.<field>``) has the objective's features and ``num_labels`` labels."""
+  objectives = _objective_features(task)
+  if config.objective not in objectives:
+    raise TrainConfigError(f"objective: got {config.objective!r}; the task {task.name!r} "
+                           f"({field}) fits {' or '.join(map(repr, objectives)) or 'none'}")
+  if config.objective == "span":
+    return
+  label = task.output_features["label"]
+  if label.dtype.is_floating != (config.objective == "regression"):
+    kind, fits = ("real", "regression") if label.dtype.is_floating else ("class", "classification")
+    raise TrainConfigError(f"objective: got {config.objective!r}; the task {task.name!r} "
+                           f"({field}) has {kind} labels: use {fits!r}")
+  count = label.vocabulary.vocab_size
+  if config.num_labels != count:
+    raise TrainConfigError(f"num_labels: got {config.num_labels!r}; the task {task.name!r} "
+                           f"has {count} label{'s' if count != 1 else ''}")
+
+
+def _check_sweep(config: ml_collections.ConfigDict) -> None:
+  """``sweep.seeds`` and ``sweep.learning_rates``: non-empty, valid, each run its own workdir."""
+  if not isinstance(config.get("sweep"), ml_collections.ConfigDict):
+    raise TrainConfigError("sweep: the config has no sweep section (sweep.seeds, "
+                           "sweep.learning_rates), as configs/finetune_*.py have")
+  rules = {"seeds": (lambda v: isinstance(v, int) and v >= 0, "non-negative integers"),
+           "learning_rates": (lambda v: isinstance(v, (int, float)) and 0 < v < float("inf"),
+                              "positive numbers")}
+  for name, (valid, allowed) in rules.items():
+    values = config.sweep.get(name)
+    if not isinstance(values, (list, tuple)) or not values:
+      raise TrainConfigError(f"sweep.{name}: got {values!r}; allowed: a non-empty list of "
+                             f"{allowed}")
+    bad = [v for v in values if isinstance(v, bool) or not valid(v)]
+    if bad:
+      raise TrainConfigError(f"sweep.{name}: got {bad[0]!r} in {list(values)}; allowed: "
+                             f"{allowed}")
+    names = [f"{v:g}" for v in values]
+    twice = next((n for n in names if names.count(n) > 1), None)
+    if twice:
+      raise TrainConfigError(f"sweep.{name}: {twice} appears twice in {list(values)}; each "
+                             "run needs its own workdir")
+
+
+def check_finetune(config: ml_collections.ConfigDict, init_checkpoint: str | None = None, *,
+                   sweep: bool = False) -> None:
+  """Raises one :class:`TrainConfigError` line naming the field before anything is built.
+
+  Checks the train config, the fine-tuning objective, the sweep section (``sweep``), that
+  ``init_checkpoint`` exists, that ``task`` and ``eval_task`` are registered (nearest name
+  suggested) with a ``train`` and the evaluation split, that ``num_labels`` is the tasks'
+  label count, and that ``best_metric`` is one the evaluation reports (higher is better,
+  so not ``eval_loss``) with ``eval_every`` > 0; a sweep needs one.
+  """
+  from posenc_jax.training import task_eval  # noqa: PLC0415
+
+  if sweep:
+    _check_sweep(config)
+  if init_checkpoint and not os.path.exists(init_checkpoint):
+    raise TrainConfigError(f"init_checkpoint: {init_checkpoint!r} does not exist")
+  validate_train_config(config)
+  if config.objective not in FINETUNE_FEATURES:
+    raise TrainConfigError(f"objective: got {config.objective!r}; allowed for fine-tuning: "
+                           f"{', '.join(FINETUNE_FEATURES)}")
+  num_labels = config.get("num_labels")
+  if config.objective != "span" and (isinstance(num_labels, bool) or not isinstance(
+      num_labels, int) or num_labels < 1):
+    raise TrainConfigError(f"num_labels: got {num_labels!r}; allowed: a positive integer")
+  task = _registered_task("task", config.task)
+  if "train" not in task.splits:
+    raise TrainConfigError(f"task: {config.task!r} has no 'train' split (splits: "
+                           f"{', '.join(task.splits)}); to evaluate on it, set eval_task")
+  _check_labels(config, "task", task)
+  eval_task = task
+  if config.get("eval_task"):
+    eval_task = _registered_task("eval_task", config.eval_task)
+    _check_labels(config, "eval_task", eval_task)
+  split = config.get("eval_split") or "validation"
+  if split not in eval_task.splits:
+    given = f"got {split!r}" if config.get("eval_split") else "unset (so 'validation')"
+    raise TrainConfigError(f"eval_split: {given}{nearest(split, eval_task.splits)} the task "
+                           f"{eval_task.name!r} has {', '.join(eval_task.splits)}")
+  metric = config.get("best_metric")
+  if not metric:
+    if sweep:
+      raise TrainConfigError("best_metric: unset; the sweep scores each run by its best "
+                             "evaluation of it")
+    return
+  reported = ["eval_loss", "eval_accuracy", *task_eval.metric_names(eval_task.name,
+                                                                     config.objective)]
+  if metric not in reported:
+    raise TrainConfigError(f"best_metric: got {metric!r}{nearest(metric, reported)} the "
+                           f"evaluation reports {', '.join(reported)}")
+  if metric == "eval_loss":
+    raise TrainConfigError(f"best_metric: got 'eval_loss'; the best evaluation is the highest "
+                           f"score, so pick one of {', '.join(reported[1:])}")
+  if not config.eval_every:  # validate_train_config: an integer >= 0
+    raise TrainConfigError(f"eval_every: got 0; best_metric {metric!r} needs evaluations: a "
+                           "positive integer")
+
+
 def finetune(config: ml_collections.ConfigDict, workdir: str, init_checkpoint: str | None = None,
              data=None) -> dict[str, Any]:
-  """One fine-tuning run: ``train`` with the pre-trained encoder and best-checkpoint keeping."""
+  """One fine-tuning run: ``train`` with the pre-trained encoder and best-checkpoint keeping.
+
+  Raises:
+    TrainConfigError: :func:`check_finetune`'s findings, or an ``init_checkpoint`` whose
+      encoder does not fit the model (:func:`check_encoder_fit`).
+    ConversionError: a broken Hugging Face folder as ``init_checkpoint``.
+  """
+  from posenc_jax.models.build import abstract_params, build_model  # noqa: PLC0415
   from posenc_jax.training.loop import train  # noqa: PLC0415
 
+  check_finetune(config, init_checkpoint)
   init = None
   if init_checkpoint:
-    source = pretrained_encoder(init_checkpoint, config)
+    source = pretrained_encoder(init_checkpoint)
+    model = build_model(config.model, config.head, num_labels=config.get("num_labels", 2))
+    check_encoder_fit(traverse_util.flatten_dict(abstract_params(model)["bert"], sep="/"),
+                      traverse_util.flatten_dict(source, sep="/"), init_checkpoint)  # shapes only
 
     def init(params):
       merged, report = merge_encoder(params, source, init_checkpoint)
@@ -120,6 +329,7 @@ def sweep(config: ml_collections.ConfigDict, workdir: str, init_checkpoint: str 
     "score"}`` where ``score`` is the best over learning rates of the median over seeds
     of each run's best evaluation.
   """
+  check_finetune(config, init_checkpoint, sweep=True)
   runs = []
   for lr in config.sweep.learning_rates:
     for seed in config.sweep.seeds:
