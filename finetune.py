@@ -31,6 +31,7 @@ def main(argv):
   if not _WORKDIR.value or _CONFIG.value is None:
     sys.exit("finetune.py: --config and --workdir are required")
   logging.set_verbosity(logging.WARNING)
+  cli.quiet_library_tracebacks()
   from posenc_jax.training.errors import USER_ERRORS  # noqa: PLC0415
   from posenc_jax.training.finetune import finetune, sweep, sweep_table  # noqa: PLC0415
 
@@ -41,7 +42,7 @@ def main(argv):
       result = finetune(_CONFIG.value, _WORKDIR.value, _INIT.value)
       print(f"best {result['best']}")
   except USER_ERRORS as e:
-    sys.exit(f"finetune.py: {e}")
+    cli.exit_with("finetune.py", e)
 
 
 if __name__ == "__main__":

@@ -44,6 +44,7 @@ def main(argv):
   if not _WORKDIR.value:
     sys.exit("train.py: --workdir is required")
   logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO
+  cli.quiet_library_tracebacks()
   initialise_distributed()
   from posenc_jax.training.errors import USER_ERRORS  # noqa: PLC0415
   from posenc_jax.training.loop import train  # noqa: PLC0415
@@ -51,7 +52,7 @@ def main(argv):
   try:
     train(_CONFIG.value, _WORKDIR.value)
   except USER_ERRORS as e:
-    sys.exit(f"train.py: {e}")
+    cli.exit_with("train.py", e)
 
 
 if __name__ == "__main__":

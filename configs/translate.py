@@ -32,6 +32,7 @@ def get_config(arg="transformer_base,sinusoidal"):
   config.input_len = 256
   config.target_len = 256
   config.seq_len = 256
+  config.total_steps = 100_000  # Vaswani et al.'s base model
   config.label_smoothing = 0.1
   # Vaswani et al.'s Adam (b2 0.98, eps 1e-9) with inverse-sqrt decay after 4k warm-up
   # steps; the peak d^-0.5 * 4000^-0.5 = 7e-4 for d = 512.

@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from absl import flags
 
@@ -42,7 +43,9 @@ def _root(error: BaseException) -> BaseException:
 
 
 def _first_line(error: BaseException) -> str:
-  text = str(error).strip().strip("'\"")
+  text = str(error).strip()
+  if len(text) > 1 and text[0] == text[-1] and text[0] in "'\"":  # a KeyError's repr
+    text = text[1:-1]
   return text.splitlines()[0] if text else type(error).__name__
 
 
@@ -119,6 +122,35 @@ def flags_parser(prog: str, config_flag: str | None = "config",
     return rest
 
   return parse
+
+
+def exit_with(prog: str, error: BaseException) -> NoReturn:
+  """Ends the process with ``<prog>: <error>`` as its last line on stderr (exit status 1).
+
+  An error whose class sets ``abandon_threads`` (a failed background checkpoint write)
+  ends it at once: Orbax's save threads would otherwise wait minutes for signals that
+  never come before the interpreter may exit.
+  """
+  print(f"{prog}: {error}", file=sys.stderr, flush=True)
+  sys.stdout.flush()
+  if getattr(error, "abandon_threads", False):
+    os._exit(1)
+  sys.exit(1)
+
+
+class _OneLineLibraryErrors(logging.Filter):
+  """Drops the traceback of Orbax's log records (their message line stays)."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    if f"{os.sep}orbax{os.sep}" in record.pathname:
+      record.exc_info, record.exc_text, record.stack_info = None, None, None
+    return True
+
+
+def quiet_library_tracebacks() -> None:
+  """Orbax logs a traceback for each failed background write; entry points keep its one-line
+  messages and stop with their own line."""
+  logging.getLogger("absl").addFilter(_OneLineLibraryErrors())
 
 
 def check_output_dir(field: str, path: str) -> str:

@@ -87,27 +87,51 @@ def test_two_hosts_match_one(tmp_path, reference):
   assert_same_run(np.load(tmp_path / "multihost.npz"), reference)
 
 
-def test_resume_after_sigkill_matches_uninterrupted(tmp_path, reference):
-  workdir = tmp_path / "killed"
-  proc = run_driver(tmp_path, "killed", "--steps=8", "--step_sleep=0.4", popen=True)
-  deadline = time.time() + 240
-  while not (workdir / "checkpoints" / "4").exists():
+def _wait_for(proc, ready, what, timeout=240):
+  deadline = time.time() + timeout
+  while not ready():
     assert proc.poll() is None, proc.stdout.read()[-3000:]
-    assert time.time() < deadline
-    time.sleep(0.05)
+    assert time.time() < deadline, f"timed out waiting for {what}"
+    time.sleep(0.02)
+
+
+def _steps(checkpoints: pathlib.Path) -> list[str]:
+  return sorted(p.name for p in checkpoints.iterdir()) if checkpoints.exists() else []
+
+
+@pytest.mark.parametrize("moment", ["compiling", "writing_checkpoint", "between_checkpoints"])
+def test_resume_after_sigkill_is_bit_identical(tmp_path, reference, moment):
+  """SIGKILL during the first compile, while checkpoint 4 is half-written, or after it: the
+  rerun resumes from the newest complete checkpoint and ends bit-identical, every step's
+  loss once in metrics.jsonl."""
+  workdir = tmp_path / "killed"
+  checkpoints = workdir / "checkpoints"
+  args = ["--steps=8", "--step_sleep=0.2"]
+  if moment == "writing_checkpoint":
+    args.append("--save_delay=3")
+  proc = run_driver(tmp_path, "killed", *args, popen=True)
+  if moment == "compiling":
+    _wait_for(proc, (workdir / "config.json").exists, "config.json")
+    time.sleep(0.3)
+  elif moment == "writing_checkpoint":
+    _wait_for(proc, lambda: "4.orbax-checkpoint-tmp" in _steps(checkpoints), "a half-written 4")
+  else:
+    _wait_for(proc, lambda: "4" in _steps(checkpoints), "checkpoint 4")
   proc.send_signal(signal.SIGKILL)
   proc.wait()
+  left = [name for name in _steps(checkpoints) if name.isdigit()]
+  if moment == "compiling":
+    assert left == []
+  else:
+    assert left[:2] == (["2"] if moment == "writing_checkpoint" else ["2", "4"])[:2]
+    assert moment != "writing_checkpoint" or left == ["2"]
   assert not (tmp_path / "killed.npz").exists()
-  # A save cut short leaves an unfinished temporary directory: it must be ignored.
-  partial = workdir / "checkpoints" / "6.orbax-checkpoint-tmp-1234"
-  partial.mkdir(parents=True, exist_ok=True)
-  (partial / "junk").write_text("half written")
   result, resumed = run_driver(tmp_path, "killed", "--steps=8")
-  assert "from step 4" in resumed.stdout or "from step 6" in resumed.stdout
-  assert_same_run(result, reference)
-  assert result["steps"][0] in (5, 7)
+  start = int(left[-1]) if left else 0
+  assert f"from step {start}" in resumed.stdout
+  assert_same_run(result, reference, atol=0)
   steps = [json.loads(line)["step"] for line in (workdir / "metrics.jsonl").open()]
-  assert steps == list(range(1, 9))  # the killed run's steps after checkpoint 4 appear once
+  assert steps == list(range(1, 9))  # the killed run's steps after its checkpoint appear once
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
@@ -134,7 +158,7 @@ def test_sigterm_saves_the_current_step_and_resumes_exactly(tmp_path, reference,
   assert not (tmp_path / "stopped.npz").exists()
   result, resumed = run_driver(tmp_path, "stopped", "--steps=8", "--checkpoint_every=100")
   assert f"from step {step}" in resumed.stdout
-  assert_same_run(result, reference)
+  assert_same_run(result, reference, atol=0)
   steps = [json.loads(line)["step"] for line in metrics.open()]
   assert steps == list(range(1, 9))
 
@@ -148,6 +172,55 @@ def test_nan_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path):
   checkpoints = sorted(int(p.name) for p in (tmp_path / "nan" / "checkpoints").iterdir()
                        if p.name.isdigit())
   assert checkpoints[-1] == 4
+
+
+def _snapshot(path: pathlib.Path) -> dict[str, tuple[int, int]]:
+  return {str(p.relative_to(path)): (p.stat().st_size, p.stat().st_mtime_ns)
+          for p in sorted(path.rglob("*"))}
+
+
+def test_another_models_workdir_is_refused_and_left_untouched(tmp_path):
+  run_driver(tmp_path, "mine", "--steps=4")
+  before = _snapshot(tmp_path / "mine")
+  _, proc = run_driver(tmp_path, "mine", "--steps=6", "--rank=4", check=False)
+  assert proc.returncode == 1 and "Traceback" not in proc.stdout + proc.stderr
+  last = proc.stderr.strip().splitlines()[-1]
+  assert last.startswith("train_driver: workdir: ") and "model.scheme.rank: 8 there, 4 here" in last
+  assert _snapshot(tmp_path / "mine") == before
+
+
+def test_damaged_newest_checkpoint_is_moved_aside_and_the_rerun_is_bit_identical(tmp_path,
+                                                                                 reference):
+  """Bytes of checkpoint 8's arrays overwritten: the rerun warns, moves it to
+  damaged_checkpoints/, resumes from 6 and saves 8 afresh (no collision), ending as the
+  uninterrupted run did."""
+  run_driver(tmp_path, "damaged", "--steps=8")
+  checkpoints = tmp_path / "damaged" / "checkpoints"
+  largest = max((p for p in (checkpoints / "8" / "state").rglob("*") if p.is_file()),
+                key=lambda p: p.stat().st_size)
+  data = bytearray(largest.read_bytes())
+  data[len(data) // 2:len(data) // 2 + 64] = bytes(64)
+  largest.write_bytes(bytes(data))
+  result, rerun = run_driver(tmp_path, "damaged", "--steps=8")
+  assert "checkpoint 8 is damaged" in rerun.stderr and "from step 6" in rerun.stdout
+  assert_same_run(result, reference, atol=0)
+  assert (tmp_path / "damaged" / "damaged_checkpoints" / "8").is_dir()
+  assert (checkpoints / "8").is_dir()
+
+
+def test_a_failed_background_save_stops_the_run_with_one_line(tmp_path):
+  """checkpoints/ replaced by a file mid-run (no write can succeed, even as root)."""
+  workdir = tmp_path / "blocked"
+  proc = run_driver(tmp_path, "blocked", "--steps=40", "--step_sleep=0.1", popen=True)
+  _wait_for(proc, lambda: "2" in _steps(workdir / "checkpoints"), "checkpoint 2")
+  moved = tmp_path / "moved_checkpoints"
+  (workdir / "checkpoints").rename(moved)
+  (workdir / "checkpoints").write_text("not a folder")
+  out = proc.communicate(timeout=120)[0]
+  assert proc.returncode == 1 and "Traceback" not in out, out[-3000:]
+  last = out.strip().splitlines()[-1]
+  assert last.startswith("train_driver: checkpoints: ") and "failed" in last
+  assert (moved / "2").is_dir()
 
 
 def _train_cli(tmp_path, *overrides, timeout=600):

@@ -39,6 +39,12 @@ class CheckpointError(ValueError):
   """A checkpoint folder cannot be written, or holds no checkpoint that restores."""
 
 
+class BackgroundSaveError(CheckpointError):
+  """An asynchronous save failed; Orbax's threads of that save never finish."""
+
+  abandon_threads = True
+
+
 def _leaf_name(path: tuple) -> str:
   return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
                   for k in path)
@@ -169,14 +175,12 @@ class Checkpointer:
     try:
       self.manager.wait_until_finished()
     except Exception as e:  # noqa: BLE001 - any failed write stops the run with one line
-      raise CheckpointError(f"checkpoints: a save to {self.directory} failed "
-                            f"({_first_line(e)}); stopping: the last complete checkpoint is "
-                            f"step {self.completed_step()}") from None
-
-  def completed_step(self) -> int | None:
-    """The newest step whose directory is complete on disk."""
-    self.manager.reload()
-    return self.manager.latest_step()
+      self.manager.reload()
+      newest = self.manager.latest_step()
+      raise BackgroundSaveError(
+          f"checkpoints: a save to {self.directory} failed ({_first_line(e)}); stopping: "
+          + (f"the newest complete checkpoint is step {newest}" if newest is not None
+             else "no complete checkpoint is left there")) from None
 
   def save(self, step: int, state: Any, data_state: dict[str, Any], *, force: bool = False
            ) -> bool:

@@ -31,6 +31,9 @@ def parse():
   p.add_argument("--accum", type=int, default=1)
   p.add_argument("--translation", action="store_true", help="a reversal task, encoder-decoder")
   p.add_argument("--batch", type=int, default=8)
+  p.add_argument("--rank", type=int, default=8, help="DIET-ABS rank (another model: another rank)")
+  p.add_argument("--save_delay", type=float, default=0.0,
+                 help="seconds each checkpoint stays half-written (a window to kill it in)")
   return p.parse_args()
 
 
@@ -47,9 +50,11 @@ if ARGS.coordinator:
 
 import flax.linen as nn  # noqa: E402
 
+from posenc_jax import cli  # noqa: E402
 from posenc_jax.presets import preset_config  # noqa: E402
 from posenc_jax.training.config import base_train_config  # noqa: E402
 from posenc_jax.training.loop import train  # noqa: E402
+from posenc_jax.training.errors import USER_ERRORS  # noqa: E402
 from posenc_jax.training.signals import TrainingInterrupted  # noqa: E402
 
 VOCAB, LENGTH, BATCH = 64, 16, ARGS.batch
@@ -60,7 +65,7 @@ def config():
   c.update(preset_config("bert_tiny,diet_abs_share"))
   c.model.update(dict(vocab_size=VOCAB, d_model=32, num_heads=4, mlp_dim=64, max_len=LENGTH,
                       dropout_rate=0.0, attention_dropout_rate=0.0))
-  c.model.scheme = dict(name="diet_abs", rank=8, sharing="layer")
+  c.model.scheme = dict(name="diet_abs", rank=ARGS.rank, sharing="layer")
   c.update(dict(seq_len=LENGTH, batch_size=BATCH, total_steps=ARGS.steps, log_every=1,
                 eval_every=0, checkpoint_every=ARGS.checkpoint_every, grad_accum_steps=ARGS.accum,
                 async_checkpointing=True))
@@ -112,12 +117,31 @@ def synthetic(config, split, start_step, shard_id=0, num_shards=1):
       time.sleep(ARGS.step_sleep)
 
 
+def slow_saves(seconds):
+  """Each checkpoint's JSON item waits ``seconds`` before it is written, while the step's
+  temporary directory exists."""
+  import asyncio  # noqa: PLC0415
+
+  import orbax.checkpoint as ocp  # noqa: PLC0415
+  write = ocp.JsonCheckpointHandler.async_save
+
+  async def delayed(self, *args, **kwargs):
+    await asyncio.sleep(seconds)
+    return await write(self, *args, **kwargs)
+  ocp.JsonCheckpointHandler.async_save = delayed
+
+
 def main():
+  cli.quiet_library_tracebacks()
+  if ARGS.save_delay:
+    slow_saves(ARGS.save_delay)
   try:
     result = train(config(), ARGS.workdir, data=synthetic)
   except TrainingInterrupted as e:
     print(e, flush=True)
     return 3
+  except USER_ERRORS as e:  # as train.py reports them
+    cli.exit_with("train_driver", e)
   params = jax.tree.map(lambda x: np.asarray(jax.device_get(
       jax.experimental.multihost_utils.process_allgather(x, tiled=True))),
                         nn.unbox(result["state"].params))
