@@ -42,7 +42,6 @@ shapes take the Pallas kernel.
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -55,17 +54,13 @@ from jax import lax
 from posenc_jax.cli import nearest
 from posenc_jax.kernels import relative_flash, relative_flash_attention
 from posenc_jax.kernels.relative_flash import PRECISIONS, dot_precision
+from posenc_jax.schemes.base import is_finite_number, is_int
 from posenc_jax.terms import SchemeTerms, Term, toeplitz_bias
 
 Array = jax.Array
 Route = Literal["auto", "reference", "fused"]
 ROUTES = ("auto", "reference", "fused")
 IMPLEMENTATIONS = ("xla", "cudnn")
-
-
-def _is_number(x: Any) -> bool:
-  """A finite real Python or NumPy scalar (not a bool, not a traced array)."""
-  return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def _is_float_dtype(dtype: Any) -> bool:
@@ -143,12 +138,12 @@ def check_arguments(q: Array, k: Array, v: Array, terms: Sequence[Term], *,
   check_mask(mask, batch, heads, q_len, k_shape[1])
   if not isinstance(causal, (bool, np.bool_)):
     raise ValueError(f"attend: causal: got {causal!r}; allowed: True or False")
-  if scale is not None and not (_is_number(scale) and scale > 0):
+  if scale is not None and not (is_finite_number(scale) and scale > 0):
     raise ValueError(f"attend: scale: got {scale!r}; allowed: a finite positive number, or "
                      "None for 1 / sqrt(D)")
   _one_of("route", route, ROUTES)
   _one_of("implementation", implementation, (None, *IMPLEMENTATIONS))
-  if not (_is_number(dropout_rate) and 0 <= dropout_rate < 1):
+  if not (is_finite_number(dropout_rate) and 0 <= dropout_rate < 1):
     raise ValueError(f"attend: dropout_rate: got {dropout_rate!r}; allowed: a number in [0, 1)")
   if dropout_rng is not None and not (
       hasattr(dropout_rng, "dtype") and (jax.dtypes.issubdtype(dropout_rng.dtype,
@@ -487,7 +482,7 @@ class MultiHeadAttention(nn.Module):
     # route, dropout_rate and precision are checked by attend, on every call.
     for field in ("num_heads", "head_dim"):
       value = getattr(self, field)
-      if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
+      if not is_int(value) or value < 1:
         raise ValueError(f"MultiHeadAttention: {field}: got {value!r}; allowed: a positive "
                          "integer")
     if not _is_float_dtype(self.dtype):

@@ -179,16 +179,17 @@ class Bias(Term):
 
   Attributes:
     value: ``[H|1, Lq, Lk]`` (batch-free, e.g. DIET-REL, T5, ALiBi) or
-      ``[B|1, H|1, Lq, Lk]`` (per example).
+      ``[B|1, H|1, Lq, Lk]`` (per example); a query axis of 1 is the same row for every
+      query.
   """
 
   value: Array
 
   def shape_problem(self, q_shape, k_shape):
     shape = jnp.shape(self.value)
-    return (_rank_problem("value", shape, (3, 4), "[H|1, Lq, Lk] or [B|1, H|1, Lq, Lk]")
+    return (_rank_problem("value", shape, (3, 4), "[H|1, Lq|1, Lk] or [B|1, H|1, Lq|1, Lk]")
             or _axis_problem("value", shape, -1, "keys", k_shape[1], "k has")
-            or _axis_problem("value", shape, -2, "queries", q_shape[1], "q has")
+            or _axis_problem("value", shape, -2, "queries", q_shape[1], "q has", broadcast=True)
             or _axis_problem("value", shape, -3, "heads", q_shape[2], "q has", broadcast=True)
             or _batch_problem("value", shape, q_shape[0]))
 

@@ -47,7 +47,7 @@ def rows(x, axis=-2):
     Factored(normal(1, (BATCH, LENGTH, H, 3)), normal(2, (BATCH, LENGTH, H, 3))),
     Factored(normal(1, (LENGTH, H, 3)), normal(2, (5, H, 3))),  # Linformer: 5 key rows
     Toeplitz(normal(4, (H, 7)), ClippedOffsets(3)).with_key_length(LENGTH),
-    Toeplitz(normal(4, (1, 8)), BucketedOffsets(4, bidirectional=False), zero_first=True,
+    Toeplitz(normal(4, (1, 8)), BucketedOffsets(5, bidirectional=False), zero_first=True,
              k_len=LENGTH),
 ], ids=["bias", "bias_batch", "bias_broadcast", "factored", "factored_batch", "factored_lk",
         "toeplitz", "toeplitz_reset"])

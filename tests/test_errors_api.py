@@ -341,7 +341,7 @@ def test_bad_argument_is_one_line_naming_it(call, error, message):
 def test_valid_neighbours_of_the_bad_arguments_run():
   """Terms of every form at the right shapes (heads, batch and mask axes of 1 broadcast), a
   finite scale, a key mask, xla and segment ids for self-attention: attention runs."""
-  terms = [toeplitz(1), Bias(ones(1, H, LQ, LK)), Factored(ones(LQ, 1, 2), ones(B, LK, H, 2)),
+  terms = [toeplitz(1), Bias(ones(1, H, 1, LK)), Factored(ones(LQ, 1, 2), ones(B, LK, H, 2)),
            QueryRelative(ones(H, 5, D), clip=2), Rotation(ones(LQ, D // 2), ones(LK, D // 2)),
            QKShift(ones(LQ, H, D), ones(LK, H, D))]
   out = attend_with(*terms, mask=ones(1, 1, LQ, 1, dtype=bool), scale=0.5, route="reference",

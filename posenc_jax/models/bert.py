@@ -31,6 +31,7 @@ from posenc_jax.models.layers import (ACTIVATION_FNS, EncoderLayer, as_mask, che
                                       check_token_ids, dense, layer_norm, token_embedding)
 from posenc_jax.models.linformer import shared_projection
 from posenc_jax.schemes import build_scheme
+from posenc_jax.schemes.base import is_int
 from posenc_jax.terms import SchemeTerms
 
 Array = jax.Array
@@ -171,9 +172,8 @@ class BertForSequenceClassification(nn.Module):
     if not self.config.pooler:
       raise ModelConfigError("model.pooler: BertForSequenceClassification classifies the "
                              "pooled [CLS]; set pooler=True")
-    labels = self.num_labels
-    if not isinstance(labels, int) or isinstance(labels, bool) or labels < 1:
-      raise ModelConfigError(f"num_labels: got {labels!r}; allowed: a positive integer "
+    if not is_int(self.num_labels) or self.num_labels < 1:
+      raise ModelConfigError(f"num_labels: got {self.num_labels!r}; allowed: a positive integer "
                              "(1: regression)")
     super().__post_init__()
 

@@ -12,6 +12,7 @@ from posenc_jax.cli import nearest
 from posenc_jax.models.bert import (BertEncoder, BertForMaskedLM, BertForQuestionAnswering,
                                     BertForSequenceClassification)
 from posenc_jax.models.config import ModelConfig, ModelConfigError, model_config
+from posenc_jax.schemes.base import is_int
 
 HEADS = ("mlm", "encoder", "classification", "span", "translation")
 BERT_MODELS = {"mlm": BertForMaskedLM, "encoder": BertEncoder, "span": BertForQuestionAnswering}
@@ -44,7 +45,7 @@ def build_model(model: Any, head: str = "mlm", *, num_labels: int = 2) -> nn.Mod
 def init_inputs(model: nn.Module, length: int = 8, batch: int = 1) -> tuple[jax.Array, ...]:
   """Placeholder int inputs ``[batch, length]`` (clipped to max_len) to initialise ``model``."""
   for name, value in (("length", length), ("batch", batch)):
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+    if not is_int(value) or value < 1:
       raise ValueError(f"init_inputs: {name}: got {value!r}; allowed: a positive integer")
   length = min(length, model.config.max_len)
   ids = jnp.ones((batch, length), jnp.int32)

@@ -12,8 +12,6 @@ included.
 from __future__ import annotations
 
 import dataclasses
-import math
-import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -23,6 +21,7 @@ from flax.core import FrozenDict
 from posenc_jax.attention import PRECISIONS, ROUTES
 from posenc_jax.cli import nearest
 from posenc_jax.schemes import SchemeConfigError, build_scheme
+from posenc_jax.schemes.base import is_finite_number, is_int
 from posenc_jax.schemes.linformer import DietAbsLin
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu")
@@ -166,14 +165,6 @@ def scheme_dims(config: ModelConfig, num_layers: int | None = None) -> dict[str,
               max_len=config.max_len)
 
 
-def _is_int(x):
-  return isinstance(x, numbers.Integral) and not isinstance(x, bool)
-
-
-def _is_number(x):
-  return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
-
-
 def _check(field: str, ok: bool, value: Any, allowed: str) -> None:
   if not ok:
     raise ModelConfigError(f"model.{field}: got {value!r}; allowed: {allowed}")
@@ -207,20 +198,21 @@ def model_config(config: Any = None, **overrides) -> ModelConfig:
   for field in ("vocab_size", "d_model", "num_layers", "num_heads", "mlp_dim", "max_len",
                 "linformer_k"):
     value = getattr(cfg, field)
-    _check(field, _is_int(value) and value > 0, value, "a positive integer")
-  _check("num_decoder_layers", _is_int(cfg.num_decoder_layers) and cfg.num_decoder_layers >= 0,
+    _check(field, is_int(value) and value > 0, value, "a positive integer")
+  _check("num_decoder_layers", is_int(cfg.num_decoder_layers) and cfg.num_decoder_layers >= 0,
          cfg.num_decoder_layers, "an integer >= 0")
   if cfg.head_dim is None:
     _check("num_heads", cfg.d_model % cfg.num_heads == 0, cfg.num_heads,
            f"a divisor of d_model={cfg.d_model} (or set head_dim)")
   else:
-    _check("head_dim", _is_int(cfg.head_dim) and cfg.head_dim > 0, cfg.head_dim,
+    _check("head_dim", is_int(cfg.head_dim) and cfg.head_dim > 0, cfg.head_dim,
            "a positive integer or None")
   for field in ("dropout_rate", "attention_dropout_rate"):
     value = getattr(cfg, field)
-    _check(field, _is_number(value) and 0 <= value < 1, value, "a number in [0, 1)")
-  _check("layer_norm_eps", isinstance(cfg.layer_norm_eps, float) and _is_number(cfg.layer_norm_eps)
-         and cfg.layer_norm_eps > 0, cfg.layer_norm_eps, "a finite positive float")
+    _check(field, is_finite_number(value) and 0 <= value < 1, value, "a number in [0, 1)")
+  _check("layer_norm_eps", isinstance(cfg.layer_norm_eps, float)
+         and is_finite_number(cfg.layer_norm_eps) and cfg.layer_norm_eps > 0, cfg.layer_norm_eps,
+         "a finite positive float")
   for field, allowed in (("activation", ACTIVATIONS), ("dtype", DTYPES),
                          ("attention", ATTENTIONS), ("linformer_sharing", LINFORMER_SHARING),
                          ("route", ROUTES), ("attention_precision", PRECISIONS)):
