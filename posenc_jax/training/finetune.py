@@ -95,20 +95,16 @@ def pretrained_encoder(path: str) -> dict[str, Any]:
   if not os.path.isdir(os.path.join(path, "checkpoints")) and os.path.exists(
       os.path.join(path, "config.json")):
     return hf_encoder(path)
-  import orbax.checkpoint as ocp  # noqa: PLC0415
+  from posenc_jax.training.checkpoint import CheckpointError, restore_params  # noqa: PLC0415
 
-  directory = os.path.join(os.path.abspath(path), "checkpoints")
-  if not os.path.isdir(directory):
+  if not os.path.isdir(os.path.join(path, "checkpoints")):
     raise TrainConfigError(f"init_checkpoint: {path!r} is neither a train.py workdir (no "
                            "checkpoints/) nor a Hugging Face folder (no config.json)")
-  manager = ocp.CheckpointManager(directory, item_names=("state", "data"))
-  step = manager.latest_step()
-  if step is None:
-    raise TrainConfigError(f"init_checkpoint: {directory} holds no complete checkpoint")
-  state = manager.restore(step, args=ocp.args.Composite(
-      state=ocp.args.PyTreeRestore()))["state"]
-  manager.close()
-  params = state["params"]
+  try:  # the newest checkpoint that restores and verifies; damaged ones are skipped
+    _, params = restore_params(path, field="init_checkpoint")
+  except CheckpointError as e:
+    raise TrainConfigError(str(e)) from None
+  params = jax.device_get(params)
   return params["bert"] if "bert" in params else params
 
 

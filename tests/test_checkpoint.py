@@ -1,0 +1,194 @@
+"""Checkpoint integrity and workdir ownership: fingerprints, every kind of damage skipped
+(moved aside by training, left in place by read-only readers), the damaged step saved again
+without a collision, and the config.json guard."""
+
+import json
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import pytest
+
+from posenc_jax.presets import preset_config
+from posenc_jax.training import workdir as workdir_lib
+from posenc_jax.training.checkpoint import (Checkpointer, CheckpointError, damage, fingerprints,
+                                            restore_params)
+from posenc_jax.training.config import TrainConfigError, base_train_config
+
+
+def _state(value: float) -> dict:
+  return {"params": {"w": jnp.arange(12.0, dtype=jnp.float32).reshape(3, 4) * value,
+                     "b": jnp.full((4,), value, jnp.bfloat16)},
+          "step": jnp.int32(value)}
+
+
+def _abstract(state):
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), state)
+
+
+def test_fingerprints_change_with_any_element_or_order():
+  base = fingerprints(_state(1.0))
+  assert set(base) == {"params/w", "params/b", "step"} and all(r[2] == 1 for r in base.values())
+  changed = _state(1.0)
+  changed["params"]["w"] = changed["params"]["w"].at[2, 3].add(1e-6)
+  assert fingerprints(changed)["params/w"][0] != base["params/w"][0]
+  swapped = _state(1.0)
+  swapped["params"]["w"] = swapped["params"]["w"][:, ::-1]
+  assert fingerprints(swapped)["params/w"][0] == base["params/w"][0]  # same words, moved
+  assert fingerprints(swapped)["params/w"][1] != base["params/w"][1]
+  nan = _state(1.0)
+  nan["params"]["b"] = nan["params"]["b"].at[0].set(jnp.nan)
+  assert fingerprints(nan)["params/b"][2] == 0
+  assert damage(nan["params"], base, prefix="params/").startswith("non-finite values in params/b")
+  assert damage(changed["params"], base, prefix="params/") == "checksum mismatch in params/w"
+  assert damage(_state(1.0)["params"], base, prefix="params/") is None
+
+
+def test_fingerprints_do_not_depend_on_sharding():
+  """Integer sums are exact: an array sharded over 8 devices gives the same fingerprint."""
+  code = """
+import jax, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+from posenc_jax.training.checkpoint import fingerprints
+x = np.random.default_rng(0).normal(size=(16, 24)).astype(np.float32)
+mesh = jax.make_mesh((4, 2), ("a", "b"))
+sharded = jax.device_put(x, NamedSharding(mesh, P("a", "b")))
+print(fingerprints({"x": x}) == fingerprints({"x": sharded}), len(sharded.sharding.device_set))
+"""
+  proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                        env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+                             "PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"})
+  assert proc.stdout.split() == ["True", "8"], proc.stderr[-2000:]
+
+
+def _data_files(step_dir: pathlib.Path) -> list[pathlib.Path]:
+  """The files holding the state's array bytes (OCDBT data files, in ``d/`` folders)."""
+  files = [p for p in (step_dir / "state").rglob("*") if p.is_file() and p.parent.name == "d"]
+  assert files
+  return files
+
+
+def _largest_data_file(step_dir: pathlib.Path) -> pathlib.Path:
+  return max(_data_files(step_dir), key=lambda p: p.stat().st_size)
+
+
+def _truncate(step_dir):
+  path = _largest_data_file(step_dir)
+  path.write_bytes(path.read_bytes()[:path.stat().st_size // 2])
+
+
+def _overwrite(step_dir):
+  path = _largest_data_file(step_dir)
+  data = bytearray(path.read_bytes())
+  data[len(data) // 2:len(data) // 2 + 32] = bytes(32)
+  path.write_bytes(bytes(data))
+
+
+def _delete_data(step_dir):
+  for path in _data_files(step_dir):
+    path.unlink()
+
+
+def _delete_metadata(step_dir):
+  """The JSON item (data position and fingerprints) and the state's tree metadata."""
+  (step_dir / "data" / "metadata").unlink()
+  (step_dir / "state" / "_METADATA").unlink()
+
+
+def _wrong_checksum(step_dir):
+  """Silent corruption the storage layer cannot see: the arrays read back, but differ from
+  what was saved (here: the recorded fingerprint is changed instead)."""
+  path = step_dir / "data" / "metadata"
+  data = json.loads(path.read_text())
+  data["fingerprints"]["params/w"][0] += 1
+  path.write_text(json.dumps(data))
+
+
+DAMAGE = {"truncated": _truncate, "overwritten": _overwrite, "data_deleted": _delete_data,
+          "metadata_deleted": _delete_metadata, "checksum_mismatch": _wrong_checksum,
+          "non_finite": None}
+
+
+@pytest.mark.parametrize("kind", list(DAMAGE))
+def test_damaged_newest_checkpoint_is_skipped_and_its_step_saved_again(tmp_path, kind):
+  checkpointer = Checkpointer(str(tmp_path), save_interval_steps=1, async_save=False)
+  checkpointer.save(1, _state(1.0), {"step": 1}, force=True)
+  newest = _state(2.0)
+  if kind == "non_finite":  # saved as such (training never saves one; a disk could)
+    newest["params"]["w"] = newest["params"]["w"].at[0, 0].set(jnp.inf)
+  checkpointer.save(2, newest, {"step": 2}, force=True)
+  checkpointer.close()
+  if DAMAGE[kind]:
+    DAMAGE[kind](tmp_path / "checkpoints" / "2")
+
+  # A read-only reader skips step 2 and leaves it where it is.
+  step, params = restore_params(str(tmp_path), _state(0.0)["params"])
+  assert step == 1 and float(params["w"][1, 1]) == 5.0
+  assert (tmp_path / "checkpoints" / "2").is_dir()
+
+  # Training moves it aside, resumes from 1, and saves step 2 again.
+  checkpointer = Checkpointer(str(tmp_path), save_interval_steps=1, async_save=False)
+  step, state, data = checkpointer.restore_latest(_abstract(_state(0.0)))
+  assert (step, data) == (1, {"step": 1}) and checkpointer.last_saved == 1
+  assert (tmp_path / "damaged_checkpoints" / "2").is_dir()
+  assert checkpointer.save(2, _state(3.0), {"step": 2}, force=True)
+  checkpointer.close()
+  step, params = restore_params(str(tmp_path), _state(0.0)["params"])
+  assert step == 2 and float(params["w"][1, 1]) == 15.0
+
+
+def test_no_good_checkpoint_is_one_line_naming_the_field(tmp_path):
+  checkpointer = Checkpointer(str(tmp_path), save_interval_steps=1, async_save=False)
+  checkpointer.save(1, _state(1.0), {"step": 1}, force=True)
+  checkpointer.close()
+  _wrong_checksum(tmp_path / "checkpoints" / "1")
+  with pytest.raises(CheckpointError, match=r"^init_checkpoint: no checkpoint in .* restores: "
+                                            r"step 1: checksum mismatch in params/w$"):
+    restore_params(str(tmp_path), field="init_checkpoint")
+  with pytest.raises(CheckpointError, match="^workdir: .* has no checkpoints/ folder"):
+    restore_params(str(tmp_path / "nowhere"))
+
+
+def test_an_unwritable_checkpoint_folder_is_refused_at_once(tmp_path):
+  (tmp_path / "checkpoints").write_text("a file where the folder should be")
+  with pytest.raises(CheckpointError, match="^checkpoints: .* is not writable"):
+    Checkpointer(str(tmp_path), save_interval_steps=1)
+
+
+def _config(rank=8, total_steps=10) -> ml_collections.ConfigDict:
+  config = base_train_config()
+  config.update(preset_config("bert_tiny,diet_abs"))
+  config.model.scheme.rank = rank
+  config.total_steps = total_steps
+  return config
+
+
+def test_workdir_is_claimed_by_one_config(tmp_path):
+  workdir = str(tmp_path / "run")
+  workdir_lib.claim(workdir, _config())
+  saved = json.loads((tmp_path / "run" / "config.json").read_text())
+  assert saved["model"]["scheme"] == {"name": "diet_abs", "rank": 8}
+  assert saved["model"]["head_dim"] is None  # resolved: defaults written out
+  workdir_lib.claim(workdir, _config(total_steps=20))  # a longer run of the same model
+  assert json.loads((tmp_path / "run" / "config.json").read_text())["total_steps"] == 20
+  before = (tmp_path / "run" / "config.json").read_text()
+  with pytest.raises(TrainConfigError, match=r"^workdir: .* holds a run of another config: "
+                                             r"model\.scheme\.rank: 8 there, 4 here; use a new"):
+    workdir_lib.claim(workdir, _config(rank=4))
+  assert (tmp_path / "run" / "config.json").read_text() == before
+
+
+def test_checkpoints_without_a_config_are_not_adopted(tmp_path):
+  (tmp_path / "checkpoints" / "10").mkdir(parents=True)
+  with pytest.raises(TrainConfigError, match="holds checkpoints but no config.json"):
+    workdir_lib.claim(str(tmp_path), _config())
+  assert not (tmp_path / "config.json").exists()
+  shutil.rmtree(tmp_path / "checkpoints")
+  (tmp_path / "parent_is_a_file").write_text("")
+  with pytest.raises(TrainConfigError, match="^workdir: .* cannot be created: .* is a file"):
+    workdir_lib.claim(str(tmp_path / "parent_is_a_file" / "run"), _config())
