@@ -1,6 +1,7 @@
-"""Every bad flag of the command-line tools (``python -m posenc_jax.bench``, ``.params``,
-``.analysis``) is one line naming the flag, what was given and what is allowed, and stops the
-tool before it prints, compiles or writes anything.
+"""Every bad flag of the command-line tools (``train.py``, ``python -m posenc_jax.bench``,
+``.params``, ``.analysis``) is one line naming the flag, what was given and what is allowed,
+and stops the tool before it prints, compiles or writes anything (``finetune.py``'s own
+fields: tests/test_errors_finetune.py).
 
 Each case runs the tool as a subprocess (about 2 s: imports, then the error); the cases run two
 at a time, so the table costs about a minute on two cores.
@@ -17,10 +18,91 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MODEL = "--config=configs/model.py:bert_tiny,alibi"
+RUN = "--workdir={tmp}/run"  # train.py's workdir: never created by a bad flag
 
 # (tool, arguments, start of the error line, texts in it). In arguments and texts, {dir} is an
 # empty directory, {file} a file and {ro} a directory the tool cannot write into.
 CASES = [
+    # train.py: the config argument, overrides of every kind of field, the workdir.
+    ("train.py", ["--config=configs/pretrain.py:bert_tiny,diet_abz", RUN],
+     "train.py: config preset:", ["'diet_abz' is unknown", "did you mean 'diet_abs'?"]),
+    ("train.py", ["--config=configs/pretrain.py:bert_base,diet_protocl", RUN],
+     "train.py: config preset:", ["'diet_protocl' is unknown"]),
+    ("train.py", ["--config=configs/pretrain.py:bert_tny", RUN], "train.py: config preset:",
+     ["'bert_tny' is not a model size", "did you mean 'bert_tiny'?"]),
+    ("train.py", ["--config=configs/nope.py", RUN], "train.py: config:",
+     ["'configs/nope.py' does not load", "No such file"]),
+    ("train.py", ["--config.totl_steps=3", RUN], "train.py: config.totl_steps: unknown field",
+     ["did you mean 'total_steps'?"]),
+    ("train.py", ["--config.model.dtpe=bfloat16", RUN],
+     "train.py: config.model.dtpe: unknown field", ["did you mean 'dtype'?"]),
+    ("train.py", ["--config.optimizer.lr=3", RUN], "train.py: config.optimizer.lr: unknown field",
+     ["fields of config.optimizer: b1"]),
+    ("train.py", ["--config.total_steps=abc", RUN], "train.py: --config.total_steps=abc:",
+     ["invalid literal for int() with base 10: 'abc'"]),
+    ("train.py", ["--config.async_checkpointing=maybe", RUN],
+     "train.py: --config.async_checkpointing=maybe:", ["Non-boolean argument"]),
+    ("train.py", ["--config.total_steps=0", RUN], "train.py: total_steps:",
+     ["got 0", "a positive integer"]),
+    ("train.py", ["--config.batch_size=-1", RUN], "train.py: batch_size:", ["got -1"]),
+    ("train.py", ["--config.seq_len=1", RUN], "train.py: seq_len:", ["got 1", ">= 2"]),
+    ("train.py", ["--config.mask_rate=0.0", RUN], "train.py: mask_rate:", ["got 0.0", "(0, 1]"]),
+    ("train.py", ["--config.mask_rate=1.5", RUN], "train.py: mask_rate:", ["got 1.5"]),
+    ("train.py", ["--config.eval_steps=-1", RUN], "train.py: eval_steps:", ["got -1"]),
+    ("train.py", ["--config.eval_every=-5", RUN], "train.py: eval_every:", ["got -5", ">= 0"]),
+    ("train.py", ["--config.log_every=0", RUN], "train.py: log_every:", ["got 0"]),
+    ("train.py", ["--config.keep_checkpoints=0", RUN], "train.py: keep_checkpoints:", ["got 0"]),
+    ("train.py", ["--config.seed=-1", RUN], "train.py: seed:", ["got -1"]),
+    ("train.py", ["--config.label_smoothing=1.0", RUN], "train.py: label_smoothing:",
+     ["got 1.0", "[0, 1)"]),
+    ("train.py", ["--config.objective=mlmm", RUN], "train.py: objective:",
+     ["got 'mlmm'", "did you mean 'mlm'?"]),
+    ("train.py", ["--config.head=classification", RUN], "train.py: head:",
+     ["got 'classification'", "'mlm' for objective 'mlm'"]),
+    ("train.py", ["--config.grad_accum_steps=3", RUN], "train.py: batch_size:",
+     ["got 32", "a multiple of grad_accum_steps=3"]),
+    ("train.py", ["--config.optimizer.grad_clip_norm=-1.0", RUN],
+     "train.py: optimizer.grad_clip_norm:", ["got -1.0"]),
+    ("train.py", ["--config.optimizer.b1=1.5", RUN], "train.py: optimizer.b1:",
+     ["got 1.5", "[0, 1)"]),
+    ("train.py", ["--config.optimizer.b2=-0.1", RUN], "train.py: optimizer.b2:", ["got -0.1"]),
+    ("train.py", ["--config.optimizer.eps=0.0", RUN], "train.py: optimizer.eps:", ["got 0.0"]),
+    ("train.py", ["--config.optimizer.learning_rate=inf", RUN],
+     "train.py: optimizer.learning_rate:", ["got inf", "finite"]),
+    ("train.py", ["--config.optimizer.name=adamm", RUN], "train.py: optimizer.name:",
+     ["got 'adamm'", "did you mean 'adam"]),
+    ("train.py", ["--config.optimizer.name=adam", RUN], "train.py: optimizer.weight_decay:",
+     ["got 0.01", "use 'adamw'"]),
+    ("train.py", ["--config.optimizer.schedule=cosine", RUN], "train.py: optimizer.schedule:",
+     ["got 'cosine'"]),
+    ("train.py", ["--config.optimizer.warmup_steps=100000", RUN],
+     "train.py: optimizer.warmup_steps:", ["got 100000", "total_steps=500"]),
+    ("train.py", ["--config.model.dtype=float16", RUN], "train.py: model.dtype:",
+     ["got 'float16'", "bfloat16"]),
+    ("train.py", ["--config.model.head_dim=-3", RUN], "train.py: model.head_dim:", ["got -3"]),
+    ("train.py", ["--config.model.max_len=32", RUN], "train.py: seq_len:",
+     ["64 exceeds model.max_len=32", "'diet_abs'"]),
+    ("train.py", ["--config.model.route=fast", RUN], "train.py: model.route:",
+     ["got 'fast'", "fused"]),
+    ("train.py", ["--config.model.scheme.name=diet_abz", RUN], "train.py: model.scheme:",
+     ["'diet_abz'", "did you mean 'diet_abs'?"]),
+    ("train.py", ["--config.model.scheme.rank=0", RUN], "train.py: model.scheme:",
+     ["rank", "got 0"]),
+    ("train.py", ["--config.mesh.shape=(3,1)", RUN], "train.py: mesh.shape:",
+     ["(3, 1) does not divide the 1 devices"]),
+    ("train.py", ["--config.mesh.axes=('batch','model')", RUN], "train.py: mesh.axes:",
+     ["('batch', 'model')", "including 'data'"]),
+    ("train.py", ["--config.mesh.rules=(('batch','dp'),)", RUN], "train.py: mesh.rules:",
+     ["mesh axis 'dp'"]),
+    ("train.py", ["--config.model.vocab_size=100", RUN], "train.py: model.vocab_size:",
+     ["100 is smaller than task 'wordnet_glosses'"]),
+    ("train.py", ["--config.task=glue_nope", RUN], "train.py: task:",
+     ["'glue_nope' is not a registered seqio task"]),
+    ("train.py", ["--workdir={file}/run"], "train.py: workdir:", ["{file}", "is a file"]),
+    ("train.py", ["--workdir={ro}/run"], "train.py: workdir:", ["{ro}/run", "cannot be created"]),
+    ("train.py", [], "train.py: --workdir is required", []),
+    ("train.py", ["--workdirr=x"], "train.py: Unknown command line flag 'workdirr'",
+     ["Did you mean: workdir"]),
     # bench: argparse flags.
     ("bench", ["--length", "-5"], "bench: --length:", ["got -5", "a positive integer"]),
     ("bench", ["--length", "0"], "bench: --length:", ["got 0", "a positive integer"]),
@@ -141,9 +223,9 @@ def results(request, tmp_path_factory):
     tool, argv, _, _ = CASES[index]
     places = _places(tmp_path_factory.mktemp(f"case{index}"))
     before = _listing(places)
-    proc = subprocess.run([sys.executable, "-m", f"posenc_jax.{tool}",
-                           *(a.format(**places) for a in argv)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
+    command = [tool] if tool.endswith(".py") else ["-m", f"posenc_jax.{tool}"]
+    proc = subprocess.run([sys.executable, *command, *(a.format(**places) for a in argv)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     return index, (places, proc, before, _listing(places))
 
   with concurrent.futures.ThreadPoolExecutor(2) as pool:
@@ -166,7 +248,7 @@ def _listing(places: dict[str, str]) -> list[str]:
 
 
 @pytest.mark.parametrize("index", range(len(CASES)),
-                         ids=[" ".join([tool, *(a for a in argv if a != MODEL)])
+                         ids=[" ".join([tool, *(a for a in argv if a not in (MODEL, RUN))])
                               for tool, argv, _, _ in CASES])
 def test_bad_flag_is_one_line_before_any_work(index, results):
   _, _, prefix, texts = CASES[index]

@@ -9,6 +9,7 @@ from posenc_jax.cli import nearest
 from posenc_jax.models.build import HEADS
 from posenc_jax.models.config import model_config
 from posenc_jax.schemes import build_scheme
+from posenc_jax.training.mesh import check_mesh_config
 from posenc_jax.training.objectives import HEAD_OF, OBJECTIVES
 from posenc_jax.training.optim import check_optimizer_config, default_optimizer_config
 
@@ -70,7 +71,8 @@ def absolute_table_schemes(model) -> list[str]:
 
 
 def validate_train_config(config: ml_collections.ConfigDict) -> None:
-  """Raises one :class:`TrainConfigError` (or ModelConfigError) line naming the bad field."""
+  """Raises one :class:`TrainConfigError` (or a Model-, Optimizer- or MeshConfigError) line
+  naming the bad field."""
   for field, allowed in (("objective", OBJECTIVES), ("head", HEADS)):
     if config[field] not in allowed:
       raise TrainConfigError(f"{field}: got {config[field]!r}{nearest(config[field], allowed)} "
@@ -97,6 +99,7 @@ def validate_train_config(config: ml_collections.ConfigDict) -> None:
   if not (isinstance(config.label_smoothing, (int, float)) and 0 <= config.label_smoothing < 1):
     _fail("label_smoothing", config.label_smoothing, "a number in [0, 1)")
   check_optimizer_config(config.optimizer, config.total_steps)
+  check_mesh_config(config.mesh)
   cfg = model_config(config.model)  # ModelConfigError names model.<field>
   lengths = [config.seq_len] + [config.get(f) for f in ("input_len", "target_len")
                                 if config.get(f)]

@@ -61,6 +61,23 @@ def make_mesh(shape: Sequence[int] = (-1, 1), axis_names: Sequence[str] = MESH_A
   return Mesh(np.asarray(devices).reshape(shape), tuple(axis_names))
 
 
+def check_mesh_config(mesh_config: Any) -> None:
+  """``mesh.axes`` are distinct and include ``data`` (the batch axis), ``mesh.shape`` has one
+  size per axis, and every mesh axis the rules name exists."""
+  axes = tuple(mesh_config.axes)
+  if len(set(axes)) != len(axes) or "data" not in axes:
+    raise MeshConfigError(f"mesh.axes: got {axes}; allowed: distinct names including 'data' "
+                          "(the batch is sharded over it)")
+  if len(tuple(mesh_config.shape)) != len(axes):
+    raise MeshConfigError(f"mesh.shape: {tuple(mesh_config.shape)} needs one size per axis "
+                          f"{axes}")
+  for logical, target in rules(mesh_config):
+    for name in target if isinstance(target, (tuple, list)) else (target,):
+      if name is not None and name not in axes:
+        raise MeshConfigError(f"mesh.rules: ({logical!r}, {target!r}) names mesh axis "
+                              f"{name!r}, not in mesh.axes={axes}")
+
+
 def check_batch(batch_size: int, mesh: Mesh, field: str = "batch_size") -> None:
   """The global batch must split evenly over the ``data`` axis and over the hosts."""
   data = mesh.shape["data"]
