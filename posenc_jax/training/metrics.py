@@ -112,7 +112,8 @@ class MetricWriter:
 
   A run resumed at ``start_step`` first drops the file's lines of later steps
   (written after that checkpoint by the interrupted run, and about to be
-  recomputed), so every step appears once.
+  recomputed), so every step appears once; TensorBoard hides those steps'
+  events (``purge_step``).
   """
 
   def __init__(self, workdir: str, start_step: int = 0):
@@ -125,7 +126,8 @@ class MetricWriter:
       _truncate_after(path, start_step)
       self._jsonl = open(path, "a")  # noqa: SIM115
       from tensorboardX import SummaryWriter  # noqa: PLC0415
-      self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+      self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"),
+                               purge_step=start_step + 1 if start_step else None)
 
   def write(self, step: int, scalars: dict[str, Any]) -> None:
     if not self.active:
