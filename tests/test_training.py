@@ -2,6 +2,7 @@
 the default run learning, and the pieces (schedule, decay mask, loss, accumulation)."""
 
 import json
+import os
 import pathlib
 import signal
 import socket
@@ -19,6 +20,7 @@ from posenc_jax.training.config import TrainConfigError, base_train_config, vali
 from posenc_jax.training.mesh import MeshConfigError, mesh_shape
 from posenc_jax.training.objectives import weighted_cross_entropy
 from posenc_jax.training.optim import decay_mask, make_optimizer
+from posenc_jax.training.signals import StopSignals
 
 ROOT = pathlib.Path(__file__).parent.parent
 DRIVER = str(ROOT / "tests" / "drivers" / "train_driver.py")
@@ -135,7 +137,18 @@ def test_resume_after_sigkill_is_bit_identical(tmp_path, reference, moment):
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_sigterm_saves_the_current_step_and_resumes_exactly(tmp_path, reference, sig):
+def test_stop_signals_are_recorded_not_fatal(sig):
+  """Inside StopSignals, SIGTERM and SIGINT only record the request (the loop then saves and
+  stops: the end-to-end test below); outside, the previous handlers are back."""
+  previous = signal.getsignal(sig)
+  with StopSignals() as stop:
+    os.kill(os.getpid(), sig)
+    assert stop.agreed() == sig
+  assert signal.getsignal(sig) == previous
+
+
+def test_sigterm_saves_the_current_step_and_resumes_exactly(tmp_path, reference,
+                                                            sig=signal.SIGTERM):
   """A signal mid-run: the step in flight finishes, is saved (no periodic checkpoint is due),
   the run stops with one line, and the restart continues from that step."""
   workdir = tmp_path / "stopped"
