@@ -15,8 +15,8 @@ import pytest
 
 from posenc_jax.presets import preset_config
 from posenc_jax.training import workdir as workdir_lib
-from posenc_jax.training.checkpoint import (Checkpointer, CheckpointError, damage, fingerprints,
-                                            restore_params)
+from posenc_jax.training.checkpoint import (BackgroundSaveError, Checkpointer, CheckpointError,
+                                            damage, fingerprints, restore_params)
 from posenc_jax.training.config import TrainConfigError, base_train_config
 
 
@@ -158,6 +158,19 @@ def test_an_unwritable_checkpoint_folder_is_refused_at_once(tmp_path):
   (tmp_path / "checkpoints").write_text("a file where the folder should be")
   with pytest.raises(CheckpointError, match="^checkpoints: .* is not writable"):
     Checkpointer(str(tmp_path), save_interval_steps=1)
+
+
+def test_a_failed_background_save_is_one_error_at_close(tmp_path):
+  """The last save of a run fails in the background: closing says so in one line."""
+  checkpointer = Checkpointer(str(tmp_path), save_interval_steps=1)
+  checkpointer.save(1, _state(1.0), {"step": 1}, force=True)
+  checkpointer.wait()
+  shutil.move(tmp_path / "checkpoints", tmp_path / "moved")
+  (tmp_path / "checkpoints").write_text("no longer a folder")
+  checkpointer.save(2, _state(2.0), {"step": 2}, force=True)
+  with pytest.raises(BackgroundSaveError, match=r"^checkpoints: a save to .* failed \(.*\); "
+                                                r"stopping: no complete checkpoint is left"):
+    checkpointer.close()
 
 
 def _config(rank=8, total_steps=10) -> ml_collections.ConfigDict:

@@ -168,10 +168,14 @@ class Checkpointer:
     self.last_saved: int | None = None
 
   def check(self) -> None:
-    """Raises :class:`CheckpointError` if a background save failed (does not wait for one in
-    progress)."""
-    if self.manager.is_saving_in_progress():
-      return
+    """Raises :class:`BackgroundSaveError` if a background save failed (does not wait for one
+    in progress)."""
+    if not self.manager.is_saving_in_progress():
+      self.wait()
+
+  def wait(self) -> None:
+    """Blocks until pending asynchronous saves are on disk; raises
+    :class:`BackgroundSaveError` (one line) if one failed."""
     try:
       self.manager.wait_until_finished()
     except Exception as e:  # noqa: BLE001 - any failed write stops the run with one line
@@ -238,12 +242,8 @@ class Checkpointer:
     self.manager.reload()
     return target
 
-  def wait(self) -> None:
-    """Blocks until pending asynchronous saves are on disk (raises if one failed)."""
-    self.manager.wait_until_finished()
-
   def close(self) -> None:
-    self.manager.wait_until_finished()
+    self.wait()
     self.manager.close()
 
 
