@@ -20,8 +20,9 @@
   (``python -m posenc_jax.bench --route``): on GPU and TPU the fused route;
   on CPU the reference route (at short lengths a batch-free term
   materialised once per layer costs less than folding it into every
-  example's q/k, and Pallas only interprets on CPU). With attention dropout
-  active it picks the reference route, the only one that runs it.
+  example's q/k, and Pallas only interprets on CPU). Attention dropout
+  runs on both routes with the same mask: on the fused route inside the
+  Pallas kernel (a counter-based hash, regenerated in the backward pass).
 
 The routes agree to float32 rounding, gradients included (tested, the Pallas
 kernel in interpret mode). Every route starts from :func:`attend`, which first
@@ -53,6 +54,7 @@ from jax import lax
 
 from posenc_jax.cli import nearest
 from posenc_jax.kernels import relative_flash, relative_flash_attention
+from posenc_jax.kernels.dropout import dropout_multipliers, dropout_seed
 from posenc_jax.kernels.relative_flash import PRECISIONS, dot_precision
 from posenc_jax.schemes.base import is_finite_number, is_int
 from posenc_jax.terms import SchemeTerms, Term, toeplitz_bias
@@ -175,7 +177,7 @@ def _mask_4d(mask: Array | None, causal: bool, q_len: int, k_len: int,
   return mask
 
 
-def _reference(q, k, v, terms, mask, causal, scale, dropout_rate=0.0, dropout_rng=None,
+def _reference(q, k, v, terms, mask, causal, scale, dropout_rate=0.0, seed=None,
                segment_ids=None, precision="float32"):
   dot = dot_precision(precision, q.dtype)
   logits = jnp.einsum("bihd,bjhd->bhij", q, k, precision=dot) * scale
@@ -188,9 +190,8 @@ def _reference(q, k, v, terms, mask, causal, scale, dropout_rate=0.0, dropout_rn
   if mask is not None:
     logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(logits, axis=-1)
-  if dropout_rate > 0.0 and dropout_rng is not None:
-    keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, probs.shape)
-    probs = jnp.where(keep, probs / (1.0 - dropout_rate), 0.0)
+  if seed is not None:
+    probs = probs * dropout_multipliers(seed, probs.shape, dropout_rate)
   probs = probs.astype(v.dtype)
   out = jnp.einsum("bhij,bjhd->bihd", probs, v, precision=dot)
   for term in terms:
@@ -228,7 +229,7 @@ def cudnn_unsupported(q_shape: Sequence[int], k_shape: Sequence[int], dtype, *,
 
 
 def _fused(q, k, v, terms, mask, causal, scale, *, implementation, backend=None,
-           segment_ids=None, precision="float32"):
+           segment_ids=None, precision="float32", dropout_rate=0.0, seed=None):
   """The fused route (module docstring); ``backend`` None reads the default backend.
 
   Toeplitz terms without dense ones go to the Pallas kernel (gather tiles,
@@ -236,7 +237,10 @@ def _fused(q, k, v, terms, mask, causal, scale, *, implementation, backend=None,
   goes to cuDNN on GPU where it fits, to splash attention on TPU where it
   fits, else to the Pallas kernel without a bias. Dense terms (with any
   Toeplitz term materialised) go to :func:`jax.nn.dot_product_attention`.
+  With dropout (``seed`` given) the kernel runs whatever fits it (it draws the
+  reference route's mask in its tiles); what does not fit runs the reference.
   """
+  unfolded_q, unfolded_k = q, k
   backend = jax.default_backend() if backend is None else backend
   q_parts, k_parts, dense, toeplitz = [q], [k], [], []
   for term in terms:
@@ -264,7 +268,10 @@ def _fused(q, k, v, terms, mask, causal, scale, *, implementation, backend=None,
     no_cudnn = cudnn_unsupported(q.shape, k.shape, q.dtype,
                                  has_bias=bool(dense or toeplitz or full_mask), backend=backend)
     implementation = "xla" if no_cudnn else "cudnn"
-  if kernel_fits and not toeplitz and backend == "tpu" and _splash_fits(q, k):
+  if seed is not None and not kernel_fits:
+    return _reference(unfolded_q, unfolded_k, v, terms, mask, causal, scale, dropout_rate, seed,
+                      segment_ids, precision)
+  if kernel_fits and not toeplitz and backend == "tpu" and _splash_fits(q, k) and seed is None:
     return _splash(q, k, v, mask, causal, scale, segment_ids)
 
   def kernel():
@@ -272,10 +279,13 @@ def _fused(q, k, v, terms, mask, causal, scale, *, implementation, backend=None,
     return relative_flash_attention(
         q, k, v, offset_bias, mask=mask, q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
         causal=causal, scale=scale, zero_first=bool(toeplitz) and toeplitz[0].zero_first,
-        tiles="roll" if backend == "tpu" else "gather", precision=precision)
+        tiles="roll" if backend == "tpu" else "gather", precision=precision,
+        dropout_rate=dropout_rate if seed is not None else 0.0, dropout_seed=seed)
 
   # Packed segments: cuDNN (through dot_product_attention) has no segment ids; the kernel has.
-  if kernel_fits and (toeplitz or implementation == "xla" or segment_ids is not None):
+  # Dropout: cuDNN's mask is its own; the kernel draws the reference route's.
+  if kernel_fits and (toeplitz or implementation == "xla" or segment_ids is not None
+                      or seed is not None):
     return kernel()
   dense += [toeplitz_bias(p.offset_bias, q_len, k_len, p.zero_first) for p in toeplitz]
   bias = sum(dense[1:], dense[0]).astype(q.dtype) if dense else None
@@ -367,8 +377,11 @@ def attend(
       route: ``"xla"``, ``"cudnn"``, or None to use cuDNN where
       :func:`cudnn_unsupported` allows.
     dropout_rate: attention-probability dropout (BERT's
-      ``attention_probs_dropout_prob``); active only with a ``dropout_rng``,
-      and then only the reference route runs it (``auto`` picks it).
+      ``attention_probs_dropout_prob``); active only with a ``dropout_rng``. The
+      mask is a hash of (seed, batch, head, query, key)
+      (:mod:`posenc_jax.kernels.dropout`), the same on the reference route and
+      in the Pallas kernel, which the fused route then runs (cuDNN and splash
+      attention are skipped; what the kernel cannot take runs the reference).
     dropout_rng: PRNG key for the dropout; None means deterministic.
     segment_ids: ``[B, L]`` int segment of each position for packed
       sequences (self-attention, ``Lq == Lk``): a query attends only keys of
@@ -394,16 +407,16 @@ def attend(
   terms = [term.with_key_length(k.shape[1]) for term in terms]
   for term in terms:
     q, k = term.transform_qk(q, k)
-  dropout = dropout_rate > 0.0 and dropout_rng is not None
-  if choose_route(route, terms, dropout) == "reference":
-    return _reference(q, k, v, terms, mask, causal, scale, dropout_rate, dropout_rng,
-                      segment_ids, precision)
+  seed = dropout_seed(dropout_rng) if dropout_rate > 0.0 and dropout_rng is not None else None
+  if choose_route(route, terms) == "reference":
+    return _reference(q, k, v, terms, mask, causal, scale, dropout_rate, seed, segment_ids,
+                      precision)
   return _fused(q, k, v, terms, mask, causal, scale, implementation=implementation,
-                segment_ids=segment_ids, precision=precision)
+                segment_ids=segment_ids, precision=precision, dropout_rate=dropout_rate,
+                seed=seed)
 
 
-def choose_route(route: Route, terms: Sequence[Term], dropout: bool = False,
-                 backend: str | None = None) -> str:
+def choose_route(route: Route, terms: Sequence[Term], backend: str | None = None) -> str:
   """The route :func:`attend` runs, ``"reference"`` or ``"fused"``.
 
   ``backend``: None reads :func:`jax.default_backend`. Raises a one-line
@@ -412,11 +425,9 @@ def choose_route(route: Route, terms: Sequence[Term], dropout: bool = False,
   backend = jax.default_backend() if backend is None else backend
   unfusable = [type(t).__name__ for t in terms if not t.fusable]
   if route == "auto":
-    route = "reference" if unfusable or dropout or backend == "cpu" else "fused"
+    route = "reference" if unfusable or backend == "cpu" else "fused"
   elif route == "fused" and unfusable:
     raise ValueError(f"route: 'fused' cannot run {', '.join(unfusable)}; use route='reference'")
-  elif route == "fused" and dropout:
-    raise ValueError("route: 'fused' has no attention dropout; use route='reference' or 'auto'")
   return route
 
 

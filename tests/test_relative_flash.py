@@ -9,6 +9,7 @@ from jax import export
 from posenc_jax.attention import attend
 from posenc_jax.kernels import (KernelBlocks, kernel_blocks, kernel_memory, memory_budget,
                                 relative_flash_attention)
+from posenc_jax.kernels.dropout import dropout_multipliers, dropout_seed
 from posenc_jax.kernels.relative_flash import SMEM_BYTES
 from posenc_jax.schemes.alibi import alibi_slopes
 from posenc_jax.schemes.t5 import relative_position_bucket
@@ -41,7 +42,7 @@ def _diet(table, rel, clip):
 
 def _t5(table, rel, bidirectional):
   return jnp.take(table, relative_position_bucket(rel, bidirectional=bidirectional,
-                                                  num_buckets=table.shape[-1], max_distance=16),
+                                                  num_buckets=table.shape[-1], max_distance=24),
                   axis=-1)
 
 
@@ -50,15 +51,19 @@ def _alibi(slopes, rel, causal):
   return -slopes.reshape((-1,) + (1,) * rel.ndim) * dist.astype(jnp.float32)
 
 
-def _check(q, k, v, cot, param, bias_fn, *, zero_first=False, **kw):
-  """Values and (q, k, v, param) gradients of the kernel vs attend(route='reference')."""
+def _check(q, k, v, cot, param, bias_fn, *, zero_first=False, dropout=None, **kw):
+  """Values and (q, k, v, param) gradients of the kernel vs attend(route='reference');
+  ``dropout``: ``(rate, PRNG key)`` for both."""
   lq, lk = q.shape[1], k.shape[1]
   blocks = {} if kw.get("tiles") == "roll" else dict(block_q=16, block_k=16)
   blocks.update((name, kw.pop(name)) for name in ("block_q", "block_k") if name in kw)
+  rate, rng = dropout or (0.0, None)
+  seed = None if rng is None else dropout_seed(rng)
 
   def kernel(q, k, v, param):
     return relative_flash_attention(q, k, v, bias_fn(param, offsets(lq, lk)),
-                                    zero_first=zero_first, **blocks, **kw)
+                                    zero_first=zero_first, dropout_rate=rate, dropout_seed=seed,
+                                    **blocks, **kw)
 
   def reference(q, k, v, param):
     bias = bias_fn(param, relative_offsets(lq, lk))
@@ -74,7 +79,7 @@ def _check(q, k, v, cot, param, bias_fn, *, zero_first=False, **kw):
     dv = v.shape[-1]
     v = jnp.pad(v, [(0, 0)] * 3 + [(0, k.shape[-1] - dv)])
     return attend(q, k, v, (Bias(bias),), mask=mask, causal=kw.get("causal", False),
-                  route="reference")[..., :dv]
+                  route="reference", dropout_rate=rate, dropout_rng=rng)[..., :dv]
 
   np.testing.assert_allclose(kernel(q, k, v, param), reference(q, k, v, param), atol=TOL,
                              rtol=TOL)
@@ -227,6 +232,47 @@ def test_every_gather_block_pair_lowers_for_triton(block_q, block_k):
   q/k 136 (padded to 256), v 64."""
   text = _lowered_step("cuda", dims=(136, 64), block_q=block_q, block_k=block_k)
   assert text.count(TRITON) == 3
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_dropout_draws_the_reference_mask_values_and_gradients(causal):
+  """The kernel's in-tile dropout (forward, and regenerated in dq and dk/dv) is the reference
+  route's mask: odd length, padding mask, T5 bias with the [CLS] reset."""
+  q, k, v, cot = _inputs(2, 37, 37)
+  table = jax.random.normal(jax.random.PRNGKey(7), (H, 16 if causal else 32))
+  mask = jnp.arange(37)[None, :] < jnp.array([[37], [30]])
+  _check(q, k, v, cot, table, lambda t, rel: _t5(t, rel, bidirectional=not causal),
+         zero_first=True, mask=mask, causal=causal, dropout=(0.3, jax.random.PRNGKey(11)))
+
+
+def test_roll_tiles_dropout_with_segments():
+  q, k, v, cot = _inputs(1, 130, 130)
+  seg = (jnp.arange(130)[None, :] >= 70).astype(int)
+  _check(q, k, v, cot, jax.random.normal(jax.random.PRNGKey(2), (H, 11)),
+         lambda t, rel: _diet(t, rel, 5), q_segment_ids=seg, kv_segment_ids=seg,
+         dropout=(0.1, jax.random.PRNGKey(5)), **ROLL)
+
+
+def test_dropout_mask_statistics():
+  """Keeps 1 - rate of the entries, scaled by 1 / (1 - rate); independent across seeds,
+  examples and heads."""
+  shape = (2, 3, 128, 128)
+  a = dropout_multipliers(dropout_seed(jax.random.PRNGKey(0)), shape, 0.1)
+  b = dropout_multipliers(dropout_seed(jax.random.PRNGKey(1)), shape, 0.1)
+  assert set(np.unique(a).tolist()) == {0.0, np.float32(1 / 0.9)}
+  kept = np.asarray(a > 0)
+  assert abs(kept.mean() - 0.9) < 0.005  # 98k entries: 5 standard deviations is 0.005
+  for x, y in ((kept, np.asarray(b > 0)), (kept[0], kept[1]), (kept[:, 0], kept[:, 1])):
+    assert abs((x == y).mean() - (0.9 ** 2 + 0.1 ** 2)) < 0.01  # as independent draws
+  assert abs(np.asarray(dropout_multipliers(dropout_seed(jax.random.PRNGKey(0)), shape, 0.5)
+                        > 0).mean() - 0.5) < 0.01
+
+
+@pytest.mark.parametrize("platform,tiles", [("cuda", "gather"), ("tpu", "roll")])
+def test_dropout_lowers(platform, tiles):
+  text = _lowered_step(platform, tiles=tiles, dropout_rate=0.1,
+                       dropout_seed=jnp.array([[7]], jnp.int32))
+  assert text.count(TRITON if platform == "cuda" else "tpu_custom_call") == 3
 
 
 def test_argument_errors():

@@ -31,6 +31,13 @@ and column 0 (TUPE-R's [CLS] reset). A query row whose keys are *all* masked
 returns zeros (the materialised reference averages every value uniformly
 there instead).
 
+Dropout (``dropout_rate``, ``dropout_seed``): each probability tile is
+multiplied by ``keep / (1 - rate)`` drawn from a counter-based hash of
+(seed, batch, head, i, j) (:mod:`posenc_jax.kernels.dropout`); the softmax
+normaliser sums the undropped probabilities, and the backward kernels draw
+the same tiles again (``dP = Z * dO V^T``, ``dV = (Z * P)^T dO``), so no mask
+is stored and the reference route, drawing the same hash, agrees exactly.
+
 Two ways of building tiles (``tiles``), both exact and both tested in
 interpret mode on CPU (``interpret=None`` picks it on the CPU backend):
 
@@ -71,6 +78,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plt
+
+from posenc_jax.kernels.dropout import dropout_multiplier
 
 Array = jax.Array
 
@@ -322,6 +331,7 @@ class _Config:
   causal: bool
   scale: float
   precision: str  # "float32" (exact float32 products) or "tensorfloat32"
+  dropout_rate: float
   blocks: KernelBlocks
   q_len: int  # Lq_p
   k_len: int  # Lk_p
@@ -413,6 +423,22 @@ def _cls_reset(cfg, tile, i, j):
   return jnp.where((i == 0) | (j == 0), 0.0, tile)
 
 
+def _stream(cfg, seed_ref):
+  """``(seed [1, 1], batch, head)`` of this program for :func:`_dropout` (read at the kernel's
+  top level: interpret mode has no program ids inside loops), or None without dropout."""
+  if not cfg.dropout_rate:
+    return None
+  return seed_ref[...], pl.program_id(0), pl.program_id(1)
+
+
+def _dropout(cfg, stream, qi, kj):
+  """The tile's dropout multipliers ``[bq, bk]`` (``keep / (1 - rate)``), or None without
+  dropout: a hash of (seed, batch, head, i, j), the same in every kernel and route."""
+  if stream is None:
+    return None
+  return dropout_multiplier(*stream, *_positions(cfg, qi, kj), cfg.dropout_rate)
+
+
 def _bias_tile(cfg, ob_ref, i, j, qi, kj):
   """``[bq, bk]`` float32 tile ``ob[j - i + Lq_p - 1]`` from the ``[1, Loff_p]`` ref.
 
@@ -454,6 +480,11 @@ def _diagonal_sums(cfg, dbias, ds_ref):
   return sums
 
 
+def _dropped(x, keep):
+  """``x * keep`` (``keep`` None: no dropout)."""
+  return x if keep is None else x * keep
+
+
 def _num_k_blocks(cfg, qi):
   """k-blocks a query block needs (causal: up to the diagonal)."""
   bq, bk = cfg.blocks.block_q, cfg.blocks.block_k
@@ -468,13 +499,14 @@ def _num_k_blocks(cfg, qi):
 # Kernels. Refs are one (batch, head) slice, every array 2-D: q [bq or Lq_p, Dqk_p],
 # k [Lk_p or bk, Dqk_p], v [Lk_p or bk, Dv_p], out/do [bq or Lq_p, Dv_p], offset bias
 # [1, Loff_p], query segment ids and lse/delta columns [bq or Lq_p, 1], key segment ids a
-# row [1, Lk_p or bk].
+# row [1, Lk_p or bk], the dropout seed [1, 1] (read only with dropout).
 
 
-def _fwd_kernel(cfg, q_ref, k_ref, v_ref, ob_ref, qseg_ref, kseg_ref, o_ref, lse_ref):
+def _fwd_kernel(cfg, q_ref, k_ref, v_ref, ob_ref, qseg_ref, kseg_ref, seed_ref, o_ref, lse_ref):
   qi = pl.program_id(2)
   bq, bk = cfg.blocks.block_q, cfg.blocks.block_k
   q, qseg = q_ref[...], qseg_ref[...]
+  stream = _stream(cfg, seed_ref)
 
   def body(kj, carry):
     m, l, acc = carry
@@ -484,7 +516,8 @@ def _fwd_kernel(cfg, q_ref, k_ref, v_ref, ob_ref, qseg_ref, kseg_ref, o_ref, lse
     m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
     p = jnp.where(valid, jnp.exp(s - m_new), 0.0)
     alpha = jnp.exp(m - m_new)
-    pv = _dot(cfg, p.astype(v.dtype), v, (1, 0))
+    keep = _dropout(cfg, stream, qi, kj)  # the normaliser l sums every probability
+    pv = _dot(cfg, _dropped(p, keep).astype(v.dtype), v, (1, 0))
     return m_new, alpha * l + jnp.sum(p, axis=1, keepdims=True), alpha * acc + pv
 
   init = (jnp.full((bq, 1), _NEG, jnp.float32), jnp.zeros((bq, 1), jnp.float32),
@@ -497,8 +530,8 @@ def _fwd_kernel(cfg, q_ref, k_ref, v_ref, ob_ref, qseg_ref, kseg_ref, o_ref, lse
   lse_ref[...] = jnp.where(empty, -_NEG, m + jnp.log(l_safe))
 
 
-def _dq_kernel(cfg, q_ref, k_ref, v_ref, ob_ref, qseg_ref, kseg_ref, do_ref, lse_ref, delta_ref,
-               dq_ref, dob_ref=None, ds_ref=None):
+def _dq_kernel(cfg, q_ref, k_ref, v_ref, ob_ref, qseg_ref, kseg_ref, seed_ref, do_ref, lse_ref,
+               delta_ref, dq_ref, dob_ref=None, ds_ref=None):
   """``dq`` of one query block and, with a bias, its part of the offset-bias gradient.
 
   ``dob_ref`` ``[1, Loff_p]`` accumulates the diagonal sums of every logit
@@ -509,6 +542,7 @@ def _dq_kernel(cfg, q_ref, k_ref, v_ref, ob_ref, qseg_ref, kseg_ref, do_ref, lse
   bq, bk = cfg.blocks.block_q, cfg.blocks.block_k
   q, do, qseg = q_ref[...], do_ref[...], qseg_ref[...]
   lse, delta = lse_ref[...], delta_ref[...]
+  stream = _stream(cfg, seed_ref)
   if cfg.has_bias:
     dob_ref[...] = jnp.zeros(dob_ref.shape, jnp.float32)
 
@@ -517,7 +551,7 @@ def _dq_kernel(cfg, q_ref, k_ref, v_ref, ob_ref, qseg_ref, kseg_ref, do_ref, lse
     v = v_ref[pl.ds(kj * bk, bk), :]
     s, valid = _tile(cfg, q, k, ob_ref, qseg, kseg_ref[:, pl.ds(kj * bk, bk)], qi, kj)
     p = jnp.where(valid, jnp.exp(s - lse), 0.0)
-    ds = p * (_dot(cfg, do, v, (1, 1)) - delta)
+    ds = p * (_dropped(_dot(cfg, do, v, (1, 1)), _dropout(cfg, stream, qi, kj)) - delta)
     if cfg.has_bias:
       window = (slice(None), pl.ds(cfg.window_start(qi, kj), cfg.window))
       dbias = _cls_reset(cfg, ds, *_positions(cfg, qi, kj))
@@ -528,11 +562,12 @@ def _dq_kernel(cfg, q_ref, k_ref, v_ref, ob_ref, qseg_ref, kseg_ref, do_ref, lse
   dq_ref[...] = (dq * cfg.scale).astype(dq_ref.dtype)
 
 
-def _dkv_kernel(cfg, q_ref, k_ref, v_ref, ob_ref, qseg_ref, kseg_ref, do_ref, lse_ref, delta_ref,
-                dk_ref, dv_ref):
+def _dkv_kernel(cfg, q_ref, k_ref, v_ref, ob_ref, qseg_ref, kseg_ref, seed_ref, do_ref, lse_ref,
+                delta_ref, dk_ref, dv_ref):
   kj = pl.program_id(2)
   bq, bk = cfg.blocks.block_q, cfg.blocks.block_k
   k, v, kseg = k_ref[...], v_ref[...], kseg_ref[...]
+  stream = _stream(cfg, seed_ref)
 
   def body(qi, carry):
     dk, dv = carry
@@ -540,9 +575,10 @@ def _dkv_kernel(cfg, q_ref, k_ref, v_ref, ob_ref, qseg_ref, kseg_ref, do_ref, ls
     q, do = q_ref[rows, :], do_ref[rows, :]
     s, valid = _tile(cfg, q, k, ob_ref, qseg_ref[rows, :], kseg, qi, kj)
     p = jnp.where(valid, jnp.exp(s - lse_ref[rows, :]), 0.0)
-    ds = p * (_dot(cfg, do, v, (1, 1)) - delta_ref[rows, :])
+    keep = _dropout(cfg, stream, qi, kj)
+    ds = p * (_dropped(_dot(cfg, do, v, (1, 1)), keep) - delta_ref[rows, :])
     return (dk + _dot(cfg, ds.astype(q.dtype), q, (0, 0)),
-            dv + _dot(cfg, p.astype(do.dtype), do, (0, 0)))
+            dv + _dot(cfg, _dropped(p, keep).astype(do.dtype), do, (0, 0)))
 
   start = lax.div(kj * bk, bq) if cfg.causal else 0
   init = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
@@ -567,14 +603,15 @@ class _Specs(NamedTuple):
   offset_bias: pl.BlockSpec
   q_segments: pl.BlockSpec
   kv_segments: pl.BlockSpec
+  seed: pl.BlockSpec
   row: pl.BlockSpec  # lse and delta
 
   @property
   def inputs(self):
-    """Specs of the backward kernels' inputs (q, k, v, ob, qseg, kseg, do, lse, delta); the
-    forward takes the first six."""
+    """Specs of the backward kernels' inputs (q, k, v, ob, qseg, kseg, seed, do, lse, delta);
+    the forward takes the first seven."""
     return [self.q, self.k, self.v, self.offset_bias, self.q_segments, self.kv_segments,
-            self.out, self.row, self.row]
+            self.seed, self.out, self.row, self.row]
 
 
 def _specs(cfg, *, over_queries: bool) -> _Specs:
@@ -600,10 +637,10 @@ def _specs(cfg, *, over_queries: bool) -> _Specs:
       offset_bias=pl.BlockSpec((None, 1, cfg.offset_len), lambda b, h, n: (h, 0, 0)),
       q_segments=pl.BlockSpec((None, q_rows, 1), lambda b, h, n: (b, q_block(n), 0)),
       kv_segments=pl.BlockSpec((None, 1, k_rows), lambda b, h, n: (b, 0, k_block(n))),
-      row=q_spec(1))
+      seed=pl.BlockSpec((1, 1), lambda b, h, n: (0, 0)), row=q_spec(1))
 
 
-def _forward(cfg, q, k, v, ob, qseg, kseg):
+def _forward(cfg, q, k, v, ob, qseg, kseg, seed):
   b, h = q.shape[:2]
   specs = _specs(cfg, over_queries=True)
   return pl.pallas_call(
@@ -611,20 +648,20 @@ def _forward(cfg, q, k, v, ob, qseg, kseg):
       out_shape=(jax.ShapeDtypeStruct((b, h, cfg.q_len, cfg.blocks.v_dim), q.dtype),
                  jax.ShapeDtypeStruct((b, h, cfg.q_len, 1), jnp.float32)),
       grid=(b, h, cfg.q_len // cfg.blocks.block_q),
-      in_specs=specs.inputs[:6],
+      in_specs=specs.inputs[:7],
       out_specs=(specs.out, specs.row),
       interpret=cfg.interpret,
       compiler_params=cfg.compiler_params,
       name="relative_flash_fwd",
-  )(q, k, v, ob, qseg, kseg)
+  )(q, k, v, ob, qseg, kseg, seed)
 
 
-def _backward(cfg, q, k, v, ob, qseg, kseg, out, lse, do):
+def _backward(cfg, q, k, v, ob, qseg, kseg, seed, out, lse, do):
   b, h = q.shape[:2]
   bq, bk = cfg.blocks.block_q, cfg.blocks.block_k
   nq, nk = cfg.q_len // bq, cfg.k_len // bk
   delta = jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32), axis=-1, keepdims=True)
-  args = (q, k, v, ob, qseg, kseg, do, lse, delta)
+  args = (q, k, v, ob, qseg, kseg, seed, do, lse, delta)
 
   specs = _specs(cfg, over_queries=True)
   out_shapes, out_specs = [jax.ShapeDtypeStruct(q.shape, q.dtype)], [specs.q]
@@ -662,18 +699,18 @@ def _backward(cfg, q, k, v, ob, qseg, kseg, out, lse, do):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(cfg, q, k, v, ob, qseg, kseg):
-  return _forward(cfg, q, k, v, ob, qseg, kseg)[0]
+def _flash(cfg, q, k, v, ob, qseg, kseg, seed):
+  return _forward(cfg, q, k, v, ob, qseg, kseg, seed)[0]
 
 
-def _flash_fwd(cfg, q, k, v, ob, qseg, kseg):
-  out, lse = _forward(cfg, q, k, v, ob, qseg, kseg)
-  return out, (q, k, v, ob, qseg, kseg, out, lse)
+def _flash_fwd(cfg, q, k, v, ob, qseg, kseg, seed):
+  out, lse = _forward(cfg, q, k, v, ob, qseg, kseg, seed)
+  return out, (q, k, v, ob, qseg, kseg, seed, out, lse)
 
 
 def _flash_bwd(cfg, res, do):
-  q, k, v, ob, qseg, kseg, out, lse = res
-  return _backward(cfg, q, k, v, ob, qseg, kseg, out, lse, do) + (None, None)
+  q, k, v, ob, qseg, kseg, seed, out, lse = res
+  return _backward(cfg, q, k, v, ob, qseg, kseg, seed, out, lse, do) + (None, None, None)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -699,6 +736,8 @@ def relative_flash_attention(
     block_k: int | None = None,
     tiles: str | None = None,
     precision: str = "float32",
+    dropout_rate: float = 0.0,
+    dropout_seed: Array | None = None,
     interpret: bool | None = None,
 ) -> Array:
   """Flash attention with a Toeplitz bias ``offset_bias[h, j - i + Lq - 1]`` built in the kernel.
@@ -730,6 +769,11 @@ def relative_flash_attention(
       (10 mantissa bits: about 1e-4 absolute error on unit-scale attention, against 4e-7
       exact). Exact products skip the tensor cores: on an H100 they were 10-30 times
       slower than TF32. bfloat16/float16 inputs are unaffected.
+    dropout_rate: attention-probability dropout, in ``[0, 1)``; the mask is a hash of
+      ``(dropout_seed, b, h, i, j)`` (:mod:`posenc_jax.kernels.dropout`), regenerated in
+      the backward pass and equal to the reference route's.
+    dropout_seed: int32 seed (any shape of one element; :func:`dropout_seed` draws one
+      from a PRNG key); needed when ``dropout_rate > 0``.
     interpret: Pallas interpret mode; None picks it on the CPU backend.
 
   Returns:
@@ -754,10 +798,17 @@ def relative_flash_attention(
   if interpret is None:
     interpret = jax.default_backend() == "cpu"
   scale = 1.0 / math.sqrt(d) if scale is None else scale
+  if not 0.0 <= dropout_rate < 1.0:
+    raise ValueError(f"dropout_rate: got {dropout_rate!r}; allowed: a number in [0, 1)")
+  if dropout_rate and (dropout_seed is None or jnp.size(dropout_seed) != 1):
+    raise ValueError(f"dropout_seed: got {dropout_seed!r}; allowed: one int32 with dropout")
+  seed = (jnp.zeros((1, 1), jnp.int32) if dropout_seed is None
+          else jnp.reshape(dropout_seed, (1, 1)).astype(jnp.int32))
 
   lq_p, lk_p = _round_up(lq, blocks.block_q), _round_up(lk, blocks.block_k)
   cfg = _Config(has_bias=offset_bias is not None, tiles=tiles, zero_first=zero_first,
-                causal=causal, scale=float(scale), precision=precision, blocks=blocks,
+                causal=causal, scale=float(scale), precision=precision,
+                dropout_rate=float(dropout_rate), blocks=blocks,
                 q_len=lq_p, k_len=lk_p, interpret=bool(interpret))
   loff = cfg.offset_len
 
@@ -786,5 +837,5 @@ def relative_flash_attention(
                  ((0, 0), (lq_p - lq, loff - (lq_p - lq) - (lq + lk - 1))))
   ob = jnp.broadcast_to(ob, (h, loff))[:, None, :]  # [H, 1, Loff_p]
   out = _flash(cfg, heads_major(q, lq_p, blocks.qk_dim), heads_major(k, lk_p, blocks.qk_dim),
-               heads_major(v, lk_p, blocks.v_dim), ob, qseg, kseg)
+               heads_major(v, lk_p, blocks.v_dim), ob, qseg, kseg, seed)
   return jnp.swapaxes(out[:, :, :lq, :dv], 1, 2)
