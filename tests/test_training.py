@@ -16,6 +16,7 @@ import ml_collections
 import numpy as np
 import pytest
 
+from posenc_jax.presets import preset_config
 from posenc_jax.training.config import TrainConfigError, base_train_config, validate_train_config
 from posenc_jax.training.mesh import MeshConfigError, mesh_shape
 from posenc_jax.training.objectives import weighted_cross_entropy
@@ -295,6 +296,48 @@ def test_learning_rate_schedule_and_decay_mask():
   mask = decay_mask({"dense": {"kernel": 1, "bias": 2}, "norm": {"scale": 3, "bias": 4}})
   assert mask == {"dense": {"kernel": True, "bias": False}, "norm": {"scale": False,
                                                                      "bias": False}}
+
+
+def test_mlm_head_at_masked_positions_only_keeps_loss_and_gradients():
+  """``max_predictions_per_seq``: the vocabulary projection at P positions per row gives the
+  loss, accuracy and gradients of projecting every position."""
+  from posenc_jax.models.build import build_model
+  from posenc_jax.presets import preset_config
+  from posenc_jax.training.objectives import masked_positions, objective
+  cfg = preset_config("bert_tiny,diet_rel").model
+  cfg.update(dict(vocab_size=50, d_model=32, num_heads=4, mlp_dim=64, max_len=24))
+  model = build_model(cfg, "mlm")
+  rng = np.random.default_rng(0)
+  ids = rng.integers(6, 50, (3, 24)).astype(np.int32)
+  weights = np.zeros((3, 24), np.float32)
+  for row, count in enumerate([4, 1, 0]):
+    weights[row, rng.choice(np.arange(1, 24), count, replace=False)] = 1.0
+  batch = {"input_ids": ids, "segment_ids": np.zeros_like(ids), "mask": np.ones_like(ids),
+           "mlm_targets": ids * (weights > 0), "mlm_weights": weights}
+  params = model.init(jax.random.key(0), ids)["params"]
+  results = [jax.value_and_grad(lambda p, f=objective("mlm", predictions): f(model, p, batch,
+                                                                            None), has_aux=True)(
+      params) for predictions in (None, 4)]
+  (loss, sums), grads = results[0]
+  (loss_p, sums_p), grads_p = results[1]
+  np.testing.assert_allclose(loss_p, loss, rtol=1e-6)
+  assert sums_p["weight"] == sums["weight"] == 5 and sums_p["correct"] == sums["correct"]
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), grads_p,
+               grads)
+  positions = np.asarray(masked_positions(jnp.asarray(weights), 4))
+  assert (np.sort(positions[0]) == np.flatnonzero(weights[0])).all()
+
+
+def test_max_predictions_per_seq_must_cover_every_masked_position():
+  config = base_train_config()
+  config.update(preset_config("bert_tiny,diet_abs"))
+  config.seq_len, config.max_predictions_per_seq = 128, 19
+  config.optimizer.warmup_steps = 100
+  with pytest.raises(TrainConfigError, match=r"max_predictions_per_seq: got 19; allowed: 0, "
+                                             r"or an integer in \[20, seq_len=128\]"):
+    validate_train_config(config)
+  config.max_predictions_per_seq = 20
+  validate_train_config(config)
 
 
 def test_weighted_cross_entropy_against_numpy():

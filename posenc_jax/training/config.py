@@ -3,6 +3,8 @@ that fails before anything is compiled, with one line naming the field."""
 
 from __future__ import annotations
 
+import math
+
 import ml_collections
 
 from posenc_jax.cli import nearest
@@ -26,6 +28,8 @@ def base_train_config() -> ml_collections.ConfigDict:
   config.task = "wordnet_glosses"
   config.seq_len = 128
   config.mask_rate = 0.15
+  # MLM head positions per row (BERT's); None: as many as mask_rate masks; 0: every position.
+  config.max_predictions_per_seq = ml_collections.config_dict.placeholder(int)
   config.batch_size = 32
   config.grad_accum_steps = 1
   config.label_smoothing = 0.0
@@ -70,6 +74,20 @@ def absolute_table_schemes(model) -> list[str]:
   return names
 
 
+def most_masked(config: ml_collections.ConfigDict) -> int:
+  """The most positions ``mask_rate`` masks in a row of ``seq_len`` ([CLS] is never masked)."""
+  return math.ceil(config.mask_rate * (config.seq_len - 1))
+
+
+def max_predictions(config: ml_collections.ConfigDict) -> int | None:
+  """The MLM head's positions per row: ``max_predictions_per_seq``, or :func:`most_masked`
+  when it is None; None (every position) when it is 0 or the objective is not MLM."""
+  if config.objective != "mlm":
+    return None
+  predictions = config.get("max_predictions_per_seq")
+  return most_masked(config) if predictions is None else (predictions or None)
+
+
 def validate_train_config(config: ml_collections.ConfigDict) -> None:
   """Raises one :class:`TrainConfigError` (or a Model-, Optimizer- or MeshConfigError) line
   naming the bad field."""
@@ -93,6 +111,16 @@ def validate_train_config(config: ml_collections.ConfigDict) -> None:
     _fail("async_checkpointing", config.async_checkpointing, "true or false")
   if not (isinstance(config.mask_rate, (int, float)) and 0 < config.mask_rate <= 1):
     _fail("mask_rate", config.mask_rate, "a number in (0, 1]")
+  predictions = config.get("max_predictions_per_seq")
+  if predictions:
+    most = most_masked(config)
+    if config.objective != "mlm":
+      _fail("max_predictions_per_seq", predictions, "None or 0 (it sets the MLM head's "
+            "positions)")
+    if not (_is_int(predictions) and most <= predictions <= config.seq_len):
+      _fail("max_predictions_per_seq", predictions,
+            f"0, or an integer in [{most}, seq_len={config.seq_len}] (mask_rate="
+            f"{config.mask_rate} masks up to {most} positions of a row)")
   if config.batch_size % config.grad_accum_steps:
     _fail("batch_size", config.batch_size,
           f"a multiple of grad_accum_steps={config.grad_accum_steps}")

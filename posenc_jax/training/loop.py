@@ -35,7 +35,8 @@ from posenc_jax.schemes import build_scheme
 from posenc_jax.training import mesh as mesh_lib
 from posenc_jax.training import workdir as workdir_lib
 from posenc_jax.training.checkpoint import Checkpointer
-from posenc_jax.training.config import TrainConfigError, validate_train_config
+from posenc_jax.training.config import (TrainConfigError, max_predictions,
+                                        validate_train_config)
 from posenc_jax.training.metrics import (MetricWriter, Throughput, console_line,
                                          train_flops_per_step)
 from posenc_jax.training.objectives import objective
@@ -67,10 +68,17 @@ def batch_limits(cfg: ModelConfig) -> dict[str, tuple[int, str]]:
   return limits
 
 
-def check_batch(batch: dict[str, np.ndarray], limits: dict[str, tuple[int, str]], step: int
-                ) -> dict[str, np.ndarray]:
+def check_batch(batch: dict[str, np.ndarray], limits: dict[str, tuple[int, str]], step: int,
+                predictions: int | None = None) -> dict[str, np.ndarray]:
   """``batch`` (host-local numpy), after checking its ids against ``limits`` (an id outside
-  a table would embed as NaN, or be clamped)."""
+  a table would embed as NaN, or be clamped) and its masked positions per row against the
+  MLM head's ``predictions`` (more would drop out of the loss)."""
+  if predictions and "mlm_weights" in batch:
+    most = int(np.max(np.sum(batch["mlm_weights"] > 0, axis=-1), initial=0))
+    if most > predictions:
+      raise DataError(f"data: a row of the batch for step {step + 1} has {most} masked "
+                      f"positions, more than the MLM head's {predictions} "
+                      "(max_predictions_per_seq)")
   for key, (bound, name) in limits.items():
     if key in batch and batch[key].size:
       low, high = int(np.min(batch[key])), int(np.max(batch[key]))
@@ -148,7 +156,7 @@ def make_train_step(model: nn.Module, config: ml_collections.ConfigDict,
   """``step(state, batch, rng) -> (state, metrics)``, accumulating ``grad_accum_steps``
   micro-batches; the update is skipped (state kept) when the loss, the gradients or the
   updated parameters' norm (overflowing float32) are not finite."""
-  loss_fn = objective(config.objective)
+  loss_fn = objective(config.objective, max_predictions(config))
   accum = config.grad_accum_steps
   smoothing = config.get("label_smoothing", 0.0)
 
@@ -188,7 +196,7 @@ def make_train_step(model: nn.Module, config: ml_collections.ConfigDict,
 
 def make_eval_step(model: nn.Module, config: ml_collections.ConfigDict) -> Callable:
   """``eval_step(params, batch) -> summed metrics`` (deterministic)."""
-  loss_fn = objective(config.objective)
+  loss_fn = objective(config.objective, max_predictions(config))
 
   def eval_step(params, batch):
     _, sums = loss_fn(model, params, batch, None)
@@ -310,7 +318,8 @@ def train(config: ml_collections.ConfigDict, workdir: str,
                               max_to_keep=config.keep_checkpoints,
                               async_save=config.async_checkpointing)
   limits = batch_limits(model_config(config.model))
-  first_batch = check_batch(next(data(config, "train", 0, **host)), limits, 0)
+  predictions = max_predictions(config)
+  first_batch = check_batch(next(data(config, "train", 0, **host)), limits, 0, predictions)
   state, state_shardings = init_state(model, tx, _global(first_batch, batch_sharding), mesh,
                                       config, config.seed)
   start_step = 0
@@ -354,7 +363,8 @@ def train(config: ml_collections.ConfigDict, workdir: str,
       if (jax.process_count() == 1 or step % config.log_every == 0) and stop.agreed():
         break
       checkpointer.check()  # a failed background save stops the run here
-      batch = _global(check_batch(next(train_batches), limits, step), batch_sharding)
+      batch = _global(check_batch(next(train_batches), limits, step, predictions),
+                      batch_sharding)
       compile_start = time.perf_counter()
       state, metrics = step_fn(state, batch, rng)
       step += 1

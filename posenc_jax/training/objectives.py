@@ -5,7 +5,12 @@ exactly) and summed metric numerators over one batch.
 
 MLM batch (``[B, L]`` each): ``input_ids``, ``segment_ids``, ``mask`` (1 at
 real tokens), ``mlm_targets`` (original id at masked positions),
-``mlm_weights`` (1 at masked positions).
+``mlm_weights`` (1 at masked positions). With ``max_predictions`` ``P`` (BERT's
+``max_predictions_per_seq``; the trainer's default is the most ``mask_rate``
+masks in a row) the vocabulary projection runs only at the ``P`` positions of
+each row that carry weight (padded with weight-0 positions), not at all
+``L``: the same loss and gradients when no row has more than ``P`` (the
+trainer checks every batch).
 
 Translation batch: ``inputs`` ``[B, Ls]``, ``targets`` ``[B, Lt]`` (0 is
 padding; the decoder input is ``targets`` shifted right by one).
@@ -19,6 +24,7 @@ partial evaluation batch with 0.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import flax.linen as nn
@@ -59,15 +65,28 @@ def weighted_cross_entropy(logits: Array, targets: Array, weights: Array,
   return jnp.sum(loss * weights), jnp.sum(weights), jnp.sum(correct * weights)
 
 
+def masked_positions(weights: Array, max_predictions: int) -> Array:
+  """``[B, P]`` int32 positions of each row's ``P`` largest ``weights`` ``[B, L]`` (the
+  masked positions first, in order, then weight-0 ones)."""
+  _, positions = jax.lax.top_k(weights.astype(jnp.float32), max_predictions)  # ties: lower index
+  return positions.astype(jnp.int32)
+
+
 def mlm_objective(model: nn.Module, params: Any, batch: dict[str, Array], rng: Array | None,
-                  label_smoothing: float = 0.0) -> tuple[Array, dict[str, Array]]:
-  """Masked-LM loss over the masked positions of a batch."""
+                  label_smoothing: float = 0.0, max_predictions: int | None = None
+                  ) -> tuple[Array, dict[str, Array]]:
+  """Masked-LM loss over the masked positions of a batch (logits at ``max_predictions``
+  positions per row, or at every position when None)."""
   deterministic = rng is None
+  targets, weights, positions = batch["mlm_targets"], batch["mlm_weights"], None
+  if max_predictions:
+    positions = masked_positions(weights, max_predictions)
+    targets = jnp.take_along_axis(targets, positions, axis=1)
+    weights = jnp.take_along_axis(weights, positions, axis=1)
   logits = model.apply({"params": params}, batch["input_ids"], batch["segment_ids"],
-                       batch["mask"], deterministic=deterministic,
+                       batch["mask"], masked_positions=positions, deterministic=deterministic,
                        rngs=None if deterministic else {"dropout": rng})
-  loss, weight, correct = weighted_cross_entropy(logits, batch["mlm_targets"],
-                                                 batch["mlm_weights"], label_smoothing)
+  loss, weight, correct = weighted_cross_entropy(logits, targets, weights, label_smoothing)
   return loss, {"loss": loss, "weight": weight, "correct": correct}
 
 
@@ -130,7 +149,10 @@ def span_objective(model, params, batch, rng, label_smoothing=0.0):
   return loss, {"loss": loss, "weight": weight, "correct": jnp.sum(weights * exact)}
 
 
-def objective(name: str):
-  return {"mlm": mlm_objective, "translation": translation_objective,
-          "classification": classification_objective, "regression": regression_objective,
-          "span": span_objective}[name]
+def objective(name: str, max_predictions: int | None = None):
+  """The loss function ``(model, params, batch, rng, label_smoothing)`` of objective ``name``
+  (``max_predictions``: the MLM head's positions per row, see the module docstring)."""
+  if name == "mlm":
+    return functools.partial(mlm_objective, max_predictions=max_predictions or None)
+  return {"translation": translation_objective, "classification": classification_objective,
+          "regression": regression_objective, "span": span_objective}[name]

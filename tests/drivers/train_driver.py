@@ -66,7 +66,8 @@ def config():
   c.model.update(dict(vocab_size=VOCAB, d_model=32, num_heads=4, mlp_dim=64, max_len=LENGTH,
                       dropout_rate=0.0, attention_dropout_rate=0.0))
   c.model.scheme = dict(name="diet_abs", rank=ARGS.rank, sharing="layer")
-  c.update(dict(seq_len=LENGTH, batch_size=BATCH, total_steps=ARGS.steps, log_every=1,
+  c.update(dict(seq_len=LENGTH, batch_size=BATCH, max_predictions_per_seq=LENGTH,
+                total_steps=ARGS.steps, log_every=1,
                 eval_every=0, checkpoint_every=ARGS.checkpoint_every, grad_accum_steps=ARGS.accum,
                 async_checkpointing=True))
   c.mesh.shape = tuple(int(s) for s in ARGS.mesh.split(","))
