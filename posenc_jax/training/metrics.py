@@ -3,6 +3,15 @@
 Throughput follows t5x: steps/s, tokens/s, tokens/s per device, the
 compile time (the first step, excluded from rates), an ETA, and MFU where
 the device's peak FLOP/s is known.
+
+MFU is ``train_flops_per_step * steps/s / (sum of the devices' peak FLOP/s)``:
+
+* :func:`train_flops_per_step` counts the matmul FLOPs of the model the loop
+  runs, from its :class:`~posenc_jax.models.ModelConfig` (layers, attention,
+  folded positional terms, the head), 3 x the forward pass for training.
+* :func:`peak_flops` looks the device up in :data:`PEAK_FLOPS` by the exact
+  ``jax.Device.device_kind`` JAX reports, per JAX device, for the model's
+  compute dtype. A device it does not know gets no MFU, never a guessed one.
 """
 
 from __future__ import annotations
@@ -11,46 +20,334 @@ import json
 import math
 import os
 import time
+import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
-# Dense bf16 peak FLOP/s per device (vendor figures), by jax device_kind prefix.
-PEAK_FLOPS = {
-    "NVIDIA H100": 989e12,
-    "NVIDIA H200": 989e12,
-    "NVIDIA A100": 312e12,
-    "TPU v2": 45e12,
-    "TPU v3": 123e12,
-    "TPU v4": 275e12,
-    "TPU v5 lite": 197e12,
-    "TPU v5e": 197e12,
-    "TPU v5p": 459e12,
-    "TPU v6 lite": 918e12,
+from posenc_jax.models.config import ModelConfig, causal_variant, model_config
+from posenc_jax.schemes.base import is_int
+from posenc_jax.schemes.registry import SCHEMES
+
+# Dense (no 2:4 sparsity) peak FLOP/s of one JAX device, ``(bfloat16, float32)``, keyed by the
+# exact ``jax.Device.device_kind``. "float32" is the rate of JAX's default precision for
+# float32 matmuls: TF32 on NVIDIA Ampere and later (jax-ml/jax#18934, #4873), one bfloat16
+# pass on TPU (jax-ml/jax#1856), so on TPU both columns are the bf16 peak. Attention run with
+# ``attention_precision='float32'`` (exact) is slower than that rate, so its MFU reads lower.
+#
+# TPUs: Cloud TPU "system architecture" pages (cloud.google.com/tpu/docs/<version>) give the
+# bf16 peak per chip; JAX's jax/_src/tpu_info.py gives TensorCores per chip and which chips
+# run megacore (both cores as one JAX device). A JAX device of v2, v3 and TPU7x is one
+# TensorCore, half a chip; of v4 and v5p (megacore) the whole chip. Kind strings: the ones
+# jax/_src/tpu_info.py ``chip_version_from_device_kind`` accepts (devices report the first of
+# each pair: "TPU v5 lite", "TPU v5", "TPU v6 lite"; "TPU v5e", "TPU v5p", "TPU v6e" are the
+# aliases it also takes).
+#
+# GPUs: the CUDA device name (JAX's device_kind), one GPU per JAX device. Peaks from NVIDIA's
+# datasheets, which print the tensor-core rates with sparsity: the dense rate is half.
+PEAK_FLOPS: dict[str, tuple[float, float]] = {
+    # v2: 45 TFLOP/s bf16 per chip (cloud.google.com/tpu/docs/v2), 2 TensorCores.
+    "TPU v2": (22.5e12, 22.5e12),
+    # v3: 123 TFLOP/s bf16 per chip (cloud.google.com/tpu/docs/v3), 2 TensorCores. (JAX's
+    # tpu_info.py has 140 per chip; the Cloud page and 2 cores x 2 MXUs x 128^2 x 2 x 940 MHz
+    # give 123.)
+    "TPU v3": (61.5e12, 61.5e12),
+    # v4: 275 per chip (cloud.google.com/tpu/docs/v4), megacore: one device per chip.
+    "TPU v4": (275e12, 275e12),
+    # v4i: no Cloud page; 137 per chip, 1 TensorCore, from JAX's tpu_info.py.
+    "TPU v4 lite": (137e12, 137e12),
+    # v5e: 197 per chip (cloud.google.com/tpu/docs/v5e), 1 TensorCore.
+    "TPU v5 lite": (197e12, 197e12),
+    "TPU v5e": (197e12, 197e12),
+    # v5p: 459 per chip (cloud.google.com/tpu/docs/v5p), megacore: one device per chip.
+    "TPU v5": (459e12, 459e12),
+    "TPU v5p": (459e12, 459e12),
+    # v6e (Trillium): 918 per chip (cloud.google.com/tpu/docs/v6e), 1 TensorCore.
+    "TPU v6 lite": (918e12, 918e12),
+    "TPU v6e": (918e12, 918e12),
+    # TPU7x (Ironwood): 2307 per chip (cloud.google.com/tpu/docs/tpu7x), 2 TensorCores, no
+    # megacore: one device per TensorCore.
+    "TPU7x": (1153.5e12, 1153.5e12),
+    # A100, every board: BF16 312, TF32 156 dense (NVIDIA A100 datasheet).
+    "NVIDIA A100-SXM4-40GB": (312e12, 156e12),
+    "NVIDIA A100-SXM4-80GB": (312e12, 156e12),
+    "NVIDIA A100-PCIE-40GB": (312e12, 156e12),
+    "NVIDIA A100 80GB PCIe": (312e12, 156e12),
+    # H100 SXM5: BF16 989.4, TF32 494.7 dense (NVIDIA H100 Tensor Core GPU Architecture
+    # whitepaper, table 3); H100 PCIe: 756, 378 (same table).
+    "NVIDIA H100 80GB HBM3": (989.4e12, 494.7e12),
+    "NVIDIA H100 PCIe": (756e12, 378e12),
+    # H100 NVL: BF16 1671, TF32 835 with sparsity (NVIDIA H100 datasheet, H100 NVL column).
+    "NVIDIA H100 NVL": (835.5e12, 417.5e12),
+    # GH200 (its H100-class GPU): BF16 1979, TF32 989 with sparsity (NVIDIA GH200 datasheet).
+    "NVIDIA GH200 480GB": (989.5e12, 494.5e12),
+    # H200 SXM: BF16 1979, TF32 989 with sparsity; H200 NVL: 1671, 835 (NVIDIA H200 datasheet).
+    "NVIDIA H200": (989.5e12, 494.5e12),
+    "NVIDIA H200 NVL": (835.5e12, 417.5e12),
+    # B200 (HGX, 1000 W): BF16 4.5 PFLOP/s, TF32 2.2 PFLOP/s per GPU with sparsity (NVIDIA
+    # HGX B200 datasheet).
+    "NVIDIA B200": (2250e12, 1100e12),
 }
+# Kinds whose JAX device is a megacore (two TensorCores) by default; a device that reports
+# ``num_cores`` (JAX's TPU devices do) is rated ``num_cores / 2`` of the chip (split mode: 1).
+MEGACORE_KINDS = ("TPU v4", "TPU v5", "TPU v5p")
+# Prefix rules, tried after an exact match: ``(prefix, table key)``. The kind must be the
+# prefix or go on with " " or "-". A100 boards differ in memory only (one datasheet peak);
+# GH200 names carry the memory size ("NVIDIA GH200 480GB", "NVIDIA GH200 120GB", ...).
+# Never a prefix for H100 or H200: SXM, PCIe and NVL boards have different peaks.
+PEAK_PREFIXES = (("NVIDIA A100", "NVIDIA A100-SXM4-80GB"),
+                 ("NVIDIA GH200", "NVIDIA GH200 480GB"))
+PEAK_DTYPES = ("bfloat16", "float32")
 
 
-def peak_flops(device: jax.Device | None = None) -> float | None:
-  """The device's peak FLOP/s, or None when unknown (e.g. CPUs)."""
-  kind = (device or jax.devices()[0]).device_kind
-  for prefix, flops in PEAK_FLOPS.items():
-    if kind.startswith(prefix):
-      return flops
-  return None
+def peak_flops_for_kind(kind: str, dtype: Any = "bfloat16", num_cores: int | None = None
+                        ) -> float | None:
+  """Dense peak FLOP/s of one JAX device of ``kind``, or None when unknown.
 
+  Args:
+    kind: a ``jax.Device.device_kind``. Matched exactly, then by :data:`PEAK_PREFIXES`; a MIG
+      slice of a GPU (" MIG " in the name) has a fraction of the GPU's peak and is unknown.
+    dtype: the model's compute dtype (``bfloat16`` or ``float32``; others are unknown).
+    num_cores: TensorCores the device drives (``jax.Device.num_cores`` on TPU), for the
+      megacore kinds; None keeps the default (megacore, the whole chip).
 
-def train_flops_per_step(num_params: int, tokens: int, num_layers: int, length: int,
-                         d_model: int) -> float:
-  """Analytic FLOPs of one training step (forward + backward = 3 x forward).
-
-  ``6 N T`` for the weights (Kaplan et al.; the word-embedding table counts
-  once, as the tied output projection) plus the attention scores and
-  mixing, ``12 n_layers L d`` per token. Position tables are counted as
-  weights, a small overestimate.
+  Returns:
+    FLOP/s, or None.
   """
-  dense = 6.0 * num_params * tokens
-  attention = 12.0 * num_layers * length * d_model * tokens
-  return dense + attention
+  try:
+    column = PEAK_DTYPES.index(jnp.dtype(dtype).name)
+  except (TypeError, ValueError):
+    return None
+  if "MIG" in kind.split():
+    return None
+  key = kind if kind in PEAK_FLOPS else None
+  for prefix, target in PEAK_PREFIXES:
+    if key is None and kind.startswith(prefix) and kind[len(prefix):len(prefix) + 1] in " -":
+      key = target
+  if key is None:
+    return None
+  flops = PEAK_FLOPS[key][column]
+  if key in MEGACORE_KINDS and is_int(num_cores) and num_cores > 0:
+    flops *= num_cores / 2
+  return flops
+
+
+def peak_flops(device: jax.Device | None = None, dtype: Any = "bfloat16") -> float | None:
+  """Dense peak FLOP/s of ``device`` (None: the first device) for ``dtype``, or None when
+  unknown (CPUs, kinds not in :data:`PEAK_FLOPS`). The bfloat16 default is the higher of the
+  two columns, so a caller that omits the dtype never overstates MFU."""
+  device = jax.devices()[0] if device is None else device
+  return peak_flops_for_kind(device.device_kind, dtype, getattr(device, "num_cores", None))
+
+
+# --- Analytic FLOPs of the model the loop runs -------------------------------------------------
+
+HEADS = ("mlm", "encoder", "classification", "span", "translation")
+
+
+def _scheme_parts(config: Any) -> list[dict[str, Any]]:
+  """Each part of a scheme config (one, or a tuple composed) with every hyperparameter,
+  the registry's defaults filled in."""
+  if config is None:
+    return []
+  parts = config if isinstance(config, (tuple, list)) else (config,)
+  out = []
+  for part in parts:
+    hyper = dict(part)
+    name = hyper.pop("name")
+    out.append({"name": name, **SCHEMES[name].values(hyper)})
+  return out
+
+
+def _folded_rank(cfg: ModelConfig, parts: list[dict[str, Any]]) -> int:
+  """Width the fused route concatenates to q and k: the rank of every factored term
+  (DIET-ABS(-LIN) ``d_p``, TUPE's ``D`` plus 2 for the [CLS] reset, per-head segments'
+  ``n_seg``)."""
+  rank = 0
+  for part in parts:
+    name = part["name"]
+    if name in ("diet_abs", "diet_abs_lin"):
+      rank += cfg.dim_per_head if part["rank"] is None else part["rank"]
+    elif name in ("tupe_a", "tupe_r"):
+      rank += cfg.dim_per_head + (2 if part["untie_cls"] else 0)
+    elif name == "segment_per_head":
+      rank += part["num_segments"]
+  return rank
+
+
+def _relative_rows(parts: list[dict[str, Any]]) -> int:
+  """Offset rows each query is multiplied with by Shaw's query-dependent terms: ``2t + 1`` for
+  the key table, as many again for Shaw's value table."""
+  rows = 0
+  for part in parts:
+    if part["name"] in ("shaw", "sinusoidal_rpe"):
+      rows += (2 * part["clip"] + 1) * (2 if part.get("value") else 1)
+  return rows
+
+
+def _attention(cfg: ModelConfig, q_len: int, k_len: int, *, rank: int = 0,
+               relative_rows: int = 0, causal: bool = False, linformer: bool = False) -> int:
+  """Forward FLOPs of one attention block for one example: the q/k/v/o projections, the
+  sequence projections of Linformer's keys and values, ``Q K^T`` over the head dim plus the
+  folded rank, ``P V``, and Shaw's query-offset products. Causal halves ``Q K^T`` and
+  ``P V``."""
+  inner = cfg.num_heads * cfg.dim_per_head
+  flops = 2 * cfg.d_model * inner * (2 * q_len + 2 * k_len)
+  keys = k_len
+  if linformer:
+    flops += 2 * (2 * cfg.linformer_k * k_len * inner)  # E K and F V
+    keys = cfg.linformer_k
+  mixing = 2 * cfg.num_heads * q_len * keys * (2 * cfg.dim_per_head + rank)
+  flops += mixing // 2 if causal else mixing
+  return flops + 2 * cfg.num_heads * q_len * relative_rows * cfg.dim_per_head
+
+
+def _mlp(cfg: ModelConfig, tokens: int) -> int:
+  return 2 * 2 * cfg.d_model * cfg.mlp_dim * tokens
+
+
+def _encoder(cfg: ModelConfig, length: int) -> int:
+  """Forward FLOPs of the encoder stack for one example of ``length`` tokens."""
+  parts = _scheme_parts(cfg.scheme) + _scheme_parts(cfg.segment)
+  layer = _attention(cfg, length, length, rank=_folded_rank(cfg, parts),
+                     relative_rows=_relative_rows(parts),
+                     linformer=cfg.attention == "linformer") + _mlp(cfg, length)
+  return cfg.num_layers * layer + sum(_segment_tables(cfg, p, length) for p in parts)
+
+
+def _segment_tables(cfg: ModelConfig, part: dict[str, Any], length: int) -> int:
+  """Per-example FLOPs of a segment scheme's one-hot contractions: BERT's token types
+  ``[L, n_seg] x [n_seg, d]``; the per-head segments' ``u``, ``[L, n_seg] x [n_seg, n_seg]``
+  for each of their tables (layers x heads, fewer when shared)."""
+  segments = part.get("num_segments", 0)
+  if part["name"] == "segment_input":
+    return 2 * length * segments * cfg.d_model
+  if part["name"] == "segment_per_head":
+    layers = 1 if part["sharing"] == "layer" else cfg.num_layers
+    heads = 1 if part["sharing"] == "head" else cfg.num_heads
+    return 2 * length * segments * segments * layers * heads
+  return 0
+
+
+def _decoder(cfg: ModelConfig, source_length: int, length: int) -> int:
+  """Forward FLOPs of the decoder stack for one example: causal self-attention with the
+  scheme's causal form, content-only cross-attention to ``source_length`` states, MLP."""
+  parts = _scheme_parts(causal_variant(cfg.scheme))
+  layer = (_attention(cfg, length, length, rank=_folded_rank(cfg, parts),
+                      relative_rows=_relative_rows(parts), causal=True)
+           + _attention(cfg, length, source_length) + _mlp(cfg, length))
+  return cfg.num_decoder_layers * layer
+
+
+def _fail(field: str, value: Any, allowed: str) -> None:
+  raise ValueError(f"train_flops_per_step: {field}: got {value!r}; allowed: {allowed}")
+
+
+def _legacy_flops(num_params: int, tokens: int, num_layers: int, length: int,
+                  d_model: int) -> float:
+  """The pre-issue-15 estimate ``6 N T + 12 n_layers L d T`` (to go with the old call)."""
+  return 6.0 * num_params * tokens + 12.0 * num_layers * length * d_model * tokens
+
+
+def train_flops_per_step(cfg: ModelConfig | Mapping[str, Any], batch: int, length: int,
+                         *legacy: int, target_length: int | None = None,
+                         predictions_per_seq: int | None = None, head: str | None = None,
+                         num_labels: int = 2) -> float:
+  """Analytic matmul FLOPs of one training step of the model ``cfg`` builds (3 x forward).
+
+  Counted per example, 2 FLOPs per multiply-add, from the config alone:
+
+  * each encoder layer: the q/k/v/o projections ``4 x 2 L d HD``, the MLP ``2 x 2 L d F``,
+    ``Q K^T`` ``2 H L^2 (D + r)`` and ``P V`` ``2 H L^2 D``, where ``r`` is the rank the
+    fused attention route folds into q and k (DIET-ABS(-LIN) ``d_p``, TUPE ``D`` (+2 with
+    the [CLS] reset), per-head segments ``n_seg``); Shaw's and the sinusoidal RPE's
+    query-offset products ``2 H L (2t + 1) D`` (twice with Shaw's value table); under
+    Linformer the keys and values projected along the sequence, ``2 x 2 k L HD``, and
+    attention over ``k`` keys;
+  * embeddings: lookups cost nothing; BERT's token-type one-hot times its table,
+    ``2 L n_seg d``;
+  * the head: MLM transform and tied decoder ``2 d^2 + 2 d V`` at every position, or at
+    ``predictions_per_seq`` positions; the classifier's pooler and output
+    ``2 d^2 + 2 d C``; span logits ``2 L d 2``; the encoder head's pooler ``2 d^2`` when the
+    config has one (the MLM and span models drop the pooled vector, and so does XLA);
+  * the encoder-decoder: the encoder over ``length`` source tokens; per decoder layer causal
+    self-attention (``Q K^T`` and ``P V`` halved: ``L_t^2 / 2`` of the pairs), cross-attention
+    (q and o over the ``L_t`` targets, k and v over the ``length`` sources, ``2 H L_t L_s D``
+    twice) and the MLP; the output projection ``2 d V`` per target token.
+
+  Left out: softmax, LayerNorm, activations, biases, dropout (not matmuls); a scheme's
+  batch-free work, done once per forward pass whatever the batch (TUPE's and BERT-A^d's
+  position projections, Toeplitz bias tables, DIET-ABS's ``P_Q P_K^T`` where the reference
+  route materialises it instead of folding: the count follows the fused route that GPUs
+  and TPUs run); the padding of a folded head dim to a multiple of 8 (zeros, no model
+  FLOPs).
+
+  Args:
+    cfg: the model config (a :class:`ModelConfig`, or a dict/ConfigDict of its fields).
+    batch: examples per step (the global batch, all micro-batches).
+    length: tokens per example; the source length of an encoder-decoder.
+    legacy: only for the old call ``train_flops_per_step(num_params, tokens, num_layers,
+      length, d_model)`` (an int ``cfg``), answered with its old ``6 N T`` estimate and a
+      DeprecationWarning until ``loop.py`` and ``bench.py`` use this form; to be removed.
+    target_length: target tokens per example of an encoder-decoder (None: ``length``).
+    predictions_per_seq: MLM positions per example the head runs at (None: all ``length``).
+    head: ``mlm``, ``encoder``, ``classification``, ``span`` or ``translation`` (None:
+      ``translation`` for a config with decoder layers, else ``mlm``).
+    num_labels: the classifier's outputs (1 for regression).
+
+  Returns:
+    FLOPs of one training step.
+
+  Raises:
+    ValueError: one line naming an argument that does not fit the model.
+  """
+  if is_int(cfg):
+    warnings.warn("train_flops_per_step(num_params, tokens, num_layers, length, d_model) is "
+                  "deprecated: pass the model config, batch and length", DeprecationWarning,
+                  stacklevel=2)
+    return _legacy_flops(cfg, batch, length, *legacy)
+  if legacy:
+    _fail("positional arguments", (cfg, batch, length, *legacy), "(cfg, batch, length)")
+  cfg = cfg if isinstance(cfg, ModelConfig) else model_config(cfg)
+  if head is None:
+    head = "translation" if cfg.num_decoder_layers else "mlm"
+  if head not in HEADS:
+    _fail("head", head, ", ".join(HEADS))
+  for field, value in (("batch", batch), ("length", length)):
+    if not (is_int(value) and value > 0):
+      _fail(field, value, "a positive integer")
+  if (head == "translation") != bool(cfg.num_decoder_layers):
+    _fail("head", head, "'translation' exactly when the model has decoder layers "
+          f"(num_decoder_layers={cfg.num_decoder_layers})")
+  if target_length is not None and head != "translation":
+    _fail("target_length", target_length, "None for a model without a decoder")
+  if target_length is not None and not (is_int(target_length) and target_length > 0):
+    _fail("target_length", target_length, "a positive integer or None")
+  if predictions_per_seq is not None and (
+      head != "mlm" or not (is_int(predictions_per_seq) and 0 < predictions_per_seq <= length)):
+    _fail("predictions_per_seq", predictions_per_seq,
+          f"None, or with head 'mlm' an integer in [1, length={length}]")
+  if not (is_int(num_labels) and num_labels > 0):
+    _fail("num_labels", num_labels, "a positive integer")
+
+  d, vocab = cfg.d_model, cfg.vocab_size
+  if head == "translation":
+    target = length if target_length is None else target_length
+    forward = _encoder(cfg, length) + _decoder(cfg, length, target) + 2 * d * vocab * target
+  else:
+    forward = _encoder(cfg, length)
+    if head == "mlm":
+      positions = length if predictions_per_seq is None else predictions_per_seq
+      forward += positions * (2 * d * d + 2 * d * vocab)
+    elif head == "classification":
+      forward += 2 * d * d + 2 * d * num_labels
+    elif head == "span":
+      forward += 2 * length * d * 2
+    elif cfg.pooler:  # encoder
+      forward += 2 * d * d
+  return 3.0 * batch * forward
 
 
 class Throughput:
@@ -60,21 +357,34 @@ class Throughput:
     total_steps: for the ETA.
     tokens_per_step: global tokens in one step.
     flops_per_step: analytic FLOPs of one step (None: no MFU).
+    dtype: the model's compute dtype, which picks the peak (:func:`peak_flops`); the
+      bfloat16 default is the higher peak, so MFU is never overstated.
   """
 
-  def __init__(self, total_steps: int, tokens_per_step: int, flops_per_step: float | None = None):
+  def __init__(self, total_steps: int, tokens_per_step: int, flops_per_step: float | None = None,
+               *, dtype: Any = "bfloat16"):
     self.total_steps = total_steps
     self.tokens_per_step = tokens_per_step
     self.flops_per_step = flops_per_step
+    self.dtype = dtype
     self.compile_seconds: float | None = None
     self._mark: tuple[int, float] | None = None
+    self._peak: float | None = None
+
+  def peak(self) -> float | None:
+    """Summed peak FLOP/s of every device of the job (None if any one is unknown)."""
+    if self._peak is None:
+      peaks = [peak_flops(device, self.dtype) for device in jax.devices()]
+      self._peak = 0.0 if None in peaks else float(sum(peaks))
+    return self._peak or None
 
   def start(self, step: int) -> None:
     """Call once the first (compiling) step has finished."""
     self._mark = (step, time.perf_counter())
 
   def report(self, step: int) -> dict[str, float]:
-    """Rates since the previous report."""
+    """Rates since the previous report: steps/s, tokens/s (also per device), ETA in
+    seconds, and ``mfu`` (a fraction of 1) where the devices' peak is known."""
     if self._mark is None:
       return {}
     last_step, last_time = self._mark
@@ -87,9 +397,9 @@ class Throughput:
     out = {"steps_per_s": steps_per_s, "tokens_per_s": tokens,
            "tokens_per_s_per_device": tokens / jax.device_count(),
            "eta_s": (self.total_steps - step) / steps_per_s}
-    peak = peak_flops()
+    peak = self.peak()
     if self.flops_per_step and peak:
-      out["mfu"] = self.flops_per_step * steps_per_s / (peak * jax.device_count())
+      out["mfu"] = self.flops_per_step * steps_per_s / peak
     return out
 
 
