@@ -1,8 +1,10 @@
-"""Each scheme's cost in a whole BERT, as ratios against the input-APE baseline of the same run.
+"""Each scheme's cost in a whole BERT, or each attention kernel's (--attention), as time ratios.
 
   python -m posenc_jax.bench [--size tiny|small|base] [--length 128] [--batch 8]
       [--schemes bert,diet_abs,diet_rel,...] [--baseline bert] [--route auto]
       [--dtype float32|bfloat16] [--repeats 10] [--json out.json]
+  python -m posenc_jax.bench --attention [--batch 8] [--length 128] [--heads 12]
+      [--head_dim 64] [--causal] [--dtype float32|bfloat16] [--repeats 10] [--json out.json]
 
 For every scheme preset (``posenc_jax.presets.SCHEMES``) it builds the
 masked-LM BERT of the given size, compiles a training step (forward,
@@ -17,6 +19,35 @@ Toeplitz kernel against itself without a bias.
 It prints milliseconds, the ratio to the baseline, tokens/s, peak device
 memory where the device reports it, and MFU (analytic FLOPs over the
 device's peak) on accelerators; ``--json`` writes the same rows.
+
+``--attention`` times attention alone, q/k/v ``[B, L, H, D]`` (``--batch``,
+``--length``, ``--heads``, ``--head_dim``; self-attention, ``Lq = Lk = L``), once
+per kernel of :data:`ATTENTION_KERNELS`: the Pallas Toeplitz kernel with an
+offset bias ``[H, 2L - 1]`` (and again with attention dropout 0.1), the Pallas
+kernel without a bias, cuDNN (``jax.nn.dot_product_attention``) without a bias
+and with the bias materialised as ``[1, H, L, L]``, and the materialised XLA
+reference route (:func:`posenc_jax.attend` ``route="reference"``) without and
+with that bias. Each row has the forward pass and the forward+backward pass
+(output and the gradients of q, k, v and the bias, the cotangent a fixed random
+``[B, L, H, D]``): milliseconds per call (median of ``--repeats`` timed runs after
+a compiling warm-up, each run enough back-to-back calls to last about 20 ms, so a
+fast kernel's dispatch overhead does not count), TFLOP/s, and the time ratio to
+cuDNN without a bias, timed alternately with it in the same run (> 1: slower).
+Where cuDNN cannot run (CPU, TPU, float32) the ratios are to the first of
+:data:`RATIO_BASELINES` that runs, and the output says which (``ratio to: xla no
+bias``); a kernel that cannot run or fails to compile is a row ``n/a (<reason>)``.
+FLOPs count as FlashAttention's benchmark does: forward ``4 B H L^2 D`` (q k^T
+and p v, 2 flops per multiply-add), halved with ``--causal``; forward+backward
+3.5 times the forward (backward 2.5: dq, dk, dv, dp and the recomputed q k^T).
+Float32 inputs multiply exactly on every row (the routes' default precision); on
+GPU measure bfloat16:
+
+  python -m posenc_jax.bench --attention --batch 1 --length 16384 --dtype bfloat16 \
+      --json attention_16k.json
+  python -m posenc_jax.bench --attention --batch 32 --length 512 --dtype bfloat16 \
+      --json attention_512.json
+
+On CPU the Pallas kernels run in interpret mode: only tiny shapes are quick there.
 Compilation is excluded. Every flag is checked (and the ``--json`` path made) before
 anything compiles; a bad one is one line ``bench: --<flag>: got ...; allowed: ...``.
 """
@@ -24,17 +55,23 @@ anything compiles; a bad one is one line ``bench: --<flag>: got ...; allowed: ..
 from __future__ import annotations
 
 import json
+import math
 import time
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
 from posenc_jax import cli
-from posenc_jax.attention import ROUTES
+from posenc_jax.attention import ROUTES, attend, cudnn_unsupported
+from posenc_jax.kernels import relative_flash_attention
+from posenc_jax.kernels.dropout import dropout_seed
 from posenc_jax.models import BertForMaskedLM, model_config
 from posenc_jax.models.config import DTYPES
 from posenc_jax.presets import SCHEMES, preset_config
+from posenc_jax.terms import Bias, toeplitz_bias
 from posenc_jax.training.metrics import peak_flops, train_flops_per_step
 from posenc_jax.training.objectives import weighted_cross_entropy
 
@@ -94,11 +131,17 @@ def _seconds(step) -> float:
   return time.perf_counter() - start
 
 
+def timed(steps, repeats: int) -> list[float]:
+  """Median seconds of each of ``steps`` over ``repeats`` rounds, each round running every step
+  once in turn (so load drifts cancel between them)."""
+  rounds = [[_seconds(step) for step in steps] for _ in range(repeats)]
+  return [sorted(times)[len(times) // 2] for times in zip(*rounds)]
+
+
 def timed_against(step, baseline, repeats: int) -> tuple[float, float]:
   """Median seconds of ``step`` and of ``baseline``, timed alternately (so load drifts cancel)."""
-  pairs = [(_seconds(step), _seconds(baseline)) for _ in range(repeats)]
-  median = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
-  return median([a for a, _ in pairs]), median([b for _, b in pairs])
+  step_s, baseline_s = timed((step, baseline), repeats)
+  return step_s, baseline_s
 
 
 def peak_memory() -> int | None:
@@ -107,30 +150,283 @@ def peak_memory() -> int | None:
   return stats.get("peak_bytes_in_use")
 
 
+# --attention: one attention call per kernel, forward and forward+backward.
+
+ATTENTION_DROPOUT = 0.1  # BERT's attention_probs_dropout_prob
+
+
+class Kernel(NamedTuple):
+  """One row of the ``--attention`` table.
+
+  Attributes:
+    name: the row's name.
+    family: ``pallas`` (:func:`posenc_jax.kernels.relative_flash_attention`), ``cudnn``
+      (:func:`jax.nn.dot_product_attention`) or ``xla`` (:func:`posenc_jax.attend`'s
+      materialised ``reference`` route).
+    bias: adds the Toeplitz bias: Pallas as the offset vector ``[H, 2L - 1]``, the others
+      materialised as ``[1, H, L, L]``.
+    dropout: attention-dropout rate (Pallas only).
+  """
+
+  name: str
+  family: str
+  bias: bool
+  dropout: float = 0.0
+
+  @property
+  def bias_text(self) -> str:
+    text = ("offsets [H, 2L-1]" if self.family == "pallas" else "materialised [1, H, L, L]"
+            ) if self.bias else "none"
+    return f"{text}, dropout {self.dropout}" if self.dropout else text
+
+
+ATTENTION_KERNELS = (
+    Kernel("pallas toeplitz", "pallas", bias=True),
+    Kernel("pallas toeplitz dropout", "pallas", bias=True, dropout=ATTENTION_DROPOUT),
+    Kernel("pallas no bias", "pallas", bias=False),
+    Kernel("cudnn no bias", "cudnn", bias=False),
+    Kernel("cudnn bias", "cudnn", bias=True),
+    Kernel("xla no bias", "xla", bias=False),
+    Kernel("xla bias", "xla", bias=True),
+)
+# What the ratios divide by: the first of these that runs on the device.
+RATIO_BASELINES = ("cudnn no bias", "xla no bias", "pallas no bias")
+MODES = ("fwd", "fwd_bwd")
+MODE_TITLES = {"fwd": "fwd", "fwd_bwd": "fwd+bwd"}
+STEP_SECONDS = 0.02  # a timed run repeats a fast kernel's call to last about this long
+MAX_CALLS = 1000
+
+
+def attention_flops(batch: int, length: int, heads: int, head_dim: int,
+                    causal: bool) -> dict[str, float]:
+  """FLOPs of one attention call by mode, as FlashAttention's benchmark counts them.
+
+  ``fwd``: ``4 B H L^2 D`` (q k^T and p v, ``2 B H L^2 D`` each: a multiply-add is 2
+  flops), halved when causal; ``fwd_bwd``: 3.5 times that (the backward pass is 2.5
+  forwards: dq, dk, dv, dp and the recomputed q k^T). Softmax, bias and dropout are
+  not counted.
+  """
+  forward = 4.0 * batch * heads * length * length * head_dim / (2 if causal else 1)
+  return {"fwd": forward, "fwd_bwd": 3.5 * forward}
+
+
+def attention_kernel(kernel: Kernel, q: jax.Array, *, causal: bool, seed: jax.Array):
+  """``kernel`` as ``(f, reason)``.
+
+  ``f(q, k, v, offset_bias)`` takes q/k/v ``[B, L, H, D]`` (``q`` here gives their shape
+  and dtype) and the float32 offset bias ``[H, 2L - 1]`` (a kernel without a bias ignores
+  it; materialised ones expand it with :func:`posenc_jax.terms.toeplitz_bias` inside
+  ``f``, so the backward pass carries its gradient back to the vector, as in training) and
+  returns ``[B, L, H, D]``. ``reason`` is why the kernel cannot run on this backend
+  (:func:`posenc_jax.attention.cudnn_unsupported` for cuDNN), else None. ``seed``: the
+  ``[1, 1]`` int32 dropout seed.
+  """
+  length = q.shape[1]
+  bias = lambda ob: toeplitz_bias(ob, length, length)  # noqa: E731  [1, H, L, L] float32
+  if kernel.family == "pallas":
+    return (lambda q, k, v, ob: relative_flash_attention(
+        q, k, v, ob if kernel.bias else None, causal=causal, dropout_rate=kernel.dropout,
+        dropout_seed=seed if kernel.dropout else None)), None
+  if kernel.family == "cudnn":
+    reason = cudnn_unsupported(q.shape, q.shape, q.dtype, has_bias=kernel.bias)
+    return (lambda q, k, v, ob: jax.nn.dot_product_attention(
+        q, k, v, bias=bias(ob).astype(q.dtype) if kernel.bias else None, is_causal=causal,
+        implementation="cudnn")), reason
+  return (lambda q, k, v, ob: attend(q, k, v, [Bias(bias(ob))] if kernel.bias else [],
+                                     causal=causal, route="reference")), None
+
+
+def forward_backward(f):
+  """``(q, k, v, offset_bias, do) -> (out, (dq, dk, dv, d offset_bias))``: a training step's
+  attention work for ``f`` of :func:`attention_kernel`, ``do`` the output's cotangent
+  ``[B, L, H, D]`` (the output is kept: it is the next layer's input)."""
+
+  def fwd_bwd(q, k, v, offset_bias, do):
+    out, pull = jax.vjp(f, q, k, v, offset_bias)
+    return out, pull(do)
+
+  return fwd_bwd
+
+
+def _reason(error: BaseException) -> str:
+  """One short line for a failure (a table cell: no '|')."""
+  lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+  text = f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+  text = text.replace("|", "/")
+  return text if len(text) <= 120 else text[:117] + "..."
+
+
+class AttentionStep(NamedTuple):
+  """One compiled mode of one kernel: ``step()`` runs ``calls`` calls back to back (so a
+  fast kernel's time is not its dispatch overhead); None, with ``reason``, where it failed."""
+
+  step: Callable[[], None] | None
+  calls: int = 0
+  reason: str | None = None
+
+
+def attention_steps(f, args) -> dict[str, AttentionStep]:
+  """``{mode: AttentionStep}`` for ``fwd`` and ``fwd_bwd`` of ``f`` on ``args`` (q, k, v,
+  offset bias, output cotangent ``[B, L, H, D]``), each compiled and run twice (warm-up),
+  the second run sizing ``calls`` to fill :data:`STEP_SECONDS`."""
+
+  def step_of(fn, inputs, calls):
+    def step():
+      for _ in range(calls):  # dispatched asynchronously; earlier outputs are freed
+        out = fn(*inputs)
+      jax.block_until_ready(out)  # the device runs them in order
+    return step
+
+  steps = {}
+  for mode, fn, inputs in (("fwd", f, args[:4]), ("fwd_bwd", forward_backward(f), args)):
+    fn = jax.jit(fn)
+    try:
+      step_of(fn, inputs, 1)()  # compile
+      once = _seconds(step_of(fn, inputs, 1))
+      calls = max(1, min(MAX_CALLS, math.ceil(STEP_SECONDS / max(once, 1e-9))))
+      steps[mode] = AttentionStep(step_of(fn, inputs, calls), calls)
+    except Exception as e:  # noqa: BLE001 - a kernel that fails here is a row, not a crash
+      steps[mode] = AttentionStep(None, reason=_reason(e))
+  return steps
+
+
+def _cells(row: dict) -> list[str]:
+  """The timing cells of a row: ms, TFLOP/s and ratio per mode, or ``n/a (<reason>)``."""
+  reasons = [row[f"{mode}_na"] for mode in MODES]
+  if reasons[0] and len(set(reasons)) == 1:  # the whole kernel cannot run: say so once
+    return [f"n/a ({reasons[0]})"] + [""] * (3 * len(MODES) - 1)
+  cells = []
+  for mode in MODES:
+    if row[f"{mode}_na"]:
+      cells += [f"n/a ({row[f'{mode}_na']})", "", ""]
+    else:
+      ratio = row[f"{mode}_ratio"]
+      cells += [f"{row[f'{mode}_ms']:.3f}", f"{row[f'{mode}_tflops']:.3g}",
+                "n/a" if ratio is None else f"{ratio:.2f}"]
+  return cells
+
+
+def attention_table(args) -> dict:
+  """Times every kernel of :data:`ATTENTION_KERNELS` at ``args``' shape (module docstring),
+  printing a header and a markdown table row by row; returns the ``--json`` document."""
+  shape = (args.batch, args.length, args.heads, args.head_dim)
+  keys = jax.random.split(jax.random.key(0), 6)
+  q, k, v, do = (jax.random.normal(key, shape, args.dtype) for key in keys[:4])
+  ob = 0.1 * jax.random.normal(keys[4], (args.heads, 2 * args.length - 1), jnp.float32)
+  seed = dropout_seed(keys[5])
+
+  def prepare(kernel):
+    f, reason = attention_kernel(kernel, q, causal=args.causal, seed=seed)
+    if reason:
+      return {mode: AttentionStep(None, reason=reason) for mode in MODES}
+    return attention_steps(f, (q, k, v, ob, do))
+
+  prepared, baseline, passed_over = {}, None, []
+  for name in RATIO_BASELINES:
+    prepared[name] = prepare(next(k for k in ATTENTION_KERNELS if k.name == name))
+    reason = next((s.reason for s in prepared[name].values() if s.reason), None)
+    if reason is None:
+      baseline = name
+      break
+    passed_over.append(f"{name}: n/a, {reason}")
+  flops = attention_flops(*shape, causal=args.causal)
+  device = jax.devices()[0]
+  print(f"device: {device.device_kind} ({jax.default_backend()}); attention B={args.batch} "
+        f"L={args.length} H={args.heads} D={args.head_dim} {args.dtype}, "
+        f"{'causal' if args.causal else 'not causal'}; ms per call, median of {args.repeats} "
+        f"runs of back-to-back calls (~{STEP_SECONDS * 1e3:.0f} ms each) after a warm-up, each "
+        f"timed alternately with the ratio's baseline; fwd+bwd = output and d(q, k, v, "
+        f"bias); TFLOP/s from {flops['fwd']:.4g} FLOPs fwd (4BHL^2D, halved causal), "
+        f"{flops['fwd_bwd']:.4g} fwd+bwd (3.5x)")
+  note = f" ({'; '.join(passed_over)})" if passed_over else ""
+  print(f"ratio to: {baseline or 'none (no baseline runs)'}{note}")
+  titles = [f"{MODE_TITLES[m]} {c}" for m in MODES for c in ("ms", "TFLOP/s", "ratio")]
+  print("| " + " | ".join(["kernel", "bias", *titles]) + " |")
+  print("|" + "|".join([":--", ":--"] + ["--:"] * len(titles)) + "|", flush=True)
+  rows = []
+  for kernel in ATTENTION_KERNELS:
+    name = kernel.name
+    steps = prepared[name] if name in prepared else prepare(kernel)
+    row = {"kernel": name, "bias": kernel.bias_text}
+    for mode in MODES:
+      step, calls, reason = steps[mode]
+      seconds = ratio = None
+      if step is not None:
+        try:
+          if baseline is None or name == baseline:
+            (seconds,) = timed([step], args.repeats)
+            ratio = None if baseline is None else 1.0
+          else:
+            base = prepared[baseline][mode]
+            seconds, base_s = timed_against(step, base.step, args.repeats)
+            ratio = seconds / calls / (base_s / base.calls)
+          seconds /= calls
+        except Exception as e:  # noqa: BLE001 - e.g. out of memory on a later run
+          seconds, reason = None, _reason(e)
+      row.update({f"{mode}_ms": None if seconds is None else 1e3 * seconds,
+                  f"{mode}_tflops": None if seconds is None else flops[mode] / seconds / 1e12,
+                  f"{mode}_ratio": ratio, f"{mode}_calls": calls or None, f"{mode}_na": reason})
+    rows.append(row)
+    print("| " + " | ".join([name, kernel.bias_text, *_cells(row)]) + " |", flush=True)
+  return {"mode": "attention", "device": device.device_kind, "backend": jax.default_backend(),
+          "batch": args.batch, "length": args.length, "heads": args.heads,
+          "head_dim": args.head_dim, "dtype": args.dtype, "causal": args.causal,
+          "repeats": args.repeats, "ratio_to": baseline, "ratio_note": passed_over,
+          "flops": flops, "rows": rows}
+
+
+# Flags of one mode only, with their defaults: given in the other mode, they are an error.
+MODEL_FLAGS = {"size": "tiny", "schemes": DEFAULT_SCHEMES, "baseline": BASELINE, "route": "auto"}
+ATTENTION_FLAGS = {"heads": 12, "head_dim": 64, "causal": False}
+
+
 def main(argv=None):
   parser = cli.ArgumentParser(prog="bench", description=__doc__.splitlines()[0])
-  parser.add_argument("--size", type=cli.one_of(SIZES), default="tiny",
-                      help=f"BERT size: {', '.join(SIZES)}")
+  parser.add_argument("--attention", action="store_true",
+                      help="time each attention kernel at one shape (forward, forward+backward) "
+                      "instead of whole BERTs")
+  parser.add_argument("--size", type=cli.one_of(SIZES), default=None,
+                      help=f"BERT size: {', '.join(SIZES)} (default tiny)")
   parser.add_argument("--length", type=cli.positive_int, default=128, help="tokens per example")
   parser.add_argument("--batch", type=cli.positive_int, default=8, help="examples per step")
+  parser.add_argument("--heads", type=cli.positive_int, default=None,
+                      help="--attention: heads H (default 12)")
+  parser.add_argument("--head_dim", type=cli.positive_int, default=None,
+                      help="--attention: head dim D (default 64)")
+  parser.add_argument("--causal", action="store_true", default=None,
+                      help="--attention: causal attention (FLOPs halved)")
   parser.add_argument("--dtype", type=cli.one_of(DTYPES), default="float32",
                       help=f"compute dtype: {', '.join(DTYPES)}")
   parser.add_argument("--repeats", type=cli.positive_int, default=10,
                       help="timed runs of each step (the median is reported)")
-  parser.add_argument("--schemes", type=cli.one_of(POSITION_SCHEMES, sep=","),
-                      default=",".join(DEFAULT_SCHEMES),
-                      help=f"comma-separated scheme presets: {', '.join(POSITION_SCHEMES)}")
-  parser.add_argument("--baseline", type=cli.one_of(POSITION_SCHEMES), default=BASELINE,
-                      help="scheme preset to divide by")
-  parser.add_argument("--route", type=cli.one_of(ROUTES), default="auto",
-                      help=f"attention route: {', '.join(ROUTES)}")
+  parser.add_argument("--schemes", type=cli.one_of(POSITION_SCHEMES, sep=","), default=None,
+                      help=f"comma-separated scheme presets: {', '.join(POSITION_SCHEMES)} "
+                      f"(default {','.join(DEFAULT_SCHEMES)})")
+  parser.add_argument("--baseline", type=cli.one_of(POSITION_SCHEMES), default=None,
+                      help=f"scheme preset to divide by (default {BASELINE})")
+  parser.add_argument("--route", type=cli.one_of(ROUTES), default=None,
+                      help=f"attention route: {', '.join(ROUTES)} (default auto)")
   parser.add_argument("--json", default=None, help="also write the rows to this file")
   args = parser.parse_args(argv)
+  unused, used = (MODEL_FLAGS, ATTENTION_FLAGS) if args.attention else (ATTENTION_FLAGS,
+                                                                        MODEL_FLAGS)
+  for flag in unused:
+    if getattr(args, flag) is not None:
+      parser.error(f"--{flag}: not with --attention (it times attention alone, every route)"
+                   if args.attention else f"--{flag}: only with --attention")
+  for flag, default in {**unused, **used}.items():
+    setattr(args, flag, default if getattr(args, flag) is None else getattr(args, flag))
   if args.json is not None:
     try:  # before anything compiles, so no timing is lost to a bad path
       cli.check_output_file("--json", args.json)
     except cli.OutputPathError as e:
       parser.error(str(e))
+  if args.attention:
+    document = attention_table(args)
+    if args.json:
+      with open(args.json, "w") as f:
+        json.dump(document, f, indent=2)
+    return document["rows"]
   dims = dict(batch=args.batch, length=args.length, dtype=args.dtype, route=args.route)
   tokens = args.batch * args.length
   peak = peak_flops()

@@ -1,0 +1,177 @@
+"""``python -m posenc_jax.bench --attention``: the side-by-side kernel table (issue 14).
+
+On CPU the Pallas kernels interpret and cuDNN is absent, so the run here is tiny
+(B=1, L=32, H=2, D=16, one repeat) and checks the table's shape: every kernel a row,
+cuDNN rows ``n/a``, the ratios to the XLA fallback baseline, the JSON the same numbers.
+What a GPU would reject at trace time is checked by lowering each kernel's forward and
+backward pass for CUDA (stubs answer as an H100, as in test_accelerator_lowering.py).
+"""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax._src.cudnn import fused_attention_stablehlo
+from jax._src.pallas.triton import gpu_info
+
+from posenc_jax import bench
+from posenc_jax.kernels import relative_flash
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SHAPE = dict(batch=1, length=32, heads=2, head_dim=16)
+ARGS = ["--attention", "--batch", "1", "--length", "32", "--heads", "2", "--head_dim", "16",
+        "--repeats", "1"]
+NAMES = [kernel.name for kernel in bench.ATTENTION_KERNELS]
+
+
+def _table(stdout: str) -> dict[str, list[str]]:
+  """The markdown table's rows: kernel name -> its cells after the name."""
+  lines = [line for line in stdout.splitlines() if line.startswith("| ")][1:]  # no title row
+  return {cells[0]: cells[1:] for cells in
+          ([c.strip() for c in line.strip().strip("|").split("|")] for line in lines)}
+
+
+@pytest.fixture(scope="module")
+def cpu_run(tmp_path_factory):
+  out = tmp_path_factory.mktemp("bench") / "attention.json"
+  proc = subprocess.run([sys.executable, "-m", "posenc_jax.bench", *ARGS, "--json", str(out)],
+                        cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return proc.stdout, json.loads(out.read_text())
+
+
+def test_every_kernel_is_a_row_and_cudnn_is_na_on_cpu(cpu_run):
+  stdout, _ = cpu_run
+  table = _table(stdout)
+  assert list(table) == NAMES
+  assert "ratio to: xla no bias (cudnn no bias: n/a, backend cpu has no cuDNN)" in stdout
+  for name, cells in table.items():
+    if name.startswith("cudnn"):
+      assert cells[1] == "n/a (backend cpu has no cuDNN)" and not any(cells[2:]), cells
+      continue
+    numbers = [float(c) for c in cells[1:]]  # fwd ms, TFLOP/s, ratio; fwd+bwd the same
+    assert len(numbers) == 6 and all(x > 0 for x in numbers), (name, cells)
+  assert table["xla no bias"][3] == table["xla no bias"][6] == "1.00"
+  assert table["pallas toeplitz"][0] == "offsets [H, 2L-1]"
+  assert table["xla bias"][0] == "materialised [1, H, L, L]"
+
+
+def test_json_holds_the_table(cpu_run):
+  stdout, saved = cpu_run
+  table = _table(stdout)
+  assert saved["mode"] == "attention" and saved["backend"] == "cpu"
+  assert {k: saved[k] for k in SHAPE} == SHAPE and saved["dtype"] == "float32"
+  assert saved["causal"] is False and saved["ratio_to"] == "xla no bias"
+  assert saved["flops"] == {"fwd": 4.0 * 1 * 2 * 32 * 32 * 16, "fwd_bwd": 14.0 * 2 * 32 * 32 * 16}
+  assert [row["kernel"] for row in saved["rows"]] == NAMES
+  for row in saved["rows"]:
+    cells = table[row["kernel"]]
+    assert row["bias"] == cells[0]
+    for mode, at in (("fwd", 1), ("fwd_bwd", 4)):
+      if row["kernel"].startswith("cudnn"):
+        assert row[f"{mode}_ms"] is None and row[f"{mode}_na"] == "backend cpu has no cuDNN"
+        continue
+      assert row[f"{mode}_na"] is None and row[f"{mode}_calls"] >= 1
+      assert f"{row[f'{mode}_ms']:.3f}" == cells[at]
+      assert f"{row[f'{mode}_tflops']:.3g}" == cells[at + 1]
+      assert f"{row[f'{mode}_ratio']:.2f}" == cells[at + 2]
+      flops = saved["flops"][mode]
+      assert row[f"{mode}_tflops"] == pytest.approx(flops / (row[f"{mode}_ms"] / 1e3) / 1e12)
+
+
+def test_flops_follow_flash_attention():
+  full = bench.attention_flops(2, 128, 12, 64, causal=False)
+  assert full == {"fwd": 4.0 * 2 * 12 * 128 * 128 * 64, "fwd_bwd": 3.5 * full["fwd"]}
+  half = bench.attention_flops(2, 128, 12, 64, causal=True)
+  assert half == {"fwd": full["fwd"] / 2, "fwd_bwd": full["fwd_bwd"] / 2}
+
+
+def test_a_kernel_that_fails_is_a_row_not_a_crash(monkeypatch, capsys, tmp_path):
+  """A kernel that raises while compiling (here: every Pallas row) is ``n/a (<reason>)``."""
+
+  def broken(*args, **kwargs):
+    raise ValueError("no kernel today\nsecond line | dropped")
+
+  monkeypatch.setattr(bench, "relative_flash_attention", broken)
+  rows = bench.main([*ARGS, "--json", str(tmp_path / "out.json")])
+  table = _table(capsys.readouterr().out)
+  for name in ("pallas toeplitz", "pallas toeplitz dropout", "pallas no bias"):
+    assert table[name][1:] == ["n/a (ValueError: no kernel today)"] + [""] * 5
+  assert float(table["xla bias"][1]) > 0
+  assert [r["kernel"] for r in rows] == NAMES
+  assert rows[0]["fwd_na"] == rows[0]["fwd_bwd_na"] == "ValueError: no kernel today"
+
+
+@pytest.fixture
+def like_h100(monkeypatch):
+  """JAX's backend reads "gpu"; cuDNN and Pallas' Triton lowering answer as for an H100."""
+  h100 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H100)
+  monkeypatch.setattr(gpu_info, "get_gpu_info", lambda: h100)
+  monkeypatch.setattr(relative_flash, "gpu_compute_capability", lambda: "9.0")
+  monkeypatch.setattr(fused_attention_stablehlo, "check_cudnn_version", lambda: 91000)
+  monkeypatch.setattr(fused_attention_stablehlo, "check_compute_capability", lambda cap: True)
+  monkeypatch.setattr(fused_attention_stablehlo, "is_cuda_compute_capability_equal",
+                      lambda cap: cap == "9.0")
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_every_kernel_lowers_for_gpu(like_h100, causal):
+  """Each row's forward+backward step lowers for CUDA in bfloat16, each kernel on its own
+  implementation (cuDNN's custom call, Pallas' Triton kernels, plain XLA)."""
+  qkv = jax.ShapeDtypeStruct((1, 128, 2, 64), jnp.bfloat16)
+  offsets = jax.ShapeDtypeStruct((2, 255), jnp.float32)
+  seed = jnp.zeros((1, 1), jnp.int32)
+  for kernel in bench.ATTENTION_KERNELS:
+    f, reason = bench.attention_kernel(kernel, qkv, causal=causal, seed=seed)
+    assert reason is None, (kernel.name, reason)
+    text = (jax.jit(bench.forward_backward(f)).trace(qkv, qkv, qkv, offsets, qkv)
+            .lower(lowering_platforms=("cuda",)).as_text())
+    assert ("__cudnn$fmha" in text) == (kernel.family == "cudnn"), kernel.name
+    assert ("__gpu$xla.gpu.triton" in text) == (kernel.family == "pallas"), kernel.name
+
+
+def test_cudnn_in_float32_is_na_with_its_reason(like_h100):
+  qkv = jax.ShapeDtypeStruct((1, 128, 2, 64), jnp.float32)
+  _, reason = bench.attention_kernel(bench.ATTENTION_KERNELS[3], qkv, causal=False,
+                                     seed=jnp.zeros((1, 1), jnp.int32))
+  assert bench.ATTENTION_KERNELS[3].name == "cudnn no bias"
+  assert reason == "dtype float32 (cuDNN flash attention takes bfloat16/float16)"
+
+
+BAD = [
+    (["--attention", "--heads", "0"], "bench: --heads: got 0; allowed: a positive integer"),
+    (["--attention", "--head_dim", "-3"], "bench: --head_dim: got -3; allowed: a positive integer"),
+    (["--attention", "--head_dim", "x"], "bench: --head_dim: got 'x'; allowed: a positive integer"),
+    (["--attention", "--length", "0"], "bench: --length: got 0; allowed: a positive integer"),
+    (["--attention", "--dtype", "float16"], "bench: --dtype: got 'float16'"),
+    (["--heads", "4"], "bench: --heads: only with --attention"),
+    (["--head_dim", "32"], "bench: --head_dim: only with --attention"),
+    (["--causal"], "bench: --causal: only with --attention"),
+    (["--attention", "--route", "fused"], "bench: --route: not with --attention"),
+    (["--attention", "--schemes", "t5"], "bench: --schemes: not with --attention"),
+    (["--attention", "--head_dm", "3"],
+     "bench: --head_dm: unknown flag; did you mean '--head_dim'?"),
+    (["--attention", "--json", "{dir}"], "bench: --json: '{dir}' is a directory, not a file"),
+    (["--attention", "--json", "{file}/out.json"], "bench: --json: '{file}' cannot be created"),
+]
+
+
+@pytest.mark.parametrize("argv, line", BAD, ids=[" ".join(argv) for argv, _ in BAD])
+def test_bad_flag_is_one_line_before_any_work(argv, line, tmp_path, capsys):
+  (tmp_path / "dir").mkdir()
+  (tmp_path / "file").write_text("not a directory\n")
+  places = {"dir": str(tmp_path / "dir"), "file": str(tmp_path / "file")}
+  before = sorted(tmp_path.rglob("*"))
+  with pytest.raises(SystemExit) as stop:
+    bench.main([a.format(**places) for a in argv])
+  captured = capsys.readouterr()
+  assert stop.value.code == 2
+  assert captured.out == ""  # nothing ran: the header comes after the checks
+  assert len(captured.err.strip().splitlines()) == 1
+  assert captured.err.startswith(line.format(**places)), captured.err
+  assert sorted(tmp_path.rglob("*")) == before
