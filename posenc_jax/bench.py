@@ -122,7 +122,7 @@ def compiled_steps(size: str, scheme: str, *, batch: int, length: int, dtype: st
 
   train_step()  # compile and warm up
   infer_step()
-  return train_step, infer_step, cfg, sum(x.size for x in jax.tree.leaves(params))
+  return train_step, infer_step, cfg
 
 
 def _seconds(step) -> float:
@@ -429,21 +429,21 @@ def main(argv=None):
     return document["rows"]
   dims = dict(batch=args.batch, length=args.length, dtype=args.dtype, route=args.route)
   tokens = args.batch * args.length
-  peak = peak_flops()
+  peak = peak_flops(dtype=args.dtype)
   print(f"device: {jax.devices()[0].device_kind}; BERT-{args.size}, B={args.batch} "
         f"L={args.length} {args.dtype}, route {args.route}; median of {args.repeats}, each "
         f"timed alternately with the '{args.baseline}' baseline; train = fwd+bwd+AdamW, "
         f"infer = fwd")
-  base_train, base_infer, _, _ = compiled_steps(args.size, args.baseline, **dims)
+  base_train, base_infer, _ = compiled_steps(args.size, args.baseline, **dims)
   ratio = f"x {args.baseline}"[:8]
   print(f"{'scheme':<16}{'train ms':>10}{ratio:>8}{'infer ms':>10}{ratio:>8}"
         f"{'tokens/s':>11}{'peak MB':>9}{'MFU':>7}")
   rows = []
   for scheme in args.schemes:
-    train, infer, cfg, num_params = compiled_steps(args.size, scheme, **dims)
+    train, infer, cfg = compiled_steps(args.size, scheme, **dims)
     train_s, train_base = timed_against(train, base_train, args.repeats)
     infer_s, infer_base = timed_against(infer, base_infer, args.repeats)
-    flops = train_flops_per_step(num_params, tokens, cfg.num_layers, args.length, cfg.d_model)
+    flops = train_flops_per_step(cfg, args.batch, args.length)  # the MLM head at every token
     memory = peak_memory()
     row = {"scheme": scheme, "train_ms": 1e3 * train_s, "train_ratio": train_s / train_base,
            "infer_ms": 1e3 * infer_s, "infer_ratio": infer_s / infer_base,

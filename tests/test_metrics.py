@@ -273,12 +273,6 @@ def test_bad_arguments_raise_one_line(kwargs, field):
     train_flops_per_step(model_config(num_decoder_layers=1, segment=None), 4, 128, head="mlm")
 
 
-def test_legacy_call_warns_and_keeps_its_estimate():
-  with pytest.warns(DeprecationWarning, match="deprecated"):
-    flops = train_flops_per_step(1000, 64, 2, 16, 8)
-  assert flops == 6.0 * 1000 * 64 + 12.0 * 2 * 16 * 8 * 64
-
-
 # --- Against the matmuls the model runs ----------------------------------------------------------
 
 

@@ -263,10 +263,12 @@ def test_bad_config_fails_before_compiling_with_one_line(tmp_path, overrides, me
 
 
 def test_default_run_learns(tmp_path):
-  """The bundled default, shortened: MLM loss falls clearly; checkpoints, metrics, events."""
+  """The bundled default, shortened: MLM loss falls clearly; checkpoints, metrics, events,
+  the compilation cache and a profile of two steps."""
   proc = _train_cli(tmp_path, "--config.total_steps=80", "--config.log_every=10",
                     "--config.eval_every=80", "--config.checkpoint_every=40",
-                    "--config.optimizer.warmup_steps=10")
+                    "--config.optimizer.warmup_steps=10", "--config.profile_steps=2",
+                    f"--config.compilation_cache_dir={tmp_path / 'xla'}")
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "first loss" in proc.stdout and "step 80/80" in proc.stdout
   records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
@@ -278,6 +280,9 @@ def test_default_run_learns(tmp_path):
   assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()
                 if p.name.isdigit()) == ["40", "80"]
   assert any((tmp_path / "run" / "tensorboard").iterdir())
+  assert "profile of steps 3-4" in proc.stdout
+  assert list((tmp_path / "run" / "tensorboard" / "plugins" / "profile").glob("*/*.xplane.pb"))
+  assert any(p.name.startswith("jit_step") for p in (tmp_path / "xla").iterdir())
 
 
 def test_learning_rate_schedule_and_decay_mask():

@@ -4,6 +4,7 @@ that fails before anything is compiled, with one line naming the field."""
 from __future__ import annotations
 
 import math
+import os
 
 import ml_collections
 
@@ -42,6 +43,10 @@ def base_train_config() -> ml_collections.ConfigDict:
   config.checkpoint_every = 500
   config.keep_checkpoints = 3
   config.async_checkpointing = True
+  # Compiled steps persist here and are reused by the next start with the same program
+  # (None: the user's cache dir, see compilation_cache_dir(); "": off).
+  config.compilation_cache_dir = ml_collections.config_dict.placeholder(str)
+  config.profile_steps = 0  # trace this many steps after warm-up into <workdir>/tensorboard
   config.mesh = ml_collections.ConfigDict(dict(shape=(-1, 1), axes=("data", "model"),
                                                rules=()))
   return config
@@ -72,6 +77,16 @@ def absolute_table_schemes(model) -> list[str]:
     if scheme.absolute_table:
       names.append(scheme.scheme_name)
   return names
+
+
+def compilation_cache_dir(config: ml_collections.ConfigDict) -> str | None:
+  """Where compiled steps persist: ``config.compilation_cache_dir``, or for None
+  ``$XDG_CACHE_HOME/posenc_jax/xla`` (``~/.cache/...``); None when it is ``""`` (off)."""
+  path = config.get("compilation_cache_dir")
+  if path is None:
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(root, "posenc_jax", "xla")
+  return path or None
 
 
 def most_masked(config: ml_collections.ConfigDict) -> int:
@@ -107,6 +122,12 @@ def validate_train_config(config: ml_collections.ConfigDict) -> None:
     if not (_is_int(config[field]) and config[field] >= 0):
       _fail(field, config[field], "an integer >= 0" + (" (0: no evaluation)"
                                                         if field == "eval_every" else ""))
+  if not (_is_int(config.profile_steps) and 0 <= config.profile_steps <= config.total_steps - 2):
+    _fail("profile_steps", config.profile_steps, f"an integer in [0, total_steps - 2 = "
+          f"{config.total_steps - 2}] (the first two steps compile and warm up)")
+  cache = config.get("compilation_cache_dir")
+  if not (cache is None or isinstance(cache, str)):
+    _fail("compilation_cache_dir", cache, "a directory, '' (off) or None (the user cache dir)")
   if not isinstance(config.async_checkpointing, bool):
     _fail("async_checkpointing", config.async_checkpointing, "true or false")
   if not (isinstance(config.mask_rate, (int, float)) and 0 < config.mask_rate <= 1):

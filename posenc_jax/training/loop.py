@@ -35,8 +35,8 @@ from posenc_jax.schemes import build_scheme
 from posenc_jax.training import mesh as mesh_lib
 from posenc_jax.training import workdir as workdir_lib
 from posenc_jax.training.checkpoint import Checkpointer
-from posenc_jax.training.config import (TrainConfigError, max_predictions,
-                                        validate_train_config)
+from posenc_jax.training.config import (TrainConfigError, compilation_cache_dir,
+                                        max_predictions, validate_train_config)
 from posenc_jax.training.metrics import (MetricWriter, Throughput, console_line,
                                          train_flops_per_step)
 from posenc_jax.training.objectives import objective
@@ -149,6 +149,45 @@ class BestKeeper:
   def close(self) -> None:
     if self.manager is not None:
       self.manager.close()
+
+
+def use_compilation_cache(path: str | None) -> None:
+  """Persists compiled programs in ``path`` (created; a bad path is one line naming
+  ``compilation_cache_dir``), unless JAX already has a cache directory (e.g. from
+  ``JAX_COMPILATION_CACHE_DIR``) or ``path`` is None."""
+  if path is None or jax.config.jax_compilation_cache_dir:
+    return
+  from posenc_jax.cli import OutputPathError, check_output_dir  # noqa: PLC0415
+  try:
+    path = check_output_dir("compilation_cache_dir", path)
+  except OutputPathError as e:
+    raise TrainConfigError(str(e)) from None
+  jax.config.update("jax_compilation_cache_dir", path)
+
+
+class Profiler:
+  """Traces steps ``[first, first + count)`` (1-based step numbers) into ``logdir``
+  (TensorBoard's profile plugin and Perfetto read it); process 0 only."""
+
+  def __init__(self, logdir: str, first: int, count: int):
+    self.logdir, self.first, self.last = logdir, first, first + count - 1
+    self.active = count > 0 and jax.process_index() == 0
+    self.tracing = False
+
+  def before(self, step: int) -> None:
+    """Call before running step ``step``."""
+    if self.active and step == self.first:
+      jax.profiler.start_trace(self.logdir)
+      self.tracing = True
+
+  def after(self, step: int, outputs: Any) -> None:
+    """Call after step ``step``, with its outputs (waited for before the trace stops)."""
+    if self.tracing and step >= self.last:
+      jax.block_until_ready(outputs)
+      jax.profiler.stop_trace()
+      self.tracing = False
+      print(f"profile of steps {self.first}-{self.last} in {self.logdir} (TensorBoard: "
+            "Profile tab)", flush=True)
 
 
 def make_train_step(model: nn.Module, config: ml_collections.ConfigDict,
@@ -309,6 +348,7 @@ def train(config: ml_collections.ConfigDict, workdir: str,
     check_data_config(config)
     data = make_batches
   workdir_lib.claim(workdir, config)  # refuses another config's workdir, touching nothing
+  use_compilation_cache(compilation_cache_dir(config))
   model = build_model(config.model, config.head, num_labels=config.get("num_labels", 2))
   tx, schedule = make_optimizer(config.optimizer, config.total_steps)
   batch_sharding = mesh_lib.batch_sharding(mesh)
@@ -344,10 +384,11 @@ def train(config: ml_collections.ConfigDict, workdir: str,
   length = config.get("target_len") or config.seq_len
   tokens_per_step = config.batch_size * length
   cfg = model_config(config.model)
-  num_params = sum(x.size for x in jax.tree.leaves(state.params))
-  flops = train_flops_per_step(num_params, tokens_per_step,
-                               cfg.num_layers + cfg.num_decoder_layers, length, cfg.d_model)
-  throughput = Throughput(config.total_steps, tokens_per_step, flops)
+  flops = train_flops_per_step(
+      cfg, config.batch_size, config.get("input_len") or config.seq_len,
+      target_length=config.get("target_len"), predictions_per_seq=predictions,
+      head=config.head, num_labels=config.get("num_labels", 2))
+  throughput = Throughput(config.total_steps, tokens_per_step, flops, dtype=cfg.dtype)
   rng = jax.random.key(config.seed + 1)
   history: list[dict[str, float]] = []
   say = print if jax.process_index() == 0 else (lambda *a, **k: None)
@@ -356,6 +397,9 @@ def train(config: ml_collections.ConfigDict, workdir: str,
 
   step = start_step
   all_finite = jnp.array(True)  # combined on device, read only when logging or saving
+  # After the compile (first) and one warm-up step of this start.
+  profiler = Profiler(os.path.join(workdir, "tensorboard"), start_step + 3,
+                      min(config.profile_steps, config.total_steps - start_step - 2))
   stop = StopSignals()
   with stop:
     while step < config.total_steps:
@@ -366,8 +410,10 @@ def train(config: ml_collections.ConfigDict, workdir: str,
       batch = _global(check_batch(next(train_batches), limits, step, predictions),
                       batch_sharding)
       compile_start = time.perf_counter()
+      profiler.before(step + 1)
       state, metrics = step_fn(state, batch, rng)
       step += 1
+      profiler.after(step, metrics)
       if throughput.compile_seconds is None:
         jax.block_until_ready(metrics)
         throughput.compile_seconds = time.perf_counter() - compile_start

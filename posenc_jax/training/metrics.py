@@ -20,7 +20,6 @@ import json
 import math
 import os
 import time
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -245,14 +244,8 @@ def _fail(field: str, value: Any, allowed: str) -> None:
   raise ValueError(f"train_flops_per_step: {field}: got {value!r}; allowed: {allowed}")
 
 
-def _legacy_flops(num_params: int, tokens: int, num_layers: int, length: int,
-                  d_model: int) -> float:
-  """The pre-issue-15 estimate ``6 N T + 12 n_layers L d T`` (to go with the old call)."""
-  return 6.0 * num_params * tokens + 12.0 * num_layers * length * d_model * tokens
-
-
-def train_flops_per_step(cfg: ModelConfig | Mapping[str, Any], batch: int, length: int,
-                         *legacy: int, target_length: int | None = None,
+def train_flops_per_step(cfg: ModelConfig | Mapping[str, Any], batch: int, length: int, *,
+                         target_length: int | None = None,
                          predictions_per_seq: int | None = None, head: str | None = None,
                          num_labels: int = 2) -> float:
   """Analytic matmul FLOPs of one training step of the model ``cfg`` builds (3 x forward).
@@ -288,9 +281,6 @@ def train_flops_per_step(cfg: ModelConfig | Mapping[str, Any], batch: int, lengt
     cfg: the model config (a :class:`ModelConfig`, or a dict/ConfigDict of its fields).
     batch: examples per step (the global batch, all micro-batches).
     length: tokens per example; the source length of an encoder-decoder.
-    legacy: only for the old call ``train_flops_per_step(num_params, tokens, num_layers,
-      length, d_model)`` (an int ``cfg``), answered with its old ``6 N T`` estimate and a
-      DeprecationWarning until ``loop.py`` and ``bench.py`` use this form; to be removed.
     target_length: target tokens per example of an encoder-decoder (None: ``length``).
     predictions_per_seq: MLM positions per example the head runs at (None: all ``length``).
     head: ``mlm``, ``encoder``, ``classification``, ``span`` or ``translation`` (None:
@@ -303,13 +293,6 @@ def train_flops_per_step(cfg: ModelConfig | Mapping[str, Any], batch: int, lengt
   Raises:
     ValueError: one line naming an argument that does not fit the model.
   """
-  if is_int(cfg):
-    warnings.warn("train_flops_per_step(num_params, tokens, num_layers, length, d_model) is "
-                  "deprecated: pass the model config, batch and length", DeprecationWarning,
-                  stacklevel=2)
-    return _legacy_flops(cfg, batch, length, *legacy)
-  if legacy:
-    _fail("positional arguments", (cfg, batch, length, *legacy), "(cfg, batch, length)")
   cfg = cfg if isinstance(cfg, ModelConfig) else model_config(cfg)
   if head is None:
     head = "translation" if cfg.num_decoder_layers else "mlm"

@@ -3,7 +3,8 @@ full resolved config, and only a run with the same config may resume there.
 
 Fields that change how a run is carried out but not what it computes may
 differ on resume (:data:`RESUMABLE`: the step budget, logging, checkpoint and
-evaluation cadence, the mesh, the attention route). Anything else (the
+evaluation cadence, the mesh, the compilation cache, profiling, the attention
+route). Anything else (the
 model, the task, the batch, the optimizer) is refused with one line before
 anything in the folder is touched.
 """
@@ -24,7 +25,8 @@ from posenc_jax.training.config import TrainConfigError
 CONFIG_FILE = "config.json"
 RESUMABLE = ("total_steps", "log_every", "eval_every", "eval_steps", "checkpoint_every",
              "keep_checkpoints", "async_checkpointing", "mesh", "decode", "sweep",
-             "model.route", "model.attention_precision")
+             "compilation_cache_dir", "profile_steps", "model.route",
+             "model.attention_precision")
 
 
 def resolved_config(config: ml_collections.ConfigDict) -> dict[str, Any]:

@@ -78,7 +78,7 @@ def config():
                         num_layers=2, num_decoder_layers=2, dropout_rate=0.0))
     c.optimizer.update(dict(learning_rate=1e-3, warmup_steps=20, schedule="constant"))
     c.update(dict(objective="translation", head="translation", input_len=LENGTH,
-                  target_len=LENGTH, label_smoothing=0.1))
+                  target_len=LENGTH, label_smoothing=0.1, max_predictions_per_seq=None))
   return c
 
 
