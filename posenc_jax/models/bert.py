@@ -27,8 +27,8 @@ import jax
 import jax.numpy as jnp
 
 from posenc_jax.models.config import ModelConfig, ModelConfigError, scheme_dims
-from posenc_jax.models.layers import (ACTIVATION_FNS, EncoderLayer, as_mask, check_like,
-                                      check_token_ids, dense, layer_norm, token_embedding)
+from posenc_jax.models.layers import (ACTIVATION_FNS, as_mask, check_like, check_token_ids, dense,
+                                      encoder_layer, layer_norm, token_embedding)
 from posenc_jax.models.linformer import shared_projection
 from posenc_jax.schemes import build_scheme
 from posenc_jax.schemes.base import is_int
@@ -58,7 +58,7 @@ class BertEncoder(nn.Module):
     else:
       self.embed_norm = layer_norm(cfg)
     self.dropout = nn.Dropout(cfg.dropout_rate)
-    self.layers = [EncoderLayer(cfg) for _ in range(cfg.num_layers)]
+    self.layers = [encoder_layer(cfg)(cfg) for _ in range(cfg.num_layers)]
     if cfg.pooler:
       self.pooler = dense(cfg.d_model, ("embed", "mlp"), cfg)
 

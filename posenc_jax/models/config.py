@@ -27,6 +27,7 @@ from posenc_jax.schemes.linformer import DietAbsLin
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu")
 DTYPES = ("float32", "bfloat16")
 ATTENTIONS = ("full", "linformer")
+REMAT = ("none", "dots", "full")
 LINFORMER_SHARING = ("none", "kv", "layer")
 # Schemes whose terms fit Linformer's projected keys: input-level ones, and
 # DIET-ABS-LIN (key side of k rows). Relative, query-dependent, RoPE and
@@ -73,6 +74,9 @@ class ModelConfig:
     linformer_sharing: ``none`` (E, F per layer), ``kv`` (E = F per layer),
       ``layer`` (one E = F for all layers).
     route: attention route (see :func:`posenc_jax.attend`).
+    remat: what each encoder layer keeps for the backward pass: ``none`` (everything,
+      the fastest), ``dots`` (matmul outputs, recomputing the rest) or ``full``
+      (only the layer's input; longest sequences and largest batches).
     attention_precision: matmul precision of attention in float32:
       ``float32`` (exact, the default) or ``tensorfloat32`` (JAX's faster
       default: TF32 on NVIDIA GPUs); see :func:`posenc_jax.attend`.
@@ -101,6 +105,7 @@ class ModelConfig:
   linformer_k: int = 128
   linformer_sharing: str = "none"
   route: str = "auto"
+  remat: str = "none"
   attention_precision: str = "float32"
   num_decoder_layers: int = 0
   share_embeddings: bool = True
@@ -215,7 +220,8 @@ def model_config(config: Any = None, **overrides) -> ModelConfig:
          "a finite positive float")
   for field, allowed in (("activation", ACTIVATIONS), ("dtype", DTYPES),
                          ("attention", ATTENTIONS), ("linformer_sharing", LINFORMER_SHARING),
-                         ("route", ROUTES), ("attention_precision", PRECISIONS)):
+                         ("route", ROUTES), ("remat", REMAT),
+                         ("attention_precision", PRECISIONS)):
     _check_name(field, getattr(cfg, field), allowed)
   for field in ("pre_ln", "pooler", "share_embeddings"):
     _check(field, isinstance(getattr(cfg, field), bool), getattr(cfg, field), "true or false")

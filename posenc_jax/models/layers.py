@@ -118,6 +118,16 @@ class EncoderLayer(nn.Module):
                     lambda y: self.mlp(y, deterministic), x, deterministic)
 
 
+def encoder_layer(config: ModelConfig) -> type[EncoderLayer]:
+  """:class:`EncoderLayer`, rematerialised as ``config.remat`` says (``dots``: matmul outputs
+  saved, ``full``: nothing but the input; the backward pass recomputes the rest)."""
+  if config.remat == "none":
+    return EncoderLayer
+  policy = jax.checkpoint_policies.dots_saveable if config.remat == "dots" else None
+  # Static: scale and deterministic (argument 0 is the module).
+  return nn.remat(EncoderLayer, policy=policy, static_argnums=(4, 5))
+
+
 class DecoderLayer(nn.Module):
   """Causal self-attention with the scheme's terms, content-only cross-attention, feed-forward.
 

@@ -64,8 +64,8 @@ import jax
 import jax.numpy as jnp
 
 from posenc_jax.models.config import ModelConfig, ModelConfigError, causal_variant, scheme_dims
-from posenc_jax.models.layers import (DecoderLayer, EncoderLayer, as_mask, check_like,
-                                      check_token_ids, dense, layer_norm, token_embedding)
+from posenc_jax.models.layers import (DecoderLayer, as_mask, check_like, check_token_ids, dense,
+                                      encoder_layer, layer_norm, token_embedding)
 from posenc_jax.schemes import build_scheme
 
 Array = jax.Array
@@ -121,8 +121,8 @@ class Encoder(nn.Module):
     x = terms.embed(x)
     x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic).astype(cfg.compute_dtype)
     for index in range(cfg.num_layers):
-      x = EncoderLayer(cfg, name=f"layers_{index}")(x, terms.for_layer(index), mask,
-                                                    terms.content_scale, deterministic)
+      x = encoder_layer(cfg)(cfg, name=f"layers_{index}")(x, terms.for_layer(index), mask,
+                                                          terms.content_scale, deterministic)
     if cfg.pre_ln:
       x = layer_norm(cfg, "final_norm")(x)
     return x
