@@ -154,6 +154,7 @@ def lowered_train_step(scheme: str) -> str:
   model = build_model(config.model, "mlm")
   train = base_train_config()
   train.optimizer.warmup_steps = 10
+  train.seq_len, train.max_predictions_per_seq = LENGTH, 4  # the MLM head at 4 positions
   tx, schedule = make_optimizer(train.optimizer, train.total_steps)
   ids = jnp.ones((2, LENGTH), jnp.int32)
   batch = dict(input_ids=ids, segment_ids=jnp.zeros_like(ids), mask=ids, mlm_targets=ids,

@@ -25,6 +25,7 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from posenc_jax.models.config import ModelConfig, ModelConfigError, scheme_dims
 from posenc_jax.models.layers import (ACTIVATION_FNS, as_mask, check_like, check_token_ids, dense,
@@ -150,7 +151,10 @@ class BertForMaskedLM(nn.Module):
     if masked_positions is not None:
       check_token_ids("BertForMaskedLM", "masked_positions", masked_positions,
                       hidden.shape[0])
-      hidden = jnp.take_along_axis(hidden, masked_positions[..., None], axis=1)
+      # A one-hot contraction, not a gather: its gradient is a matmul, not a scatter-add
+      # (exact: one non-zero term per output, multiplied at full precision).
+      select = jax.nn.one_hot(masked_positions, hidden.shape[1], dtype=hidden.dtype)
+      hidden = jnp.einsum("bpl,bld->bpd", select, hidden, precision=lax.Precision.HIGHEST)
     return self.mlm(hidden, self.bert)
 
 

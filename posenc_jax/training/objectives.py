@@ -72,6 +72,13 @@ def masked_positions(weights: Array, max_predictions: int) -> Array:
   return positions.astype(jnp.int32)
 
 
+def _at(x: Array, positions: Array) -> Array:
+  """``x[b, positions[b, p]]`` ``[B, P]`` of ``x`` ``[B, L]``, by a one-hot select-and-sum
+  (no gather: on accelerators scatters and gathers are slow, and this is exact)."""
+  hit = positions[..., None] == jnp.arange(x.shape[1])
+  return jnp.sum(jnp.where(hit, x[:, None, :], jnp.zeros((), x.dtype)), axis=-1)
+
+
 def mlm_objective(model: nn.Module, params: Any, batch: dict[str, Array], rng: Array | None,
                   label_smoothing: float = 0.0, max_predictions: int | None = None
                   ) -> tuple[Array, dict[str, Array]]:
@@ -81,8 +88,7 @@ def mlm_objective(model: nn.Module, params: Any, batch: dict[str, Array], rng: A
   targets, weights, positions = batch["mlm_targets"], batch["mlm_weights"], None
   if max_predictions:
     positions = masked_positions(weights, max_predictions)
-    targets = jnp.take_along_axis(targets, positions, axis=1)
-    weights = jnp.take_along_axis(weights, positions, axis=1)
+    targets, weights = _at(targets, positions), _at(weights, positions)
   logits = model.apply({"params": params}, batch["input_ids"], batch["segment_ids"],
                        batch["mask"], masked_positions=positions, deterministic=deterministic,
                        rngs=None if deterministic else {"dropout": rng})
