@@ -245,14 +245,6 @@ def test_dropout_draws_the_reference_mask_values_and_gradients(causal):
          zero_first=True, mask=mask, causal=causal, dropout=(0.3, jax.random.PRNGKey(11)))
 
 
-def test_roll_tiles_dropout_with_segments():
-  q, k, v, cot = _inputs(1, 130, 130)
-  seg = (jnp.arange(130)[None, :] >= 70).astype(int)
-  _check(q, k, v, cot, jax.random.normal(jax.random.PRNGKey(2), (H, 11)),
-         lambda t, rel: _diet(t, rel, 5), q_segment_ids=seg, kv_segment_ids=seg,
-         dropout=(0.1, jax.random.PRNGKey(5)), **ROLL)
-
-
 def test_dropout_mask_statistics():
   """Keeps 1 - rate of the entries, scaled by 1 / (1 - rate); independent across seeds,
   examples and heads."""
