@@ -42,7 +42,8 @@ def _root(error: BaseException) -> BaseException:
   return seen[-1]
 
 
-def _first_line(error: BaseException) -> str:
+def first_line(error: BaseException) -> str:
+  """The first line of ``error``'s message (without a KeyError's quotes), or its type's name."""
   text = str(error).strip()
   if len(text) > 1 and text[0] == text[-1] and text[0] in "'\"":  # a KeyError's repr
     text = text[1:-1]
@@ -88,9 +89,9 @@ def describe_flag_error(error: BaseException, argv: Sequence[str], fv: flags.Fla
     reason = str(root).strip().splitlines()[-1].strip()
     return f"{config_flag}: {given!r} does not load: {reason}"
   if isinstance(error, flags.Error) and root is not error and "config file" in str(error):
-    line = _first_line(root)  # raised inside the config file's get_config
+    line = first_line(root)  # raised inside the config file's get_config
     return line if line.startswith(config_flag) else f"{config_flag}: {line}"
-  text = _first_line(error)
+  text = first_line(error)
   return text.removeprefix("flag ")
 
 

@@ -160,10 +160,14 @@ def test_predictions_per_seq_removes_the_head_at_unmasked_positions():
   full = train_flops_per_step(cfg, 32, 512)
   masked = train_flops_per_step(cfg, 32, 512, predictions_per_seq=80)
   # The head at 512 - 80 = 432 positions fewer: (2 d^2 + 2 d V) = 1_179_648 + 46_881_792
-  # per position, 3 x B = 96 times.
-  assert full - masked == 3 * 32 * 432 * (1_179_648 + 46_881_792) == 1_993_204_039_680
-  assert masked == 9_646_392_213_504
-  assert train_flops_per_step(cfg, 32, 512, predictions_per_seq=512) == full
+  # per position, 3 x B = 96 times; the one-hot selection of 80 of 512 hidden states adds
+  # 2 P L d = 2 x 80 x 512 x 768 = 62_914_560 per example.
+  assert full - masked == 3 * 32 * (432 * (1_179_648 + 46_881_792) - 62_914_560)
+  assert full - masked == 1_987_164_241_920
+  assert masked == 9_652_432_011_264
+  # Selecting all 512 positions is the full head plus the selection's matmul.
+  every = train_flops_per_step(cfg, 32, 512, predictions_per_seq=512)
+  assert every - full == 3 * 32 * 2 * 512 * 512 * 768
 
 
 def _per_layer_attention_extra(cfg, batch, length, rank=0, rows=0):

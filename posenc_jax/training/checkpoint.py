@@ -32,6 +32,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
+from posenc_jax.cli import first_line
+
 _GOLDEN = 2654435761  # Knuth's multiplicative hash constant: weights differ per position
 
 
@@ -129,11 +131,6 @@ def damage(tree: Any, recorded: dict[str, list[int]] | None, prefix: str = "") -
   return None
 
 
-def _first_line(error: BaseException) -> str:
-  text = str(error).strip()
-  return text.splitlines()[0] if text else type(error).__name__
-
-
 class Checkpointer:
   """Saves and restores ``(state, data_state)`` under ``<workdir>/checkpoints``.
 
@@ -182,7 +179,7 @@ class Checkpointer:
       self.manager.reload()
       newest = self.manager.latest_step()
       raise BackgroundSaveError(
-          f"checkpoints: a save to {self.directory} failed ({_first_line(e)}); stopping: "
+          f"checkpoints: a save to {self.directory} failed ({first_line(e)}); stopping: "
           + (f"the newest complete checkpoint is step {newest}" if newest is not None
              else "no complete checkpoint is left there")) from None
 
@@ -199,7 +196,7 @@ class Checkpointer:
           state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data)), force=True)
     except Exception as e:  # noqa: BLE001 - a failed write stops the run with one line
       raise CheckpointError(f"checkpoints: saving step {step} to {self.directory} failed "
-                            f"({_first_line(e)})") from None
+                            f"({first_line(e)})") from None
     if saved:
       self.last_saved = step
     return saved
@@ -218,7 +215,7 @@ class Checkpointer:
         data = dict(restored.data)
         problem = damage(restored.state, data.pop("fingerprints", None))
       except Exception as e:  # noqa: BLE001 - any unreadable checkpoint is skipped
-        problem = _first_line(e)
+        problem = first_line(e)
       if problem is None:
         self.last_saved = step
         return step, restored.state, data
@@ -332,7 +329,7 @@ def restore_params(workdir: str, abstract_params: Any = None, *, step: int | Non
       except CheckpointError:
         raise
       except Exception as e:  # noqa: BLE001 - reported below, or an older step is tried
-        problem = _first_line(e)
+        problem = first_line(e)
       if problem is None:
         return candidate, params
       errors.append(f"step {candidate}: {problem}")

@@ -10,7 +10,7 @@ import ml_collections
 
 from posenc_jax.cli import nearest
 from posenc_jax.models.build import HEADS
-from posenc_jax.models.config import model_config
+from posenc_jax.models.config import model_config, scheme_dims
 from posenc_jax.schemes import build_scheme
 from posenc_jax.training.mesh import check_mesh_config
 from posenc_jax.training.objectives import HEAD_OF, OBJECTIVES
@@ -72,8 +72,7 @@ def absolute_table_schemes(model) -> list[str]:
   parts = cfg.scheme if isinstance(cfg.scheme, tuple) else (cfg.scheme,)
   names = []
   for part in parts:
-    scheme = build_scheme(part, num_layers=1, num_heads=cfg.num_heads,
-                          head_dim=cfg.dim_per_head, d_model=cfg.d_model, max_len=cfg.max_len)
+    scheme = build_scheme(part, **scheme_dims(cfg, num_layers=1))
     if scheme.absolute_table:
       names.append(scheme.scheme_name)
   return names

@@ -30,7 +30,7 @@ import optax
 from flax.training import train_state
 
 from posenc_jax.models.build import build_model
-from posenc_jax.models.config import ModelConfig, model_config
+from posenc_jax.models.config import ModelConfig, model_config, scheme_dims
 from posenc_jax.schemes import build_scheme
 from posenc_jax.training import mesh as mesh_lib
 from posenc_jax.training import workdir as workdir_lib
@@ -60,8 +60,7 @@ def batch_limits(cfg: ModelConfig) -> dict[str, tuple[int, str]]:
   limits = {k: vocab for k in ("input_ids", "inputs", "targets", "mlm_targets")}
   parts = cfg.segment if isinstance(cfg.segment, tuple) else (cfg.segment,)
   for part in (p for p in parts if p is not None):
-    scheme = build_scheme(part, num_layers=1, num_heads=cfg.num_heads, head_dim=cfg.dim_per_head,
-                          d_model=cfg.d_model, max_len=cfg.max_len)
+    scheme = build_scheme(part, **scheme_dims(cfg, num_layers=1))
     if hasattr(scheme, "num_segments"):
       limits["segment_ids"] = (scheme.num_segments,
                                f"model.segment num_segments={scheme.num_segments}")

@@ -262,7 +262,8 @@ def train_flops_per_step(cfg: ModelConfig | Mapping[str, Any], batch: int, lengt
   * embeddings: lookups cost nothing; BERT's token-type one-hot times its table,
     ``2 L n_seg d``;
   * the head: MLM transform and tied decoder ``2 d^2 + 2 d V`` at every position, or at
-    ``predictions_per_seq`` positions; the classifier's pooler and output
+    ``P = predictions_per_seq`` positions plus their one-hot selection from the hidden
+    states, ``2 P L d`` (a matmul, so that no gather or scatter runs); the classifier's pooler and output
     ``2 d^2 + 2 d C``; span logits ``2 L d 2``; the encoder head's pooler ``2 d^2`` when the
     config has one (the MLM and span models drop the pooled vector, and so does XLA);
   * the encoder-decoder: the encoder over ``length`` source tokens; per decoder layer causal
@@ -322,8 +323,10 @@ def train_flops_per_step(cfg: ModelConfig | Mapping[str, Any], batch: int, lengt
   else:
     forward = _encoder(cfg, length)
     if head == "mlm":
-      positions = length if predictions_per_seq is None else predictions_per_seq
-      forward += positions * (2 * d * d + 2 * d * vocab)
+      if predictions_per_seq is None:
+        forward += length * (2 * d * d + 2 * d * vocab)
+      else:
+        forward += predictions_per_seq * (2 * length * d + 2 * d * d + 2 * d * vocab)
     elif head == "classification":
       forward += 2 * d * d + 2 * d * num_labels
     elif head == "span":
