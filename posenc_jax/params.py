@@ -21,6 +21,7 @@ from typing import Any
 import jax
 
 from posenc_jax.models.build import abstract_params, build_model
+from posenc_jax.models.scan import layout_for
 from posenc_jax.presets import preset_config
 
 
@@ -30,7 +31,9 @@ def count(params: Any) -> int:
 
 
 def breakdown(params: Any, depth: int = 2) -> dict[str, int]:
-  """Counts per module path of ``depth`` levels; ``layers_<i>`` merged into ``layers_*``."""
+  """Counts per module path of ``depth`` levels; ``layers_<i>`` merged into ``layers_*``
+  (scanned layers too: they are counted as unrolled)."""
+  params = jax.eval_shape(lambda tree: layout_for(tree, False), params)
   totals: dict[str, int] = defaultdict(int)
   for path, leaf in jax.tree_util.tree_leaves_with_path(params):
     keys = [re.sub(r"_\d+$", "_*", str(p.key)) for p in path[:-1]][:depth]

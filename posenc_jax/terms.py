@@ -617,6 +617,24 @@ class InputEmbedding:
     return self.replace(value=slice_rows(self.value, start, size, -2))
 
 
+def _is_shared(x: Array) -> bool:
+  """A term leaf shared by all layers: a scalar (QueryRelative.q_offset) or a leading
+  layer axis of 1."""
+  return jnp.ndim(x) == 0 or x.shape[0] == 1
+
+
+def _shared(x: Array) -> Array:
+  """A shared leaf's value for one layer (its layer axis of 1 dropped)."""
+  return x if jnp.ndim(x) == 0 else x[0]
+
+
+def layer_terms(per_layer: tuple[Any, ...], shared: tuple[Any, ...]) -> list[Term]:
+  """One layer's terms inside a scan from :meth:`SchemeTerms.split_layers`'s halves:
+  ``per_layer`` already sliced to the layer, ``shared`` as split."""
+  return list(jax.tree.map(lambda own, common: _shared(common) if own is None else own,
+                           per_layer, shared, is_leaf=lambda x: x is None))
+
+
 @struct.dataclass
 class SchemeTerms:
   """Everything one scheme contributes to a forward pass.
@@ -634,24 +652,35 @@ class SchemeTerms:
   terms: tuple[Any, ...] = ()
   content_scale: float | None = struct.field(pytree_node=False, default=None)
 
+  def num_layers(self) -> int:
+    """The leading layer axis of the per-layer terms (1 when every term is shared)."""
+    return max((jnp.shape(x)[0] for x in jax.tree.leaves(self.terms) if jnp.ndim(x)),
+               default=1)
+
   def for_layer(self, layer: int) -> list[Term]:
     """The terms of layer ``layer`` (shared terms are reused, not recomputed).
 
     Raises a one-line ValueError unless ``layer`` is an integer ``>= 0`` and, when a term
     has one value per layer, below their number (shared terms fit any layer).
     """
-    layers = max((jnp.shape(x)[0] for x in jax.tree.leaves(self.terms) if jnp.ndim(x)),
-                 default=1)
+    layers = self.num_layers()
     if not isinstance(layer, numbers.Integral) or layer < 0 or (layers > 1 and layer >= layers):
       allowed = f"an integer in [0, {layers})" if layers > 1 else "an integer >= 0"
       raise ValueError(f"SchemeTerms.for_layer: got layer {layer!r}; allowed: {allowed}")
+    return [jax.tree.map(lambda x: _shared(x) if _is_shared(x) else x[layer], t)
+            for t in self.terms]
 
-    def pick(x):
-      if jnp.ndim(x) == 0:  # a scalar shared by all layers (QueryRelative.q_offset)
-        return x
-      return x[0] if x.shape[0] == 1 else x[layer]
+  def split_layers(self) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    """``(per_layer, shared)`` for a scan over the layers (``nn.scan``).
 
-    return [jax.tree.map(pick, t) for t in self.terms]
+    Both have the structure of ``terms``: ``per_layer`` holds the leaves with one value
+    per layer (leading axis ``num_layers()``, scanned over) and None for the rest;
+    ``shared`` the leaves shared by all layers (leading axis 1, or scalars; broadcast
+    once) and None for the rest. :func:`layer_terms` joins one layer's slice back.
+    """
+    per_layer = jax.tree.map(lambda x: None if _is_shared(x) else x, self.terms)
+    shared = jax.tree.map(lambda x: x if _is_shared(x) else None, self.terms)
+    return per_layer, shared
 
   def slice_queries(self, start: int | Array, size: int) -> SchemeTerms:
     """Every term (and the input embedding) restricted to query rows ``[start, start + size)``.

@@ -192,16 +192,16 @@ def test_parameter_counts_per_linformer_sharing(sharing, tables):
   projections = {"/".join(str(p.key) for p in path): x.shape
                  for path, x in jax.tree_util.tree_flatten_with_path(shapes)[0]
                  if path[-1].key in ("E", "F")}
-  expected = {"none": ["layers_0/attention/E", "layers_0/attention/F", "layers_1/attention/E",
-                       "layers_1/attention/F"],
-              "kv": ["layers_0/attention/E", "layers_1/attention/E"],
-              "layer": ["linformer/E"]}[sharing]
-  assert projections == {path: (K, MAX_LEN) for path in expected}
+  layers = (2, K, MAX_LEN)  # scanned: one table per layer on the leading axis
+  expected = {"none": {"layers/attention/E": layers, "layers/attention/F": layers},
+              "kv": {"layers/attention/E": layers},
+              "layer": {"linformer/E": (K, MAX_LEN)}}[sharing]
+  assert projections == expected
 
 
 def test_projection_logical_axes():
   specs = nn.get_partition_spec(param_shapes(config(linformer_sharing="kv")))
-  assert tuple(specs["layers_0"]["attention"]["E"]) == ("linformer_k", "abspos")
+  assert tuple(specs["layers"]["attention"]["E"]) == ("layers", "linformer_k", "abspos")
   specs = nn.get_partition_spec(param_shapes(config(linformer_sharing="layer")))
   assert tuple(specs["linformer"]["E"]) == ("linformer_k", "abspos")
 
@@ -225,10 +225,9 @@ def test_layer_sharing_equals_per_layer_tables_set_equal():
   def both(rng):
     shared = scaled_random(nn.unbox(BertEncoder(shared_cfg).init(rng, x)))
     per_layer = {k: v for k, v in shared["params"].items() if k != "linformer"}
-    e = shared["params"]["linformer"]["E"]
-    for i in range(2):
-      per_layer[f"layers_{i}"] = {**per_layer[f"layers_{i}"],
-                                  "attention": {**per_layer[f"layers_{i}"]["attention"], "E": e}}
+    e = jnp.broadcast_to(shared["params"]["linformer"]["E"], (2, K, MAX_LEN))  # both layers
+    per_layer["layers"] = {**per_layer["layers"],
+                           "attention": {**per_layer["layers"]["attention"], "E": e}}
     got = BertEncoder(shared_cfg).apply(shared, x, mask=mask)[0]
     want = BertEncoder(shared_cfg.replace(linformer_sharing="kv")).apply(
         {"params": per_layer}, x, mask=mask)[0]

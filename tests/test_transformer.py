@@ -9,6 +9,7 @@ import pytest
 
 from posenc_jax.models import ModelConfigError, model_config
 from posenc_jax.models.decoding import init_cache
+from posenc_jax.models.scan import layout_for
 from posenc_jax.models.transformer import EncoderDecoder, causal_variant, shift_right
 
 VOCAB, D_MODEL, HEADS, MLP, MAX_LEN = 11, 16, 2, 24, 16
@@ -61,15 +62,19 @@ def redraw(tree, seed, std):
 def init_model(scheme=None, seed=0, std=0.5, **overrides):
   """(model, params) with every parameter drawn N(0, std^2) and the position
   schemes' N(0, 1). The 0.02 init would leave attention nearly uniform and the
-  positional terms nearly zero, so a wrong position would hardly show."""
-  model = EncoderDecoder(tiny_config(scheme, **overrides))
+  positional terms nearly zero, so a wrong position would hardly show.
+
+  The values are drawn for the unrolled layers and then laid out as the model's config
+  says, so scanned and unrolled models get the same weights."""
+  config = tiny_config(scheme, **overrides)
+  unrolled = EncoderDecoder(config.replace(scan_layers=False))
   src, src_mask, tgt = inputs()
-  shapes = nn.unbox(jax.eval_shape(model.init, jax.random.key(0), src, tgt, src_mask)["params"])
+  shapes = nn.unbox(jax.eval_shape(unrolled.init, jax.random.key(0), src, tgt, src_mask)["params"])
   params = redraw(shapes, seed, std)
   for stack in ("encoder", "decoder"):
     if "position" in params[stack]:
       params[stack]["position"] = redraw(shapes[stack]["position"], seed + 1, 1.0)
-  return model, params
+  return EncoderDecoder(config), layout_for(params, config.scan_layers)
 
 
 def incremental_logits(model, params, src, src_mask, tgt):

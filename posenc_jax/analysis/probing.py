@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from posenc_jax.models.scan import layout_for
 from posenc_jax.terms import Bias, Factored, QKShift, QueryRelative, SchemeTerms, Toeplitz
 
 Array = jax.Array
@@ -169,6 +170,8 @@ def layer_runner(encoder, layer: int = 0):
   Build it once and call it on many batches (it compiles once per shape).
   """
   _check_model(encoder, layer)
+  # Intercepted layer by layer: the encoder unrolled, scanned parameters split.
+  encoder = encoder.clone(config=encoder.config.replace(scan_layers=False))
   target = (f"layers_{layer}", "attention")
 
   def capture(module, method_name):
@@ -186,6 +189,7 @@ def layer_runner(encoder, layer: int = 0):
 
   @jax.jit
   def run(variables, input_ids, segment_ids, mask):
+    variables = {**variables, "params": layout_for(variables["params"], scan_layers=False)}
     with nn.intercept_methods(skip_later_layers):
       terms, state = encoder.apply(variables, input_ids, segment_ids, mask, method=forward,
                                    capture_intermediates=capture, mutable=["intermediates"])
@@ -355,7 +359,7 @@ def _positional_values(encoder, variables, *, length: int, layer: int) -> Array:
   scale = 1.0 / math.sqrt(head_dim) if terms.content_scale is None else terms.content_scale
   values = jnp.zeros((heads, length, length), jnp.float32)
   if terms.embedding is not None and layer == 0:
-    attn = _unboxed_params(variables)[f"layers_{layer}"]["attention"]
+    attn = layout_for(_unboxed_params(variables), False)[f"layers_{layer}"]["attention"]
     p = jnp.asarray(terms.embedding.value, jnp.float32)
     if p.ndim == 3:
       p = p[0]

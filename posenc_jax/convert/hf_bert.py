@@ -35,6 +35,10 @@ attention projections split into heads)::
   cls.predictions.transform.LayerNorm        mlm/norm
   cls.predictions.bias                       mlm/bias                         [V]
 
+The table is in the unrolled layout (``layers_i``), and so are the report's paths; with
+``config.scan_layers`` (the default) the layers are then stacked into ``layers/...``
+(:mod:`posenc_jax.models.scan`).
+
 Keys may carry a ``bert.`` prefix (``BertFor*`` checkpoints) or not (``BertModel``); old
 checkpoints' ``LayerNorm.gamma``/``beta`` are read as ``weight``/``bias``.
 """
@@ -166,6 +170,7 @@ def config_from_hf(hf_config: Mapping[str, Any], **overrides):
   :class:`ConversionError` line naming the ``config.json`` field.
   """
   from posenc_jax.models.config import ModelConfigError, model_config  # noqa: PLC0415
+  from posenc_jax.models.scan import layout_for  # noqa: PLC0415
 
   model_type = hf_config.get("model_type", "bert")
   if model_type != "bert":
@@ -338,6 +343,7 @@ def load_hf_bert(model_dir, config=None, *, rng=None, model: str = "encoder"):
 
   from posenc_jax.models import BertEncoder, BertForMaskedLM  # noqa: PLC0415
   from posenc_jax.models.config import ModelConfigError, model_config  # noqa: PLC0415
+  from posenc_jax.models.scan import layout_for  # noqa: PLC0415
 
   if model not in MODELS:
     raise ConversionError(f"model: got {model!r}; allowed: {', '.join(MODELS)}")
@@ -355,7 +361,9 @@ def load_hf_bert(model_dir, config=None, *, rng=None, model: str = "encoder"):
     except ModelConfigError as e:
       raise ConversionError(str(e)) from None
 
-  module = BertEncoder(config) if model == "encoder" else BertForMaskedLM(config)
+  # The HF layers map one to one onto an unrolled stack; scanned afterwards if asked.
+  unrolled = config.replace(scan_layers=False)
+  module = BertEncoder(unrolled) if model == "encoder" else BertForMaskedLM(unrolled)
   prefix = () if model == "encoder" else ("bert",)
   rng = jax.random.key(0) if rng is None else rng
   # Shapes first (cheap); a real initialisation only if some slot stays fresh.
@@ -399,5 +407,5 @@ def load_hf_bert(model_dir, config=None, *, rng=None, model: str = "encoder"):
   if fresh or others:
     initialised, variables = jax.jit(initialise)(rng)
     flat.update(initialised)
-  variables["params"] = traverse_util.unflatten_dict(flat)
+  variables["params"] = layout_for(traverse_util.unflatten_dict(flat), config.scan_layers)
   return config, variables, report

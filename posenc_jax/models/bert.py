@@ -28,9 +28,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from posenc_jax.models.config import ModelConfig, ModelConfigError, scheme_dims
-from posenc_jax.models.layers import (ACTIVATION_FNS, as_mask, check_like, check_token_ids, dense,
-                                      encoder_layer, layer_norm, token_embedding)
+from posenc_jax.models.layers import (ACTIVATION_FNS, EncoderLayer, as_mask, check_like,
+                                      check_token_ids, dense, layer_norm, token_embedding)
 from posenc_jax.models.linformer import shared_projection
+from posenc_jax.models.stack import layer_stack, run_stack
 from posenc_jax.schemes import build_scheme
 from posenc_jax.schemes.base import is_int
 from posenc_jax.terms import SchemeTerms
@@ -59,7 +60,7 @@ class BertEncoder(nn.Module):
     else:
       self.embed_norm = layer_norm(cfg)
     self.dropout = nn.Dropout(cfg.dropout_rate)
-    self.layers = [encoder_layer(cfg)(cfg) for _ in range(cfg.num_layers)]
+    self.layers = layer_stack(EncoderLayer, cfg, cfg.num_layers)
     if cfg.pooler:
       self.pooler = dense(cfg.d_model, ("embed", "mlp"), cfg)
 
@@ -104,8 +105,7 @@ class BertEncoder(nn.Module):
     if not cfg.pre_ln:
       x = self.embed_norm(x)
     x = self.dropout(x, deterministic=deterministic).astype(cfg.compute_dtype)
-    for index, layer in enumerate(self.layers):
-      x = layer(x, terms.for_layer(index), mask, terms.content_scale, deterministic)
+    x = run_stack(self.layers, x, terms, mask, terms.content_scale, deterministic)
     if cfg.pre_ln:
       x = self.final_norm(x)
     pooled = jnp.tanh(self.pooler(x[:, 0])) if cfg.pooler else None

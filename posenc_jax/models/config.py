@@ -77,6 +77,10 @@ class ModelConfig:
     remat: what each encoder layer keeps for the backward pass: ``none`` (everything,
       the fastest), ``dots`` (matmul outputs, recomputing the rest) or ``full``
       (only the layer's input; longest sequences and largest batches).
+    scan_layers: run each stack of layers (encoder, decoder) as one scanned layer
+      (``nn.scan``): one layer is compiled, and the parameters carry a leading ``layers``
+      axis (``layers/...``); False unrolls them (``layers_0/..``, ``layers_1/..``, ...).
+      :mod:`posenc_jax.models.scan` converts between the two.
     attention_precision: matmul precision of attention in float32:
       ``float32`` (exact, the default) or ``tensorfloat32`` (JAX's faster
       default: TF32 on NVIDIA GPUs); see :func:`posenc_jax.attend`.
@@ -106,6 +110,7 @@ class ModelConfig:
   linformer_sharing: str = "none"
   route: str = "auto"
   remat: str = "none"
+  scan_layers: bool = True
   attention_precision: str = "float32"
   num_decoder_layers: int = 0
   share_embeddings: bool = True
@@ -223,7 +228,7 @@ def model_config(config: Any = None, **overrides) -> ModelConfig:
                          ("route", ROUTES), ("remat", REMAT),
                          ("attention_precision", PRECISIONS)):
     _check_name(field, getattr(cfg, field), allowed)
-  for field in ("pre_ln", "pooler", "share_embeddings"):
+  for field in ("pre_ln", "pooler", "share_embeddings", "scan_layers"):
     _check(field, isinstance(getattr(cfg, field), bool), getattr(cfg, field), "true or false")
   if cfg.attention == "linformer":
     _check("linformer_k", cfg.linformer_k <= cfg.max_len, cfg.linformer_k,

@@ -27,6 +27,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from posenc_jax.models.stack import SCANNED
+
 Array = jax.Array
 Cache = Any
 TokensToLogits = Callable[[Array, Cache], tuple[Array, Cache]]
@@ -110,17 +112,21 @@ def _gather_beams(x: Array, indices: Array) -> Array:
 def _gather_cache(cache: Cache, indices: Array) -> Cache:
   """Reorders the ``[B * K, ...]`` leaves of a cache by beam ``indices`` ``[B, K]``.
 
-  Scalar leaves (cache indices) are the same for every beam and kept.
+  Leaves of scanned layers (under ``layers``) are ``[N, B * K, ...]``. Cache indices
+  (scalars, ``[N]`` when scanned) are the same for every beam and kept.
   """
   batch, beams = indices.shape
 
-  def gather(x):
-    if x.ndim == 0:
+  def gather(path, x):
+    axis = 1 if any(getattr(key, "key", None) == SCANNED for key in path) else 0
+    if x.ndim <= axis:
       return x
-    x = x.reshape((batch, -1) + x.shape[1:])
-    return _gather_beams(x, indices).reshape((batch * beams,) + x.shape[2:])
+    x = x.reshape(x.shape[:axis] + (batch, -1) + x.shape[axis + 1:])
+    x = jax.vmap(_gather_beams, in_axes=(0, None))(x, indices) if axis else _gather_beams(
+        x, indices)
+    return x.reshape(x.shape[:axis] + (batch * beams,) + x.shape[axis + 2:])
 
-  return jax.tree.map(gather, cache)
+  return jax.tree_util.tree_map_with_path(gather, cache)
 
 
 class _BeamState(NamedTuple):

@@ -100,6 +100,7 @@ class EncoderLayer(nn.Module):
   """
 
   config: ModelConfig
+  static_argnums = (4, 5)  # scale, deterministic (argument 0 is the module)
 
   def setup(self):
     self.attention = self_attention(self.config)
@@ -118,16 +119,6 @@ class EncoderLayer(nn.Module):
                     lambda y: self.mlp(y, deterministic), x, deterministic)
 
 
-def encoder_layer(config: ModelConfig) -> type[EncoderLayer]:
-  """:class:`EncoderLayer`, rematerialised as ``config.remat`` says (``dots``: matmul outputs
-  saved, ``full``: nothing but the input; the backward pass recomputes the rest)."""
-  if config.remat == "none":
-    return EncoderLayer
-  policy = jax.checkpoint_policies.dots_saveable if config.remat == "dots" else None
-  # Static: scale and deterministic (argument 0 is the module).
-  return nn.remat(EncoderLayer, policy=policy, static_argnums=(4, 5))
-
-
 class DecoderLayer(nn.Module):
   """Causal self-attention with the scheme's terms, content-only cross-attention, feed-forward.
 
@@ -136,6 +127,7 @@ class DecoderLayer(nn.Module):
   """
 
   config: ModelConfig
+  static_argnums = (6, 7, 8)  # scale, decode, deterministic (argument 0 is the module)
 
   def setup(self):
     self.self_attention = full_attention(self.config)
@@ -146,16 +138,16 @@ class DecoderLayer(nn.Module):
     self.mlp_norm = layer_norm(self.config)
     self.dropout = nn.Dropout(self.config.dropout_rate)
 
-  def __call__(self, x: Array, encoded: Array, terms: Sequence[Term], mask: Array | None,
-               encoded_mask: Array | None, scale: float | None, *, decode: bool = False,
+  def __call__(self, x: Array, terms: Sequence[Term], encoded: Array, mask: Array | None,
+               encoded_mask: Array | None, scale: float | None, decode: bool = False,
                deterministic: bool = True) -> Array:
     """One decoder layer.
 
     Args:
       x: ``[B, Lt, d]`` (``[B, 1, d]`` in a decoding step).
-      encoded: ``[B, Ls, d]`` encoder output.
       terms: this layer's self-attention terms (for the full decode length
         when ``decode``).
+      encoded: ``[B, Ls, d]`` encoder output.
       mask: ``[B, Lt]`` target padding mask or None (causality is added).
       encoded_mask: ``[B, Ls]`` source padding mask or None.
       scale: the scheme's content scale for the self-attention (None: ``1/sqrt(D)``).

@@ -64,8 +64,9 @@ import jax
 import jax.numpy as jnp
 
 from posenc_jax.models.config import ModelConfig, ModelConfigError, causal_variant, scheme_dims
-from posenc_jax.models.layers import (DecoderLayer, as_mask, check_like, check_token_ids, dense,
-                                      encoder_layer, layer_norm, token_embedding)
+from posenc_jax.models.layers import (DecoderLayer, EncoderLayer, as_mask, check_like,
+                                      check_token_ids, dense, layer_norm, token_embedding)
+from posenc_jax.models.stack import layer_stack, run_stack
 from posenc_jax.schemes import build_scheme
 
 Array = jax.Array
@@ -120,9 +121,8 @@ class Encoder(nn.Module):
     x = self.embed(src_ids).astype(jnp.float32) * math.sqrt(cfg.d_model)
     x = terms.embed(x)
     x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic).astype(cfg.compute_dtype)
-    for index in range(cfg.num_layers):
-      x = encoder_layer(cfg)(cfg, name=f"layers_{index}")(x, terms.for_layer(index), mask,
-                                                          terms.content_scale, deterministic)
+    layers = layer_stack(EncoderLayer, cfg, cfg.num_layers, name="layers")
+    x = run_stack(layers, x, terms, mask, terms.content_scale, deterministic)
     if cfg.pre_ln:
       x = layer_norm(cfg, "final_norm")(x)
     return x
@@ -140,10 +140,12 @@ class Decoder(nn.Module):
   embed: nn.Module
 
   def _decode_length(self) -> int | None:
-    """``L_dec`` from the first layer's KV cache, or None before the cache exists."""
+    """``L_dec`` from the first layer's KV cache (or the scanned layers'), or None before
+    the cache exists."""
     cache = self.variables.get("cache", {})
-    layer = cache.get("layers_0", {}).get("self_attention", {})
-    return layer["cached_key"].shape[1] if "cached_key" in layer else None
+    layer = cache.get("layers_0", cache.get("layers", {})).get("self_attention", {})
+    # [B, L_dec, H, D], with the layers axis in front when scanned.
+    return layer["cached_key"].shape[-3] if "cached_key" in layer else None
 
   @nn.compact
   def __call__(self, encoded: Array, src_mask: Array | None, tgt_ids: Array,
@@ -194,10 +196,9 @@ class Decoder(nn.Module):
     else:
       x = terms.embed(x)
     x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic).astype(cfg.compute_dtype)
-    for index in range(cfg.num_decoder_layers):
-      x = DecoderLayer(cfg, name=f"layers_{index}")(
-          x, encoded, terms.for_layer(index), tgt_mask, src_mask, terms.content_scale,
-          decode=decode, deterministic=deterministic)
+    layers = layer_stack(DecoderLayer, cfg, cfg.num_decoder_layers, remat=False, name="layers")
+    x = run_stack(layers, x, terms, encoded, tgt_mask, src_mask, terms.content_scale, decode,
+                  deterministic)
     if cfg.pre_ln:
       x = layer_norm(cfg, "final_norm")(x)
     return x

@@ -33,6 +33,7 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from posenc_jax.cli import first_line
+from posenc_jax.models.scan import match_layout
 
 _GOLDEN = 2654435761  # Knuth's multiplicative hash constant: weights differ per position
 
@@ -293,7 +294,9 @@ def restore_params(workdir: str, abstract_params: Any = None, *, step: int | Non
   Args:
     workdir: a train.py workdir.
     abstract_params: the expected parameter tree (shapes); the saved one must match
-      it exactly, else :class:`CheckpointError` says what differs. None: as saved.
+      it exactly, else :class:`CheckpointError` says what differs, up to the layers'
+      layout: scanned or unrolled layers are converted to the expected layout
+      (:mod:`posenc_jax.models.scan`). None: as saved.
     step: a saved step; None: the newest good one.
     field: the flag or argument named in errors (``workdir``, ``init_checkpoint``).
   """
@@ -311,12 +314,13 @@ def restore_params(workdir: str, abstract_params: Any = None, *, step: int | Non
       try:
         metadata = manager.item_metadata(candidate)["state"]
         saved = getattr(metadata, "tree", metadata)["params"]
-        if abstract_params is not None:
-          mismatch = _compare(_shapes(saved), _shapes(abstract_params))
+        expected = saved
+        if abstract_params is not None:  # in the saved layout (scanned or unrolled layers)
+          expected = jax.eval_shape(lambda p: match_layout(p, saved), abstract_params)
+          mismatch = _compare(_shapes(saved), _shapes(expected))
           if mismatch:
             raise CheckpointError(f"{field}: checkpoint step {candidate} does not hold the "
                                   f"config's model (is --config the run's?): {mismatch}")
-        expected = saved if abstract_params is None else abstract_params
         target = {"params": jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), expected)}
         restore_args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=device), target)
@@ -331,7 +335,8 @@ def restore_params(workdir: str, abstract_params: Any = None, *, step: int | Non
       except Exception as e:  # noqa: BLE001 - reported below, or an older step is tried
         problem = first_line(e)
       if problem is None:
-        return candidate, params
+        return candidate, params if abstract_params is None else match_layout(
+            params, abstract_params)
       errors.append(f"step {candidate}: {problem}")
       logging.warning("checkpoint %s in %s is damaged (%s); skipped", candidate, workdir,
                       problem)

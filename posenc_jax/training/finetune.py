@@ -36,6 +36,7 @@ import numpy as np
 from flax import traverse_util
 
 from posenc_jax.cli import nearest
+from posenc_jax.models.scan import layout_for, match_layout
 from posenc_jax.training.config import TrainConfigError, validate_train_config
 from posenc_jax.training.input_pipeline import FINETUNE_FEATURES
 
@@ -83,7 +84,8 @@ def hf_encoder(path: str) -> dict[str, Any]:
     _, variables, report = load_hf_bert(path)
   except ConversionError as e:
     raise ConversionError(f"init_checkpoint: {e}") from None
-  flat = traverse_util.flatten_dict(nn.unbox(variables["params"]), sep="/")
+  # The report names unrolled paths (layers_i/...).
+  flat = traverse_util.flatten_dict(layout_for(nn.unbox(variables["params"]), False), sep="/")
   return traverse_util.unflatten_dict({p: v for p, v in flat.items() if p in report.loaded},
                                       sep="/")
 
@@ -109,7 +111,11 @@ def pretrained_encoder(path: str) -> dict[str, Any]:
 
 
 def encoder_sizes(flat: dict[str, Any]) -> dict[str, int]:
-  """The ``SIZE_FIELDS`` that flat encoder parameters (``a/b/c`` paths) show."""
+  """The ``SIZE_FIELDS`` that flat encoder parameters (``a/b/c`` paths; arrays or shapes,
+  scanned or unrolled layers) show."""
+  flat = traverse_util.flatten_dict(jax.eval_shape(
+      lambda tree: layout_for(tree, False), traverse_util.unflatten_dict(flat, sep="/")),
+      sep="/")
   sizes = {"num_layers": len({p.split("/")[0] for p in flat if p.startswith("layers_")})}
   for path, fields in (("token_embed/embedding", ("vocab_size", "d_model")),
                        ("layers_0/attention/query/kernel", (None, "num_heads")),
@@ -302,9 +308,14 @@ def finetune(config: ml_collections.ConfigDict, workdir: str, init_checkpoint: s
   check_finetune(config, init_checkpoint)
   init = None
   if init_checkpoint:
-    source = pretrained_encoder(init_checkpoint)
     model = build_model(config.model, config.head, num_labels=config.get("num_labels", 2))
-    check_encoder_fit(traverse_util.flatten_dict(abstract_params(model)["bert"], sep="/"),
+    target = abstract_params(model)["bert"]
+    source = pretrained_encoder(init_checkpoint)
+    try:  # the model's layout: scanned or unrolled layers
+      source = match_layout(source, target)
+    except ValueError as e:  # scan_params: layers that differ
+      raise TrainConfigError(f"init_checkpoint: {init_checkpoint!r}: {e}") from None
+    check_encoder_fit(traverse_util.flatten_dict(target, sep="/"),
                       traverse_util.flatten_dict(source, sep="/"), init_checkpoint)  # shapes only
 
     def init(params):

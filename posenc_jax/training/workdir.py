@@ -84,6 +84,8 @@ def claim(workdir: str, config: ml_collections.ConfigDict) -> None:
     except (OSError, ValueError) as e:
       raise TrainConfigError(f"workdir: {path} does not read as JSON ({e}); move it away to "
                              "reuse this workdir") from None
+    if isinstance(saved.get("model"), dict):  # runs from before scan_layers were unrolled
+      saved["model"].setdefault("scan_layers", False)
     diffs = differences(saved, current)
     if diffs:
       more = f" (and {len(diffs) - 1} more)" if len(diffs) > 1 else ""
