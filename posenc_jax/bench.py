@@ -3,6 +3,8 @@
   python -m posenc_jax.bench [--size tiny|small|base] [--length 128] [--batch 8]
       [--schemes bert,diet_abs,diet_rel,...] [--baseline bert] [--route auto]
       [--dtype float32|bfloat16] [--repeats 10] [--json out.json]
+  python -m posenc_jax.bench --compile [--size tiny,base] [--schemes bert,...] [--length 128]
+      [--batch 8] [--dtype float32|bfloat16] [--repeats 1] [--json out.json]
   python -m posenc_jax.bench --attention [--batch 8] [--length 128] [--heads 12]
       [--head_dim 64] [--causal] [--dtype float32|bfloat16] [--repeats 10] [--json out.json]
 
@@ -47,6 +49,13 @@ GPU measure bfloat16:
   python -m posenc_jax.bench --attention --batch 32 --length 512 --dtype bfloat16 \
       --json attention_512.json
 
+``--compile`` times compilation instead (trace, lower and compile from abstract
+inputs; nothing runs): for each size and scheme the train step and the inference
+pass with unrolled layers and with scanned ones (``model.scan_layers``), and the
+ratio, e.g. BERT-tiny and BERT-base in one run::
+
+  python -m posenc_jax.bench --compile --size tiny,base --length 128 --batch 8
+
 On CPU the Pallas kernels run in interpret mode: only tiny shapes are quick there.
 Compilation is excluded. Every flag is checked (and the ``--json`` path made) before
 anything compiles; a bad one is one line ``bench: --<flag>: got ...; allowed: ...``.
@@ -83,35 +92,50 @@ BASELINE = "bert"
 POSITION_SCHEMES = tuple(name for name, preset in SCHEMES.items() if "scheme" in preset)
 
 
-def compiled_steps(size: str, scheme: str, *, batch: int, length: int, dtype: str,
-                   route: str = "auto"):
-  """Zero-argument (train step, inference) callables of the compiled model, and its config."""
+def model_steps(size: str, scheme: str, *, batch: int, length: int, dtype: str,
+                route: str = "auto", scan_layers: bool = True):
+  """The masked-LM BERT's uncompiled steps: ``(cfg, train, infer, init)``.
+
+  ``train(params, opt_state)`` is one AdamW step on a fixed random batch (15% of the
+  tokens weighted), ``infer(params)`` the forward pass, ``init()`` the initial
+  ``(params, opt_state)``.
+  """
   cfg = preset_config(f"{SIZES[size]},{scheme}").model
   cfg = model_config(cfg, max_len=max(length, cfg.get("max_len", 512)), dtype=dtype,
-                     dropout_rate=0.0, attention_dropout_rate=0.0, route=route)
+                     dropout_rate=0.0, attention_dropout_rate=0.0, route=route,
+                     scan_layers=scan_layers)
   model = BertForMaskedLM(cfg)
   key_ids, key_mask = jax.random.split(jax.random.key(0))
   ids = jax.random.randint(key_ids, (batch, length), 6, cfg.vocab_size)
   segments = jnp.zeros_like(ids)
   mask = jnp.ones_like(ids)
   weights = (jax.random.uniform(key_mask, (batch, length)) < 0.15).astype(jnp.float32)
-  params = jax.jit(model.init)(jax.random.key(1), ids, segments, mask)["params"]
   tx = optax.adamw(1e-4)
-  opt_state = jax.jit(tx.init)(params)
 
   def loss(p):
     logits = model.apply({"params": p}, ids, segments, mask)
     total, weight, _ = weighted_cross_entropy(logits, ids, weights)
     return total / weight
 
-  @jax.jit
   def train(p, s):
     grads = jax.grad(loss)(p)
     updates, s = tx.update(grads, s, p)
     return optax.apply_updates(p, updates), s
 
-  infer = jax.jit(lambda p: model.apply({"params": p}, ids, segments, mask))
-  state = [params, opt_state]
+  def init():
+    params = model.init(jax.random.key(1), ids, segments, mask)["params"]
+    return params, tx.init(params)
+
+  return cfg, train, lambda p: model.apply({"params": p}, ids, segments, mask), init
+
+
+def compiled_steps(size: str, scheme: str, *, batch: int, length: int, dtype: str,
+                   route: str = "auto"):
+  """Zero-argument (train step, inference) callables of the compiled model, and its config."""
+  cfg, train, infer, init = model_steps(size, scheme, batch=batch, length=length, dtype=dtype,
+                                        route=route)
+  train, infer = jax.jit(train), jax.jit(infer)
+  state = list(jax.jit(init)())
 
   def train_step():
     state[0], state[1] = train(state[0], state[1])
@@ -123,6 +147,22 @@ def compiled_steps(size: str, scheme: str, *, batch: int, length: int, dtype: st
   train_step()  # compile and warm up
   infer_step()
   return train_step, infer_step, cfg
+
+
+def compile_seconds(size: str, scheme: str, *, batch: int, length: int, dtype: str,
+                    route: str = "auto", scan_layers: bool = True) -> dict[str, float]:
+  """Seconds to trace, lower and compile the model's train step and its inference pass,
+  from abstract inputs (nothing is initialised or run): ``{"train_s", "infer_s"}``."""
+  _, train, infer, init = model_steps(size, scheme, batch=batch, length=length, dtype=dtype,
+                                      route=route, scan_layers=scan_layers)
+  params, opt_state = jax.eval_shape(init)
+  jax.clear_caches()  # nothing traced for an earlier model is reused
+  out = {}
+  for name, fn, inputs in (("train_s", train, (params, opt_state)), ("infer_s", infer, (params,))):
+    start = time.perf_counter()
+    jax.jit(fn).lower(*inputs).compile()
+    out[name] = time.perf_counter() - start
+  return out
 
 
 def _seconds(step) -> float:
@@ -376,8 +416,41 @@ def attention_table(args) -> dict:
 
 
 # Flags of one mode only, with their defaults: given in the other mode, they are an error.
-MODEL_FLAGS = {"size": "tiny", "schemes": DEFAULT_SCHEMES, "baseline": BASELINE, "route": "auto"}
+MODEL_FLAGS = {"size": ("tiny",), "schemes": DEFAULT_SCHEMES, "baseline": BASELINE,
+               "route": "auto"}
 ATTENTION_FLAGS = {"heads": 12, "head_dim": 64, "causal": False}
+
+
+def compile_table(args) -> list[dict]:
+  """``--compile``: per size and scheme, the compile seconds of unrolled and scanned layers
+  (``model.scan_layers``) and their ratio, each the median of ``--repeats`` compiles made
+  alternately."""
+  print(f"device: {jax.devices()[0].device_kind}; trace + lower + compile of the MLM BERT's "
+        f"train step (fwd+bwd+AdamW) and inference pass, B={args.batch} L={args.length} "
+        f"{args.dtype}, route {args.route}; median of {args.repeats}, unrolled and scanned "
+        "layers compiled alternately")
+  print(f"{'size':<6}{'scheme':<16}{'layers':>7}{'train unrolled s':>18}{'scanned s':>11}"
+        f"{'x faster':>9}{'infer unrolled s':>18}{'scanned s':>11}{'x faster':>9}")
+  dims = dict(batch=args.batch, length=args.length, dtype=args.dtype, route=args.route)
+  rows = []
+  for size in args.size:
+    for scheme in args.schemes:
+      rounds = [[compile_seconds(size, scheme, scan_layers=scan, **dims) for scan in (False, True)]
+                for _ in range(args.repeats)]
+      median = lambda values: sorted(values)[len(values) // 2]  # noqa: E731
+      row = {"size": size, "scheme": scheme,
+             "layers": model_config(preset_config(SIZES[size]).model).num_layers}
+      for part in ("train_s", "infer_s"):
+        unrolled = median([r[0][part] for r in rounds])
+        scanned = median([r[1][part] for r in rounds])
+        row |= {f"{part}_unrolled": unrolled, f"{part}_scanned": scanned,
+                f"{part}_speedup": unrolled / scanned}
+      rows.append(row)
+      print(f"{size:<6}{scheme:<16}{row['layers']:>7}{row['train_s_unrolled']:>18.2f}"
+            f"{row['train_s_scanned']:>11.2f}{row['train_s_speedup']:>9.2f}"
+            f"{row['infer_s_unrolled']:>18.2f}{row['infer_s_scanned']:>11.2f}"
+            f"{row['infer_s_speedup']:>9.2f}", flush=True)
+  return rows
 
 
 def main(argv=None):
@@ -385,8 +458,12 @@ def main(argv=None):
   parser.add_argument("--attention", action="store_true",
                       help="time each attention kernel at one shape (forward, forward+backward) "
                       "instead of whole BERTs")
-  parser.add_argument("--size", type=cli.one_of(SIZES), default=None,
-                      help=f"BERT size: {', '.join(SIZES)} (default tiny)")
+  parser.add_argument("--compile", action="store_true",
+                      help="time compiling each model with unrolled and with scanned layers "
+                      "instead of running it")
+  parser.add_argument("--size", type=cli.one_of(SIZES, sep=","), default=None,
+                      help=f"BERT size: {', '.join(SIZES)} (default tiny); with --compile a "
+                      "comma-separated list")
   parser.add_argument("--length", type=cli.positive_int, default=128, help="tokens per example")
   parser.add_argument("--batch", type=cli.positive_int, default=8, help="examples per step")
   parser.add_argument("--heads", type=cli.positive_int, default=None,
@@ -397,8 +474,9 @@ def main(argv=None):
                       help="--attention: causal attention (FLOPs halved)")
   parser.add_argument("--dtype", type=cli.one_of(DTYPES), default="float32",
                       help=f"compute dtype: {', '.join(DTYPES)}")
-  parser.add_argument("--repeats", type=cli.positive_int, default=10,
-                      help="timed runs of each step (the median is reported)")
+  parser.add_argument("--repeats", type=cli.positive_int, default=None,
+                      help="timed runs of each step, the median is reported (default 10; "
+                      "with --compile 1)")
   parser.add_argument("--schemes", type=cli.one_of(POSITION_SCHEMES, sep=","), default=None,
                       help=f"comma-separated scheme presets: {', '.join(POSITION_SCHEMES)} "
                       f"(default {','.join(DEFAULT_SCHEMES)})")
@@ -414,19 +492,31 @@ def main(argv=None):
     if getattr(args, flag) is not None:
       parser.error(f"--{flag}: not with --attention (it times attention alone, every route)"
                    if args.attention else f"--{flag}: only with --attention")
-  for flag, default in {**unused, **used}.items():
+  if args.compile and args.attention:
+    parser.error("--compile: not with --attention (it compiles whole models)")
+  if args.compile and args.baseline is not None:
+    parser.error("--baseline: not with --compile (each model's unrolled layers are its "
+                 "baseline)")
+  if not args.compile and args.size is not None and len(args.size) > 1:
+    parser.error(f"--size: got {','.join(args.size)!r}; one size (a list only with --compile)")
+  if args.compile and args.schemes is None:
+    args.schemes = (BASELINE,)
+  for flag, default in {**unused, **used, "repeats": 1 if args.compile else 10}.items():
     setattr(args, flag, default if getattr(args, flag) is None else getattr(args, flag))
   if args.json is not None:
     try:  # before anything compiles, so no timing is lost to a bad path
       cli.check_output_file("--json", args.json)
     except cli.OutputPathError as e:
       parser.error(str(e))
-  if args.attention:
-    document = attention_table(args)
+  if args.attention or args.compile:
+    document = attention_table(args) if args.attention else {
+        "device": jax.devices()[0].device_kind, "batch": args.batch, "length": args.length,
+        "dtype": args.dtype, "route": args.route, "rows": compile_table(args)}
     if args.json:
       with open(args.json, "w") as f:
         json.dump(document, f, indent=2)
     return document["rows"]
+  args.size = args.size[0]
   dims = dict(batch=args.batch, length=args.length, dtype=args.dtype, route=args.route)
   tokens = args.batch * args.length
   peak = peak_flops(dtype=args.dtype)

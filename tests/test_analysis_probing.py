@@ -14,6 +14,7 @@ from posenc_jax.analysis import (AnalysisError, bundled_tokens, identical_word_i
                                  identical_word_probing, indicators, layer_runner, opr,
                                  position_vectors, positional_attention, wordpiece_tokens)
 from posenc_jax.models import BertEncoder, model_config
+from posenc_jax.models.scan import layout_for
 from posenc_jax.schemes import alibi_slopes
 
 SMALL = dict(vocab_size=64, d_model=32, num_layers=2, num_heads=4, mlp_dim=64, max_len=16)
@@ -75,7 +76,7 @@ def test_recomputed_probabilities_reproduce_the_layer_output(form):
       extra = term.with_key_length(ids.shape[1]).value_output(att.probs)
       if extra is not None:
         out = out + extra
-    w = variables["params"][f"layers_{layer}"]["attention"]["out"]
+    w = layout_for(variables["params"], False)[f"layers_{layer}"]["attention"]["out"]
     out = jnp.einsum("bihd,hde->bie", out, w["kernel"]) + w["bias"]
     np.testing.assert_allclose(out, att.output, rtol=2e-4, atol=2e-5)
 
@@ -88,8 +89,10 @@ def test_skipping_later_layers_leaves_the_probed_layer_unchanged():
   def capture(module, name):
     return name == "__call__" and tuple(module.path) == ("layers_1", "attention")
 
-  _, state = jax.jit(lambda v: encoder.apply(v, ids, segments, mask, capture_intermediates=capture,
-                                             mutable=["intermediates"]))(variables)
+  unrolled = encoder.clone(config=encoder.config.replace(scan_layers=False))  # per-layer paths
+  variables = {"params": layout_for(variables["params"], False)}
+  _, state = jax.jit(lambda v: unrolled.apply(v, ids, segments, mask, capture_intermediates=capture,
+                                              mutable=["intermediates"]))(variables)
   full = state["intermediates"]["layers_1"]["attention"]["__call__"][0]
   np.testing.assert_allclose(att.output, full, rtol=1e-4, atol=1e-5)
 
@@ -145,7 +148,7 @@ def test_probing_averages_over_sampled_words(no_position):
 def test_positional_term_closed_forms():
   ape = model("learned_ape")
   pos = positional_attention(ape.encoder, ape.variables, length=16)
-  params = ape.variables["params"]
+  params = layout_for(ape.variables["params"], False)
   p = params["position"]["position_embedding"][:16]
   wq = params["layers_0"]["attention"]["query"]["kernel"]
   wk = params["layers_0"]["attention"]["key"]["kernel"]

@@ -88,7 +88,7 @@ def test_merge_encoder_copies_matching_parameters_only():
   source.pop("segment")
   source["segment"] = {"segment_embedding": np.zeros((2, 32), np.float32)}  # input segments
   merged, report = finetune_lib.merge_encoder(target, source, "pretrained")
-  assert np.all(merged["bert"]["layers_1"]["mlp"]["wi"]["kernel"] == 7.0)
+  assert np.all(merged["bert"]["layers"]["mlp"]["wi"]["kernel"] == 7.0)
   np.testing.assert_array_equal(merged["classifier"]["kernel"], target["classifier"]["kernel"])
   assert "bert/segment/segment_bias" in report.fresh and "classifier/kernel" in report.fresh
   assert report.unused == ["segment/segment_embedding"]

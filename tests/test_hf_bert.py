@@ -22,6 +22,7 @@ from flax.linen import meta
 from posenc_jax.convert import (ConversionError, config_from_hf, load_hf_bert,
                                 package_model_dir, read_hf_config, vocab_path)
 from posenc_jax.models import BertEncoder, BertForMaskedLM
+from posenc_jax.models.scan import layout_for
 
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
 
@@ -30,8 +31,10 @@ TOL = 1e-4
 
 
 def flat_params(variables):
+  """``a/b/c`` -> array, layers unrolled (``layers_i``) whatever the model's layout."""
   return {"/".join(k): np.asarray(v) for k, v in
-          traverse_util.flatten_dict(meta.unbox(variables["params"])).items()}
+          traverse_util.flatten_dict(layout_for(meta.unbox(variables["params"]),
+                                                False)).items()}
 
 
 @pytest.fixture(scope="module")
@@ -89,12 +92,13 @@ def test_parity_fails_for_an_untransposed_kernel(minilm, minilm_dir, golden):
       "encoder.layer.0.attention.self.query.weight"]
   params = jax.tree.map(lambda x: x, variables["params"],
                         is_leaf=lambda x: isinstance(x, meta.Partitioned))
-  box = params["layers_0"]["attention"]["query"]["kernel"]
+  box = params["layers"]["attention"]["query"]["kernel"]  # scanned: layer 0 is row 0
   kernel = box.value if isinstance(box, meta.Partitioned) else box
-  wrong = jnp.asarray(weight.reshape(kernel.shape))  # no .T
-  assert not np.allclose(wrong, kernel)
-  params["layers_0"]["attention"]["query"]["kernel"] = (
-      box.replace_boxed(wrong) if isinstance(box, meta.Partitioned) else wrong)
+  wrong = jnp.asarray(weight.reshape(kernel.shape[1:]))  # no .T
+  assert not np.allclose(wrong, kernel[0])
+  params["layers"]["attention"]["query"]["kernel"] = (
+      box.replace_boxed(kernel.at[0].set(wrong)) if isinstance(box, meta.Partitioned)
+      else kernel.at[0].set(wrong))
   hidden, _ = encode(config, {"params": params}, golden)
   assert np.abs(hidden - golden["last_hidden_state"]).max() > 100 * TOL
 

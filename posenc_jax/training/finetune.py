@@ -150,14 +150,26 @@ def check_encoder_fit(target: dict[str, Any], source: dict[str, Any], source_nam
       fail(f"bert/{only[0]} is in the {here}, not in the {there} ({len(only)} such parameters)")
 
 
+def in_layout_of(source: dict[str, Any], target: dict[str, Any], source_name: str
+                 ) -> dict[str, Any]:
+  """Encoder parameters ``source`` with their layers laid out (scanned or unrolled) as the
+  encoder ``target``'s; layers that cannot be stacked are one ``init_checkpoint`` line."""
+  try:
+    return match_layout(source, target)
+  except ValueError as e:  # scan_params: layers that differ
+    raise TrainConfigError(f"init_checkpoint: {source_name!r}: {e}") from None
+
+
 def merge_encoder(target: Any, source: dict[str, Any], source_name: str) -> tuple[Any, InitReport]:
-  """``target`` params (``bert/...`` + head) with every matching encoder leaf from ``source``.
+  """``target`` params (``bert/...`` + head) with every matching encoder leaf from ``source``
+  (scanned or unrolled layers: converted to ``target``'s layout).
 
   Raises:
     TrainConfigError: the encoders differ beyond the schemes and the pooler
       (:func:`check_encoder_fit`).
   """
   report = InitReport(source_name)
+  source = in_layout_of(source, target["bert"], source_name)
   flat_target = traverse_util.flatten_dict(target, sep="/")
   flat_source = traverse_util.flatten_dict(source, sep="/")
   check_encoder_fit({p.removeprefix("bert/"): v for p, v in flat_target.items()
@@ -310,11 +322,7 @@ def finetune(config: ml_collections.ConfigDict, workdir: str, init_checkpoint: s
   if init_checkpoint:
     model = build_model(config.model, config.head, num_labels=config.get("num_labels", 2))
     target = abstract_params(model)["bert"]
-    source = pretrained_encoder(init_checkpoint)
-    try:  # the model's layout: scanned or unrolled layers
-      source = match_layout(source, target)
-    except ValueError as e:  # scan_params: layers that differ
-      raise TrainConfigError(f"init_checkpoint: {init_checkpoint!r}: {e}") from None
+    source = in_layout_of(pretrained_encoder(init_checkpoint), target, init_checkpoint)
     check_encoder_fit(traverse_util.flatten_dict(target, sep="/"),
                       traverse_util.flatten_dict(source, sep="/"), init_checkpoint)  # shapes only
 
