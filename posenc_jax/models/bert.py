@@ -17,6 +17,9 @@ layout of :class:`BertEncoder`::
   final_norm/{scale,bias}             [d]      (pre-LN only)
   pooler/{kernel [d, d], bias [d]}              (config.pooler)
 
+With ``config.scan_layers`` (the default) the ``layers_{i}`` subtrees are one ``layers``
+subtree whose leaves carry a leading ``[N]`` axis (:mod:`posenc_jax.models.stack`).
+
 The heads wrap the encoder as ``bert/...``.
 """
 

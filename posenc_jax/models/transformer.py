@@ -48,6 +48,10 @@ Parameter layout::
   decoder/layers_{i}/{self_attention_norm,cross_attention_norm,mlp,mlp_norm}/...
   decoder/final_norm                    (pre-LN only)
 
+With ``config.scan_layers`` (the default) each stack's ``layers_{i}`` subtrees (and cache
+entries) are one ``layers`` subtree with a leading ``[N]`` axis
+(:mod:`posenc_jax.models.stack`).
+
 Cache layout (``decode=True``)::
 
   decoder/cache_index                   int32 scalar, the next target position
