@@ -624,8 +624,8 @@ def _is_shared(x: Array) -> bool:
 
 
 def _shared(x: Array) -> Array:
-  """A shared leaf's value for one layer (its layer axis of 1 dropped)."""
-  return x if jnp.ndim(x) == 0 else x[0]
+  """A shared leaf's value for one layer (its layer axis of 1 dropped); None stays None."""
+  return x if x is None or jnp.ndim(x) == 0 else x[0]
 
 
 def layer_terms(per_layer: tuple[Any, ...], shared: tuple[Any, ...]) -> list[Term]:

@@ -1,10 +1,32 @@
 """Shared fixtures: small model dimensions and helpers to build schemes."""
 
+import atexit
+import os
+import shutil
+import tempfile
+
 import jax
 import jax.numpy as jnp
 import pytest
+from jax.experimental.compilation_cache import compilation_cache
 
 from posenc_jax import build_scheme
+
+# train.py's persistent compilation cache (None: $XDG_CACHE_HOME/posenc_jax/xla) goes to a
+# folder of this session, for the runs in subprocesses too, never the user's cache.
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="posenc_jax_tests_cache_")
+atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def _no_compilation_cache_after_the_test():
+  """A run of ``train()`` in this process turns JAX's persistent cache on for the process;
+  later tests compile without it, as they would alone."""
+  before = jax.config.jax_compilation_cache_dir
+  yield
+  if jax.config.jax_compilation_cache_dir != before:
+    jax.config.update("jax_compilation_cache_dir", before)
+    compilation_cache.reset_cache()
 
 DIMS = dict(num_layers=2, num_heads=4, head_dim=8, d_model=32, max_len=16)
 BATCH, LENGTH = 2, 10

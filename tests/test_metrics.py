@@ -281,10 +281,14 @@ def test_bad_arguments_raise_one_line(kwargs, field):
 
 
 def _dot_flops(jaxpr) -> int:
-  """2 x multiply-adds of every dot_general in ``jaxpr`` and its sub-jaxprs (no loops)."""
+  """2 x multiply-adds of every dot_general in ``jaxpr`` and its sub-jaxprs, a scan's body
+  (the scanned layers) once per iteration."""
   total = 0
   for eqn in jaxpr.eqns:
-    assert eqn.primitive.name not in ("scan", "while"), eqn.primitive.name
+    assert eqn.primitive.name != "while", "a loop of unknown trip count"
+    if eqn.primitive.name == "scan":
+      total += eqn.params["length"] * _dot_flops(eqn.params["jaxpr"])
+      continue
     if eqn.primitive.name == "dot_general":
       lhs, rhs = (v.aval.shape for v in eqn.invars)
       (_, rhs_contract), (_, rhs_batch) = eqn.params["dimension_numbers"]
