@@ -1,59 +1,7 @@
-"""Pre-training and translation training: ``python train.py --config=... --workdir=...``.
+"""Pre-training and translation training: the same command line as ``python -m posenc_jax.train``
+(see posenc_jax/train.py for the flags and examples)."""
 
-  python train.py --config=configs/pretrain.py --workdir=/tmp/posenc_demo
-  python train.py --config=configs/pretrain.py:bert_base,diet_rel,tupe_protocol \
-      --config.batch_size=512 --workdir=/data/runs/diet_rel
-
-Multi-host: on TPU pods ``jax.distributed`` initialises itself; on GPU
-clusters pass ``--coordinator_address``, ``--num_processes`` and
-``--process_id`` (or set JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES,
-JAX_PROCESS_ID). Each host feeds its own shard of the global batch.
-"""
-
-import os
-import sys
-
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # quiet the input pipeline's TensorFlow
-
-from absl import app, flags, logging
-
-from posenc_jax import cli
-
-_CONFIG = cli.define_config("config", "configs/pretrain.py", "configs/<file>.py[:<presets>]")
-_WORKDIR = flags.DEFINE_string("workdir", None, "checkpoints, metrics and events go here")
-_COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of process 0")
-_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "processes in the job")
-_PROCESS_ID = flags.DEFINE_integer("process_id", None, "this process's index")
-
-
-def initialise_distributed() -> None:
-  import jax  # noqa: PLC0415
-
-  address = _COORDINATOR.value or os.environ.get("JAX_COORDINATOR_ADDRESS")
-  if address:
-    num = _NUM_PROCESSES.value or int(os.environ["JAX_NUM_PROCESSES"])
-    pid = _PROCESS_ID.value if _PROCESS_ID.value is not None else int(
-        os.environ["JAX_PROCESS_ID"])
-    jax.distributed.initialize(address, num_processes=num, process_id=pid)
-  elif os.environ.get("TPU_WORKER_HOSTNAMES") or os.environ.get("CLOUD_TPU_TASK_ID"):
-    jax.distributed.initialize()  # TPU pod slice: everything from the environment
-
-
-def main(argv):
-  del argv
-  if not _WORKDIR.value:
-    sys.exit("train.py: --workdir is required")
-  logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO
-  cli.quiet_library_tracebacks()
-  initialise_distributed()
-  from posenc_jax.training.errors import USER_ERRORS  # noqa: PLC0415
-  from posenc_jax.training.loop import train  # noqa: PLC0415
-
-  try:
-    train(_CONFIG.value, _WORKDIR.value)
-  except USER_ERRORS as e:
-    cli.exit_with("train.py", e)
-
+from posenc_jax.train import run
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=cli.flags_parser("train.py"))
+  run()

@@ -1,49 +1,7 @@
-"""XTREME zero-shot fine-tuning (DIET's multilingual protocol): train on English, evaluate
-in every language.
+"""XTREME zero-shot fine-tuning (DIET's multilingual protocol).
 
-  python finetune.py --config=configs/finetune_xtreme.py:xnli_de,bert_base_multilingual,diet_abs \
-      --init_checkpoint=/data/runs/ml_diet_abs --workdir=/data/ft/xnli_de
-  python finetune.py --config=configs/finetune_xtreme.py:xquad_es,bert_base_multilingual,diet_rel \
-      --init_checkpoint=/data/runs/ml_diet_rel --workdir=/data/ft/xquad_es
-
-The argument is ``<target>[,<size>,<scheme>...]``: ``xnli_<lang>`` trains on
-MNLI English (``xnli_train``); ``xquad_<lang>``, ``mlqa_<lang>`` and
-``tydiqa_goldp_<lang>`` train on SQuAD v1.1 (``squad_v1``) with span
-features (seq 384, document stride 128, query 64) and report F1/EM of the
-decoded answers in the target language.
+The config lives in the package, posenc_jax/configs/finetune_xtreme.py (its docstring lists the
+argument); this file keeps ``--config=configs/finetune_xtreme.py`` working from a clone.
 """
 
-import os
-import sys
-
-from posenc_jax.cli import nearest
-
-sys.path.insert(0, os.path.dirname(__file__))
-from finetune_glue import finetune_config  # noqa: E402
-
-EVAL_SPLIT = {"xnli": "test", "xquad": "test", "mlqa": "test", "tydiqa": "validation"}
-
-
-def get_config(arg="xnli_en"):
-  names = arg.split(",")
-  target = names[0]
-  family = target.split("_")[0]
-  if family not in EVAL_SPLIT:
-    guesses = [f"{name}_{target.partition('_')[2]}" for name in EVAL_SPLIT]
-    raise ValueError(f"config argument: target {target!r} is unknown{nearest(target, guesses)} "
-                     "allowed: xnli_<lang>, xquad_<lang>, mlqa_<lang>, tydiqa_goldp_<lang>")
-  presets = names[1:] or ["bert_base_multilingual", "bert"]
-  if family == "xnli":  # 392,702 MNLI pairs, 2 epochs at batch 32
-    config = finetune_config("xnli_train", presets, num_labels=3, regression=False, pair=True,
-                             best_metric="task_accuracy", total_steps=24_544,
-                             per_head_segments=True)
-  else:  # 87,599 SQuAD questions, 2 epochs at batch 32
-    config = finetune_config("squad_v1", presets, num_labels=2, regression=False, pair=True,
-                             best_metric="task_f1", total_steps=5_475, per_head_segments=True)
-    config.objective = "span"
-    config.head = "span"
-    config.seq_len = 384
-    config.optimizer.learning_rate = 3e-5
-  config.eval_task = target
-  config.eval_split = EVAL_SPLIT[family]
-  return config
+from posenc_jax.configs.finetune_xtreme import get_config  # noqa: F401

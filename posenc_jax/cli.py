@@ -95,6 +95,34 @@ def describe_flag_error(error: BaseException, argv: Sequence[str], fv: flags.Fla
   return text.removeprefix("flag ")
 
 
+PACKAGED_CONFIGS = os.path.join(os.path.dirname(__file__), "configs")
+
+
+def config_path(spec: str) -> str:
+  """``<path>[:<arg>]`` with ``<path>`` a config file: as given when it exists; else, for
+  ``configs/<file>.py``, ``<file>.py`` or ``<file>``, the config shipped in
+  ``posenc_jax/configs`` (so they work from any folder after ``pip install``); else as given
+  (the loader then names the missing file)."""
+  path, colon, arg = spec.partition(":")
+  folder, name = os.path.split(path)
+  if os.path.isfile(path) or folder not in ("", "configs") or not name:
+    return spec
+  packaged = os.path.join(PACKAGED_CONFIGS, name if name.endswith(".py") else f"{name}.py")
+  return f"{packaged}{colon}{arg}" if os.path.isfile(packaged) else spec
+
+
+def _with_config_path(argv: Sequence[str], name: str) -> list[str]:
+  """``argv`` with the value of ``--<name>=<spec>`` (or ``--<name> <spec>``) resolved by
+  :func:`config_path`."""
+  out = list(argv)
+  for i, arg in enumerate(out):
+    if arg.startswith(f"--{name}="):
+      out[i] = f"--{name}={config_path(arg.partition('=')[2])}"
+    elif arg == f"--{name}" and i + 1 < len(out):
+      out[i + 1] = config_path(out[i + 1])
+  return out
+
+
 def define_config(name: str, default: str | None, help_text: str):
   """``config_flags.DEFINE_config_file`` whose default is loaded at parse time, not import
   time (where absl would turn a bad ``--<name>.<field>`` into a traceback): a missing
@@ -114,6 +142,8 @@ def flags_parser(prog: str, config_flag: str | None = "config",
   fv = flags.FLAGS if fv is None else fv
 
   def parse(argv: list[str]) -> list[str]:
+    if config_flag is not None:
+      argv = _with_config_path(argv, config_flag)
     try:
       rest = fv(argv)
       if config_flag is not None and fv[config_flag].value is not None:

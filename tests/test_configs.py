@@ -1,21 +1,20 @@
 """Every config file builds a valid train config for its documented arguments."""
 
+import importlib
 import importlib.util
 import pathlib
 
 import pytest
 
+from posenc_jax.cli import config_path
 from posenc_jax.models.build import abstract_params, build_model
 from posenc_jax.training.config import validate_train_config
 
-CONFIGS = pathlib.Path(__file__).parent.parent / "configs"
+ROOT = pathlib.Path(__file__).parent.parent
 
 
 def get_config(name, arg):
-  spec = importlib.util.spec_from_file_location(name, CONFIGS / f"{name}.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config(arg)
+  return importlib.import_module(f"posenc_jax.configs.{name}").get_config(arg)
 
 
 @pytest.mark.parametrize("name,arg,expect", [
@@ -55,3 +54,27 @@ def test_pair_tasks_get_per_head_segments_and_the_model_builds():
 def test_unknown_task_is_one_line():
   with pytest.raises(ValueError, match="task 'glue_nope' is unknown"):
     get_config("finetune_glue", "glue_nope")
+
+
+PACKAGED = sorted(p.stem for p in (ROOT / "posenc_jax" / "configs").glob("[a-z]*.py"))
+
+
+@pytest.mark.parametrize("name", PACKAGED)
+def test_the_repository_configs_are_the_packaged_ones(name):
+  """``configs/<name>.py`` in a clone re-exports the packaged config's ``get_config``."""
+  spec = importlib.util.spec_from_file_location(f"thin_{name}", ROOT / "configs" / f"{name}.py")
+  thin = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(thin)
+  assert thin.get_config is importlib.import_module(f"posenc_jax.configs.{name}").get_config
+
+
+def test_config_paths_resolve_to_the_packaged_configs(tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  packaged = str(ROOT / "posenc_jax" / "configs" / "pretrain.py")
+  for spec in ("configs/pretrain.py", "pretrain.py", "pretrain"):
+    assert config_path(spec) == packaged
+    assert config_path(f"{spec}:bert_tiny,t5") == f"{packaged}:bert_tiny,t5"
+  for missing in ("configs/nope.py:x", "/elsewhere/pretrain.py", "my/pretrain.py:x"):
+    assert config_path(missing) == missing  # the loader names the file
+  (tmp_path / "pretrain.py").write_text("def get_config(arg=None):\n  return {}\n")
+  assert config_path("pretrain.py:x") == "pretrain.py:x"  # a file of the user's comes first

@@ -6,7 +6,7 @@ show that the legitimate differences (a fresh head, per-head segments, a swapped
 scheme, no pooler) still load every other encoder parameter, and that every shipped
 fine-tuning config passes."""
 
-import importlib.util
+import importlib
 import json
 import pathlib
 import subprocess
@@ -29,10 +29,7 @@ DELETE = object()
 
 
 def get_config(name, arg):
-  spec = importlib.util.spec_from_file_location(name, ROOT / "configs" / f"{name}.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config(arg)
+  return importlib.import_module(f"posenc_jax.configs.{name}").get_config(arg)
 
 
 def wordnet_config(changes):

@@ -4,7 +4,6 @@ statistic, and a short run that beats the majority class."""
 import collections
 import gzip
 import json
-import pathlib
 import subprocess
 import sys
 
@@ -19,7 +18,6 @@ from posenc_jax.data.vocab import BUNDLED_DIR, CLS_ID, SEP_ID
 from posenc_jax.models import BertForSequenceClassification, model_config
 from posenc_jax.training import finetune as finetune_lib
 
-ROOT = pathlib.Path(__file__).parent.parent
 
 
 def _pretraining_definitions():
@@ -103,8 +101,7 @@ def test_sweep_reports_the_median_over_seeds_of_the_best_learning_rate(monkeypat
     return {"best": {"step": 10, "metric": "task_accuracy", "score": score}}
 
   monkeypatch.setattr(finetune_lib, "finetune", fake_finetune)
-  sys.path.insert(0, str(ROOT / "configs"))
-  import finetune_wordnet
+  from posenc_jax.configs import finetune_wordnet
   config = finetune_wordnet.get_config("wordnet_supersense")
   config.sweep.learning_rates = [1e-5, 2e-5]
   config.sweep.seeds = [0, 1, 2]
@@ -117,18 +114,20 @@ def test_sweep_reports_the_median_over_seeds_of_the_best_learning_rate(monkeypat
 
 
 def test_pretrain_then_finetune_beats_the_majority_class(tmp_path):
-  """train.py (a few steps) -> finetune.py from its checkpoint on wordnet_supersense."""
-  pre = subprocess.run([sys.executable, "train.py", "--config=configs/pretrain.py",
+  """``python -m posenc_jax.train`` (a few steps) -> ``python -m posenc_jax.finetune`` from
+  its checkpoint on wordnet_supersense, run outside the repository as after ``pip install``
+  (the packaged configs, by path or by name)."""
+  pre = subprocess.run([sys.executable, "-m", "posenc_jax.train", "--config=configs/pretrain.py",
                         f"--workdir={tmp_path / 'pre'}", "--config.total_steps=10",
                         "--config.checkpoint_every=10", "--config.eval_every=0",
                         "--config.optimizer.warmup_steps=2"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+                       cwd=tmp_path, capture_output=True, text=True, timeout=600)
   assert pre.returncode == 0, pre.stderr[-3000:]
-  ft = subprocess.run([sys.executable, "finetune.py",
-                       "--config=configs/finetune_wordnet.py:wordnet_supersense",
+  ft = subprocess.run([sys.executable, "-m", "posenc_jax.finetune",
+                       "--config=finetune_wordnet:wordnet_supersense",
                        f"--init_checkpoint={tmp_path / 'pre'}", f"--workdir={tmp_path / 'ft'}",
                        "--config.total_steps=300", "--config.eval_every=150"],
-                      cwd=ROOT, capture_output=True, text=True, timeout=900)
+                      cwd=tmp_path, capture_output=True, text=True, timeout=900)
   assert ft.returncode == 0, ft.stderr[-3000:]
   assert "encoder parameters loaded" in ft.stdout
   labels = [label for _, label in wordnet_tasks.supersense_examples("validation")]

@@ -33,6 +33,7 @@ import ml_collections
 
 from posenc_jax.analysis.probing import (AnalysisError, ProbeTokens, bundled_tokens,
                                          wordpiece_tokens)
+from posenc_jax.cli import config_path
 from posenc_jax.models import BertEncoder, ModelConfig, model_config
 
 
@@ -67,7 +68,7 @@ class LoadedModel:
 def read_config(spec: str) -> ml_collections.ConfigDict:
   """A config file with its argument, ``configs/pretrain.py:bert_tiny,alibi``, as
   ``--config=`` reads it (``get_config(arg)``)."""
-  path, _, arg = spec.partition(":")
+  path, _, arg = config_path(spec).partition(":")
   if not os.path.isfile(path):
     raise AnalysisError(f"config: no such file {path!r}")
   module_spec = importlib.util.spec_from_file_location("posenc_analysis_config", path)

@@ -1,0 +1,40 @@
+"""Fine-tuning on the bundled WordNet tasks (real text, offline, CPU-sized).
+
+  python train.py --config=configs/pretrain.py --workdir=/tmp/posenc_demo
+  python finetune.py --config=configs/finetune_wordnet.py:wordnet_supersense \
+      --init_checkpoint=/tmp/posenc_demo --workdir=/tmp/posenc_supersense
+
+The argument is ``<task>[,<size>,<scheme>...][,no_per_head_segments]``:
+``wordnet_supersense`` (gloss -> one of 45 supersenses) or
+``wordnet_hypernym`` (gloss pair -> is the second a hypernym of the first).
+The presets must match the pre-trained model (default: the bundled
+pre-training demo's). Pair tasks switch on per-head segment terms (DIET).
+"""
+
+from posenc_jax.cli import nearest
+from posenc_jax.configs.finetune_glue import finetune_config
+
+TASKS = {"wordnet_supersense": dict(num_labels=45, pair=False),
+         "wordnet_hypernym": dict(num_labels=2, pair=True)}
+
+
+def get_config(arg="wordnet_supersense"):
+  names = arg.split(",")
+  task = names[0]
+  if task not in TASKS:
+    raise ValueError(f"config argument: task {task!r} is unknown{nearest(task, TASKS)} "
+                     f"allowed: {', '.join(TASKS)}")
+  presets = [n for n in names[1:] if n != "no_per_head_segments"] or ["bert_tiny",
+                                                                      "diet_abs_share"]
+  config = finetune_config(task, presets, num_labels=TASKS[task]["num_labels"], regression=False,
+                           pair=TASKS[task]["pair"], best_metric="task_accuracy",
+                           total_steps=600, per_head_segments="no_per_head_segments" not in names)
+  config.seq_len = 64
+  config.log_every = 50
+  config.eval_every = 200
+  config.checkpoint_every = 200
+  config.model.dropout_rate = 0.1
+  config.model.attention_dropout_rate = 0.0
+  config.optimizer.learning_rate = 1e-3
+  config.sweep.learning_rates = [5e-4, 1e-3, 2e-3]
+  return config

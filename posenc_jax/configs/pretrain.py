@@ -1,0 +1,56 @@
+"""Masked-LM pre-training (no NSP, full-sentence packing, 15% masking 80/10/10).
+
+  python train.py --config=configs/pretrain.py --workdir=/tmp/posenc_demo
+  python train.py --config=configs/pretrain.py:bert_base,diet_abs_share,diet_protocol \
+      --config.task=wikipedia_en --workdir=gs://...
+
+The argument is ``<size>[,<scheme>...][,<protocol>]`` (see ``configs/model.py``
+for sizes and schemes). Protocols reproduce the papers at full scale
+(``shared/spec/RESULTS.md`` section 5):
+
+* ``diet_protocol``: 500k steps, batch 4096, seq 128, LAMB, LR 0.0018, warm-up 2.5%;
+  MLM logits at 20 positions per row (BERT's ``max_predictions_per_seq``).
+* ``tupe_protocol``: 1M steps, batch 256, seq 512 (MLM logits at 80 positions), AdamW (eps 1e-6), LR 1e-4,
+  10k warm-up steps, linear decay, weight decay 0.01, clip 1.0, dropout 0.1.
+
+With no protocol it is the bundled demo: a small DIET-ABS BERT on the
+bundled WordNet corpus, a few minutes on a laptop CPU.
+"""
+
+from posenc_jax.presets import preset_config
+from posenc_jax.training.config import base_train_config
+
+PROTOCOLS = {
+    "diet_protocol": dict(total_steps=500_000, batch_size=4096, seq_len=128,
+                          max_predictions_per_seq=20,
+                          optimizer=dict(name="lamb", learning_rate=0.0018, warmup_steps=0,
+                                         warmup_fraction=0.025, b1=0.9, b2=0.999, eps=1e-6,
+                                         weight_decay=0.01)),
+    "tupe_protocol": dict(total_steps=1_000_000, batch_size=256, seq_len=512,
+                          max_predictions_per_seq=80,
+                          optimizer=dict(name="adamw", learning_rate=1e-4, warmup_steps=10_000,
+                                         warmup_fraction=0.0, b1=0.9, b2=0.999, eps=1e-6,
+                                         weight_decay=0.01, grad_clip_norm=1.0)),
+}
+
+DEMO = dict(total_steps=500, batch_size=32, seq_len=64, log_every=25, eval_every=100,
+            eval_steps=4, checkpoint_every=100,
+            optimizer=dict(name="adamw", learning_rate=1e-3, warmup_steps=50,
+                           warmup_fraction=0.0))
+
+
+def get_config(arg="bert_tiny,diet_abs_share"):
+  names = arg.split(",")
+  protocol = [n for n in names if n in PROTOCOLS]
+  config = base_train_config()
+  config.update(preset_config(",".join(n for n in names if n not in PROTOCOLS)))
+  settings = PROTOCOLS[protocol[0]] if protocol else DEMO
+  for key, value in settings.items():
+    if key == "optimizer":
+      config.optimizer.update(value)
+    else:
+      config[key] = value
+  if not protocol:
+    config.model.dropout_rate = 0.0
+    config.model.attention_dropout_rate = 0.0
+  return config

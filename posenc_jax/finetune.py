@@ -1,0 +1,56 @@
+"""Fine-tuning on GLUE, XTREME and the bundled WordNet tasks:
+``python -m posenc_jax.finetune --config=... --workdir=... [--init_checkpoint=...]
+[--sweep]`` (or ``python finetune.py ...`` in a clone). Importing this module defines its
+command-line flags.
+
+  python finetune.py --config=configs/finetune_wordnet.py:wordnet_supersense \
+      --init_checkpoint=/tmp/posenc_demo --workdir=/tmp/posenc_supersense
+  python finetune.py --config=configs/finetune_glue.py:glue_rte,bert_base,diet_abs_share \
+      --init_checkpoint=/data/runs/diet_abs --workdir=/data/ft/rte --sweep
+
+``--init_checkpoint`` is a train.py workdir or a Hugging Face BERT folder.
+``--sweep`` runs ``config.sweep.seeds`` x ``config.sweep.learning_rates`` and
+writes the median-of-best table (sweep.json, sweep.md) as DIET reports it.
+"""
+
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # quiet the input pipeline's TensorFlow
+
+from absl import app, flags, logging
+
+from posenc_jax import cli
+
+_CONFIG = cli.define_config("config", None, "configs/<file>.py:<task>[,...]")
+_WORKDIR = flags.DEFINE_string("workdir", None, "checkpoints, metrics and the best model")
+_INIT = flags.DEFINE_string("init_checkpoint", None, "train.py workdir or Hugging Face folder")
+_SWEEP = flags.DEFINE_bool("sweep", False, "seeds x learning rates, median of best")
+
+
+def main(argv):
+  del argv
+  if not _WORKDIR.value or _CONFIG.value is None:
+    sys.exit("finetune.py: --config and --workdir are required")
+  logging.set_verbosity(logging.WARNING)
+  cli.quiet_library_tracebacks()
+  from posenc_jax.training.errors import USER_ERRORS  # noqa: PLC0415
+  from posenc_jax.training.finetune import finetune, sweep, sweep_table  # noqa: PLC0415
+
+  try:
+    if _SWEEP.value:
+      print(sweep_table(sweep(_CONFIG.value, _WORKDIR.value, _INIT.value)))
+    else:
+      result = finetune(_CONFIG.value, _WORKDIR.value, _INIT.value)
+      print(f"best {result['best']}")
+  except USER_ERRORS as e:
+    cli.exit_with("finetune.py", e)
+
+
+def run() -> None:
+  """The command line (``python -m posenc_jax.finetune``, or the repository's ``finetune.py``)."""
+  app.run(main, flags_parser=cli.flags_parser("finetune.py"))
+
+
+if __name__ == "__main__":
+  run()
