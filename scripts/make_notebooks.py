@@ -20,9 +20,10 @@ COLAB = pathlib.Path(__file__).resolve().parent.parent / "colab"
 # --- shared cells ------------------------------------------------------------------------------
 
 INSTALL = '''\
-# Install: clones the project and pip-installs it with its `train` and `analysis` extras.
-# Skipped when posenc_jax is already importable (a clone with `pip install -e ".[test]"`,
-# a second run of this cell, or the tests).
+# Install: pip-installs posenc-jax with its `train` and `analysis` extras from SOURCE (and, on a
+# GPU or TPU runtime, JAX's plugin). Skipped when posenc_jax is already importable (a clone with
+# `pip install -e ".[test]"`, a second run of this cell, or the tests).
+import importlib
 import importlib.util
 import os
 import pathlib
@@ -30,23 +31,24 @@ import shutil
 import subprocess
 import sys
 
-# The project's git repository: set POSENC_JAX_REPO, or replace the placeholder (colab/README.md).
-REPO = os.environ.get("POSENC_JAX_REPO", "https://github.com/<owner>/posenc-jax.git")
-CLONE = pathlib.Path(os.environ.get("POSENC_JAX_CLONE", "posenc-jax")).absolute()
+# Where posenc-jax comes from: its git repository ("git+https://<host>/<owner>/posenc-jax.git",
+# "@<tag or commit>" appended to pin it) or a folder holding a clone. Set POSENC_JAX_SOURCE or
+# edit this line (colab/README.md).
+SOURCE = os.environ.get("POSENC_JAX_SOURCE", "git+https://github.com/<owner>/posenc-jax.git")
 
 if importlib.util.find_spec("posenc_jax") is None:
-  if not CLONE.exists():
-    subprocess.run(["git", "clone", "--depth", "1", REPO, str(CLONE)], check=True)
-  pip = [sys.executable, "-m", "pip", "install", "-q"]
-  subprocess.run(pip + ["-e", f"{CLONE}[train,analysis]"], check=True)
-  # pip installed the CPU jaxlib the project pins; add the matching accelerator plugin.
-  from importlib.metadata import version
+  if "<owner>" in SOURCE:
+    raise SystemExit("set SOURCE (or POSENC_JAX_SOURCE) to posenc-jax's git URL or a clone")
+  extras = "train,analysis"
   if shutil.which("nvidia-smi"):
-    subprocess.run(pip + [f"jax[cuda12]=={version('jax')}"], check=True)
+    extras += ",cuda12"
   elif pathlib.Path("/dev/accel0").exists() or "TPU_ACCELERATOR_TYPE" in os.environ:
-    subprocess.run(pip + [f"jax[tpu]=={version('jax')}"], check=True)
-  sys.path.insert(0, str(CLONE))  # an editable install reaches sys.path only after a restart
-  importlib.invalidate_caches()
+    extras += ",tpu"
+  folder = pathlib.Path(SOURCE).expanduser()
+  requirement = (f"{folder.resolve()}[{extras}]" if folder.is_dir()
+                 else f"posenc-jax[{extras}] @ {SOURCE}")
+  subprocess.run([sys.executable, "-m", "pip", "install", "-q", requirement], check=True)
+  importlib.invalidate_caches()  # the new package is importable without a restart
 
 import posenc_jax
 
@@ -139,13 +141,8 @@ logging, evaluation and checkpoint intervals that follow from it) are changed he
     ("code", '''\
 from posenc_jax import analysis
 
-# The repository root: configs/ lives beside the package (editable install or clone).
-ROOT = pathlib.Path(os.environ.get("POSENC_JAX_ROOT") or
-                    pathlib.Path(posenc_jax.__file__).resolve().parent.parent)
-CONFIG_FILE = ROOT / "configs" / "pretrain.py"
-assert CONFIG_FILE.exists(), f"{CONFIG_FILE} not found: run the install cell or set POSENC_JAX_ROOT"
-
-config = analysis.read_config(f"{CONFIG_FILE}:{SIZE},{SCHEME}")
+# configs/pretrain.py ships inside the package: found from any folder.
+config = analysis.read_config(f"configs/pretrain.py:{SIZE},{SCHEME}")
 config.total_steps = STEPS
 config.optimizer.warmup_steps = STEPS // 10
 config.log_every = max(1, STEPS // 12)

@@ -11,6 +11,7 @@ import base64
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -123,3 +124,54 @@ def test_notebooks_match_their_generator():
   out = subprocess.run([sys.executable, str(ROOT / "scripts" / "make_notebooks.py"), "--check"],
                        capture_output=True, text=True, env=os.environ.copy())
   assert out.returncode == 0, out.stdout + out.stderr
+
+
+def _fresh_python(tmp_path: pathlib.Path) -> tuple[pathlib.Path, dict[str, str]]:
+  """A new virtual environment's Python without posenc_jax, and an environment for it: the
+  dependencies come from this test's environment (a ``.pth`` line), pip installs offline
+  (``--no-deps``, ``--no-index``, no build isolation)."""
+  import site  # noqa: PLC0415
+  import sysconfig  # noqa: PLC0415
+
+  env_dir = tmp_path / "venv"
+  subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env_dir)], check=True)
+  python = env_dir / "bin" / "python"
+  purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_path("
+                            "'purelib'))"], capture_output=True, text=True, check=True)
+  ours = sysconfig.get_path("purelib")
+  assert ours in site.getsitepackages()
+  (pathlib.Path(purelib.stdout.strip()) / "test_dependencies.pth").write_text(ours + "\n")
+  env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+  # PIP_NO_BUILD_ISOLATION reads inverted: "0" turns build isolation off.
+  env.update(PIP_NO_DEPS="1", PIP_NO_INDEX="1", PIP_NO_BUILD_ISOLATION="0",
+             PIP_DISABLE_PIP_VERSION_CHECK="1")
+  return python, env
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_install_cell_installs_from_a_clone_in_a_fresh_environment(tmp_path, name):
+  """The notebook's first code cell, run by a fresh environment's Python with
+  ``POSENC_JAX_SOURCE`` a local clone, installs the package so that it imports at once and
+  its packaged configs run from any folder; with the placeholder source it stops with advice."""
+  python, env = _fresh_python(tmp_path)
+  cell = next(c.source for c in nbformat.read(COLAB / name, as_version=4).cells
+              if c.cell_type == "code")
+  unset = subprocess.run([str(python), "-c", cell], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=300)
+  assert unset.returncode != 0 and "set SOURCE (or POSENC_JAX_SOURCE)" in unset.stderr
+
+  clone = tmp_path / "clone"
+  shutil.copytree(ROOT, clone, ignore=shutil.ignore_patterns(
+      ".git", ".venv", "__pycache__", "*.egg-info", "build", "colab", "tests", "scripts"))
+  run = subprocess.run([str(python), "-c", cell], cwd=tmp_path, capture_output=True, text=True,
+                       env={**env, "POSENC_JAX_SOURCE": str(clone)}, timeout=600)
+  assert run.returncode == 0, run.stderr[-3000:]
+  installed = subprocess.run([str(python), "-c", "import posenc_jax; print(posenc_jax.__file__)"],
+                             cwd=tmp_path, env=env, capture_output=True, text=True, check=True)
+  package = pathlib.Path(installed.stdout.strip()).parent
+  assert f"posenc_jax from {package}" in run.stdout
+  assert package.is_relative_to(tmp_path / "venv")
+  assert (package / "configs" / "pretrain.py").is_file()
+  params = subprocess.run([str(python), "-m", "posenc_jax.params", "--config=model:bert_tiny,t5"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+  assert params.returncode == 0 and '"total"' in params.stdout, params.stderr[-2000:]
