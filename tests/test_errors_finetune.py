@@ -21,6 +21,7 @@ from posenc_jax.models import model_config
 from posenc_jax.models.build import abstract_params, build_model
 from posenc_jax.training import finetune as finetune_lib
 from posenc_jax.training.config import TrainConfigError
+from posenc_jax.training.workdir import ARCHITECTURE, resolved_config, resolved_model
 from tests.test_hf_bert import hf_tensors, tiny_hf_config, write_checkpoint
 
 ROOT = pathlib.Path(__file__).parent.parent
@@ -178,7 +179,15 @@ CASES = [
     ("cli_hf_config_not_json", "cli",
      (FT + ["--init_checkpoint={hf}"], rewrite_config("{'hidden_size': 16,")),
      "finetune.py: init_checkpoint: {hf}/config.json: not JSON"),
-    ("cli_hf_encoder_does_not_fit", "cli", (FT + ["--init_checkpoint={hf}"], None),
+    ("cli_hf_model_is_not_the_presets", "cli",
+     ([FT[0], FT[1] + ",bert_tiny,diet_abs_share", *FT[2:], "--init_checkpoint={hf}"], None),
+     "finetune.py: model.vocab_size: 40 in init_checkpoint, 8192 here (and 5 more): the presets "
+     "'bert_tiny,diet_abs_share' are not the pre-trained model; drop them"),
+    ("cli_hf_model_too_short_for_the_task", "cli", (FT + ["--init_checkpoint={hf}"], None),
+     "finetune.py: seq_len: 64 exceeds model.max_len=20, the length scheme 'learned_ape' covers"),
+    ("cli_hf_encoder_does_not_fit", "cli",
+     ([FT[0], FT[1] + ",bert_tiny,diet_abs_share", *FT[2:], "--init_checkpoint={hf}",
+       "--config.reinitialise=True"], None),
      "finetune.py: init_checkpoint: '{hf}' does not fit the model: bert/embed_norm/bias has "
      "shape (16,) in the checkpoint, (128,) in the model; the pre-trained model has "
      "vocab_size=40 (model.vocab_size is 8192), d_model=16 (model.d_model is 128), num_heads=4 "
@@ -271,3 +280,60 @@ def test_hugging_face_folder_into_another_scheme_with_per_head_segments(tmp_path
 ])
 def test_shipped_configs_pass(name, arg):
   finetune_lib.check_finetune(get_config(name, arg), sweep=True)
+
+
+def _pretrained_workdir(tmp_path, presets: str) -> str:
+  """A train.py workdir's ``config.json`` (the run's resolved config) and ``checkpoints/``."""
+  workdir = tmp_path / "pre"
+  (workdir / "checkpoints").mkdir(parents=True)
+  pre = get_config("pretrain", presets)
+  (workdir / "config.json").write_text(json.dumps(resolved_config(pre)))
+  return str(workdir)
+
+
+def test_no_presets_fine_tune_the_checkpoint_model(tmp_path):
+  """``wordnet_supersense`` names no presets: the architecture is the checkpoint's (here
+  bert_tiny with T5 buckets, not the default DIET-ABS), the rest the fine-tuning config's."""
+  workdir = _pretrained_workdir(tmp_path, "bert_tiny,t5")
+  config = get_config("finetune_wordnet", "wordnet_supersense")
+  assert config.presets is None and config.model.scheme["name"] == "diet_abs"
+  finetune_lib.adopt_checkpoint_model(config, workdir)
+  saved = json.loads((tmp_path / "pre" / "config.json").read_text())["model"]
+  ours = resolved_model(config.model)
+  assert all(ours[f] == saved[f] for f in ARCHITECTURE)
+  assert ours["scheme"]["name"] == "t5" and ours["dropout_rate"] == 0.1  # the config's own
+
+
+@pytest.mark.parametrize("presets, message", [
+    ("bert_tiny,alibi", "model.scheme: {'name': 't5'"),
+    ("bert_small,t5", "model.vocab_size: 8192 in init_checkpoint, 30522 here (and 5 more)"),
+])
+def test_named_presets_that_are_not_the_checkpoint_model_are_one_line(tmp_path, presets,
+                                                                      message):
+  workdir = _pretrained_workdir(tmp_path, "bert_tiny,t5")
+  config = get_config("finetune_wordnet", f"wordnet_supersense,{presets}")
+  with pytest.raises(TrainConfigError) as error:
+    finetune_lib.adopt_checkpoint_model(config, workdir)
+  line = str(error.value)
+  assert line.startswith(message) and "\n" not in line, line
+  assert f"the presets '{presets}' are not the pre-trained model" in line
+  assert "--config.reinitialise=True" in line
+  config.reinitialise = True
+  finetune_lib.adopt_checkpoint_model(config, workdir)  # what differs starts from scratch
+  assert resolved_model(config.model)["scheme"]["name"] == presets.split(",")[1]
+
+
+def test_matching_presets_and_hugging_face_folders(tmp_path):
+  workdir = _pretrained_workdir(tmp_path, "bert_tiny,diet_abs_share")
+  config = get_config("finetune_wordnet", "wordnet_supersense,bert_tiny,diet_abs_share")
+  finetune_lib.adopt_checkpoint_model(config, workdir)  # the same model: nothing to say
+  folder = hf_folder(tmp_path)
+  config = get_config("finetune_wordnet", "wordnet_supersense")
+  finetune_lib.adopt_checkpoint_model(config, str(folder))
+  hf = json.loads((folder / "config.json").read_text())
+  assert (config.model.vocab_size, config.model.d_model, config.model.num_layers) == (
+      hf["vocab_size"], hf["hidden_size"], hf["num_hidden_layers"])
+  assert config.model.scheme["name"] == "learned_ape"
+  with pytest.raises(TrainConfigError, match="^model.vocab_size: 40 in init_checkpoint"):
+    finetune_lib.adopt_checkpoint_model(
+        get_config("finetune_wordnet", "wordnet_supersense,bert_tiny,t5"), str(folder))

@@ -4,8 +4,10 @@
   python finetune.py --config=configs/finetune_glue.py:glue_rte,bert_base,diet_abs_share \
       --init_checkpoint=/data/runs/diet_abs_share --workdir=/data/ft/rte --sweep
 
-The argument is ``<task>[,<size>,<scheme>...][,no_per_head_segments]`` (the
-presets must match the pre-trained model; default bert_base,bert). Sentence
+The argument is ``<task>[,<size>,<scheme>...][,no_per_head_segments]``. With
+no presets the model is ``--init_checkpoint``'s (its ``config.json``; without a
+checkpoint bert_base,bert); named presets must match it
+(``--config.reinitialise=True`` starts what differs from scratch). Sentence
 pair tasks switch on per-head segment terms (DIET eq. 2), initialised fresh.
 Epochs: 10 on the small tasks (CoLA, MRPC, STS-B, RTE, WNLI), 5 on the rest
 (DIET: "5 or 10 epochs").
@@ -24,11 +26,22 @@ TRAIN_SIZE = {"glue_cola": 8551, "glue_sst2": 67349, "glue_mrpc": 3668, "glue_qq
 SMALL = ("glue_cola", "glue_mrpc", "glue_stsb", "glue_rte", "glue_wnli")
 
 
-def finetune_config(task: str, presets: list[str], *, num_labels: int, regression: bool,
-                    pair: bool, best_metric: str, total_steps: int, per_head_segments: bool):
-  """The shared fine-tuning config (GLUE, XNLI and the bundled tasks)."""
+def finetune_config(task: str, presets: list[str], default: list[str], *, num_labels: int,
+                    regression: bool, pair: bool, best_metric: str, total_steps: int,
+                    per_head_segments: bool):
+  """The shared fine-tuning config (GLUE, XNLI and the bundled tasks).
+
+  ``presets`` are the ones the config argument names (the model is built from ``default``
+  when there are none). ``config.presets`` records them: None means "the pre-trained
+  model's architecture", which ``--init_checkpoint`` then supplies (its ``config.json``);
+  named presets must match it unless ``config.reinitialise`` is set.
+  """
   config = base_train_config()
-  config.update(preset_config(",".join(presets)))
+  config.update(preset_config(",".join(presets or default)))
+  config.presets = config_dict.placeholder(str)
+  if presets:
+    config.presets = ",".join(presets)
+  config.reinitialise = False
   config.task = task
   config.objective = "regression" if regression else "classification"
   config.head = "classification"
@@ -60,10 +73,10 @@ def get_config(arg="glue_rte"):
     raise ValueError(f"config argument: task {task!r} is unknown{nearest(task, TASK_INFO)} "
                      f"allowed: {', '.join(sorted(TASK_INFO))}")
   info = TASK_INFO[task]
-  presets = [n for n in names[1:] if n != "no_per_head_segments"] or ["bert_base", "bert"]
+  presets = [n for n in names[1:] if n != "no_per_head_segments"]
   epochs = 10 if task in SMALL else 5
   steps = epochs * TRAIN_SIZE.get(task, TRAIN_SIZE["glue_mnli"]) // 32
-  return finetune_config(task, presets, num_labels=info.num_labels, regression=info.regression,
+  return finetune_config(task, presets, ["bert_base", "bert"], num_labels=info.num_labels, regression=info.regression,
                          pair=info.is_pair, best_metric=f"task_{info.score_metrics[0]}",
                          total_steps=steps,
                          per_head_segments="no_per_head_segments" not in names)

@@ -7,8 +7,10 @@
 The argument is ``<task>[,<size>,<scheme>...][,no_per_head_segments]``:
 ``wordnet_supersense`` (gloss -> one of 45 supersenses) or
 ``wordnet_hypernym`` (gloss pair -> is the second a hypernym of the first).
-The presets must match the pre-trained model (default: the bundled
-pre-training demo's). Pair tasks switch on per-head segment terms (DIET).
+With no presets the model is the pre-trained one (``--init_checkpoint``'s
+``config.json``; without a checkpoint, the bundled pre-training demo's); named
+presets must match it (``--config.reinitialise=True`` starts what differs from
+scratch). Pair tasks switch on per-head segment terms (DIET).
 """
 
 from posenc_jax.cli import nearest
@@ -24,9 +26,8 @@ def get_config(arg="wordnet_supersense"):
   if task not in TASKS:
     raise ValueError(f"config argument: task {task!r} is unknown{nearest(task, TASKS)} "
                      f"allowed: {', '.join(TASKS)}")
-  presets = [n for n in names[1:] if n != "no_per_head_segments"] or ["bert_tiny",
-                                                                      "diet_abs_share"]
-  config = finetune_config(task, presets, num_labels=TASKS[task]["num_labels"], regression=False,
+  presets = [n for n in names[1:] if n != "no_per_head_segments"]
+  config = finetune_config(task, presets, ["bert_tiny", "diet_abs_share"], num_labels=TASKS[task]["num_labels"], regression=False,
                            pair=TASKS[task]["pair"], best_metric="task_accuracy",
                            total_steps=600, per_head_segments="no_per_head_segments" not in names)
   config.seq_len = 64

@@ -10,7 +10,8 @@ The argument is ``<target>[,<size>,<scheme>...]``: ``xnli_<lang>`` trains on
 MNLI English (``xnli_train``); ``xquad_<lang>``, ``mlqa_<lang>`` and
 ``tydiqa_goldp_<lang>`` train on SQuAD v1.1 (``squad_v1``) with span
 features (seq 384, document stride 128, query 64) and report F1/EM of the
-decoded answers in the target language.
+decoded answers in the target language. With no presets the model is
+``--init_checkpoint``'s (without a checkpoint bert_base_multilingual,bert).
 """
 
 from posenc_jax.cli import nearest
@@ -27,14 +28,15 @@ def get_config(arg="xnli_en"):
     guesses = [f"{name}_{target.partition('_')[2]}" for name in EVAL_SPLIT]
     raise ValueError(f"config argument: target {target!r} is unknown{nearest(target, guesses)} "
                      "allowed: xnli_<lang>, xquad_<lang>, mlqa_<lang>, tydiqa_goldp_<lang>")
-  presets = names[1:] or ["bert_base_multilingual", "bert"]
+  presets, default = names[1:], ["bert_base_multilingual", "bert"]
   if family == "xnli":  # 392,702 MNLI pairs, 2 epochs at batch 32
-    config = finetune_config("xnli_train", presets, num_labels=3, regression=False, pair=True,
+    config = finetune_config("xnli_train", presets, default, num_labels=3, regression=False, pair=True,
                              best_metric="task_accuracy", total_steps=24_544,
                              per_head_segments=True)
   else:  # 87,599 SQuAD questions, 2 epochs at batch 32
-    config = finetune_config("squad_v1", presets, num_labels=2, regression=False, pair=True,
-                             best_metric="task_f1", total_steps=5_475, per_head_segments=True)
+    config = finetune_config("squad_v1", presets, default, num_labels=2, regression=False,
+                             pair=True, best_metric="task_f1", total_steps=5_475,
+                             per_head_segments=True)
     config.objective = "span"
     config.head = "span"
     config.seq_len = 384

@@ -4,12 +4,16 @@ and sweep seeds x learning rates for the papers' statistic.
 A pre-trained encoder comes from a ``train.py`` workdir (its newest Orbax
 checkpoint; the encoder is the ``bert`` subtree of the MLM model) or from a
 Hugging Face BERT folder (``config.json`` present; read by
-:func:`posenc_jax.convert.load_hf_bert`). Every encoder parameter whose path
-and shape match is copied; the rest (the task head, a per-head segment
-scheme switched on for sentence pairs as DIET did, a swapped-in position
-scheme) keep their fresh initialisation, and the report says which. Any other
-difference (another size, layer count or vocabulary) is refused with one line
-naming ``init_checkpoint``, the first parameter that differs and the
+:func:`posenc_jax.convert.load_hf_bert`). The model's architecture is the
+checkpoint's (:func:`adopt_checkpoint_model`: a config argument with no
+presets takes it from the checkpoint's ``config.json``; named presets that
+differ are refused with one ``model.<field>`` line unless
+``config.reinitialise``). Every encoder parameter whose path and shape match is
+copied; the rest (the task head, a per-head segment scheme switched on for
+sentence pairs as DIET did, a swapped-in position scheme under
+``reinitialise``) keep their fresh initialisation, and the report says which.
+Any other difference (another size, layer count or vocabulary) is refused with
+one line naming ``init_checkpoint``, the first parameter that differs and the
 ``model.<field>`` to set.
 
 :func:`check_finetune` runs first and rejects, with one line naming the field,
@@ -39,6 +43,8 @@ from posenc_jax.cli import nearest
 from posenc_jax.models.scan import layout_for, match_layout
 from posenc_jax.training.config import TrainConfigError, validate_train_config
 from posenc_jax.training.input_pipeline import FINETUNE_FEATURES
+from posenc_jax.training.workdir import (ARCHITECTURE, architecture_differences, resolved_model,
+                                         saved_config)
 
 # Encoder parameters that may differ in shape, be fresh or go unused: the position and segment
 # schemes (one swapped in; per-head segments for pairs). The pooler may also be absent.
@@ -108,6 +114,47 @@ def pretrained_encoder(path: str) -> dict[str, Any]:
     raise TrainConfigError(str(e)) from None
   params = jax.device_get(params)
   return params["bert"] if "bert" in params else params
+
+
+def checkpoint_model(path: str) -> dict[str, Any] | None:
+  """The resolved model config of the encoder at ``path``: a ``train.py`` workdir's
+  ``config.json`` model, or a Hugging Face folder's ``config.json`` mapped by
+  :func:`~posenc_jax.convert.hf_bert.config_from_hf`; None for a workdir without one."""
+  if os.path.isdir(os.path.join(path, "checkpoints")):
+    saved = saved_config(path)
+    return None if saved is None else saved.get("model")
+  from posenc_jax.convert.hf_bert import (ConversionError, config_from_hf,  # noqa: PLC0415
+                                          read_hf_config)
+
+  try:
+    return resolved_model(config_from_hf(read_hf_config(path)))
+  except ConversionError as e:
+    raise ConversionError(f"init_checkpoint: {e}") from None
+
+
+def adopt_checkpoint_model(config: ml_collections.ConfigDict, init_checkpoint: str) -> None:
+  """Makes ``config.model`` the pre-trained encoder's architecture (``ARCHITECTURE`` fields).
+
+  With no presets in the config argument (``config.presets`` None) the fields are taken from
+  the checkpoint (:func:`checkpoint_model`). Presets that give another architecture are one
+  ``model.<field>`` line, unless ``config.reinitialise`` is set: then the parameters that do
+  not fit start from scratch (a swapped-in position scheme, say) and the report names them.
+  """
+  theirs = checkpoint_model(init_checkpoint)
+  if theirs is None:
+    return
+  if config.get("presets") is None:
+    for field in ARCHITECTURE:
+      config.model[field] = theirs[field]
+    return
+  diffs = architecture_differences(theirs, resolved_model(config.model))
+  if diffs and not config.get("reinitialise"):
+    more = f" (and {len(diffs) - 1} more)" if len(diffs) > 1 else ""
+    raise TrainConfigError(
+        f"{diffs[0].replace(' there,', ' in init_checkpoint,', 1)}{more}: the presets "
+        f"{config.presets!r} are not the pre-trained model; drop them from the config "
+        "argument to fine-tune the checkpoint's model, or set --config.reinitialise=True to "
+        "start what differs from scratch")
 
 
 def encoder_sizes(flat: dict[str, Any]) -> dict[str, int]:
@@ -320,6 +367,8 @@ def finetune(config: ml_collections.ConfigDict, workdir: str, init_checkpoint: s
   check_finetune(config, init_checkpoint)
   init = None
   if init_checkpoint:
+    config = copy.deepcopy(config)
+    adopt_checkpoint_model(config, init_checkpoint)
     model = build_model(config.model, config.head, num_labels=config.get("num_labels", 2))
     target = abstract_params(model)["bert"]
     source = in_layout_of(pretrained_encoder(init_checkpoint), target, init_checkpoint)

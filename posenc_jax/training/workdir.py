@@ -29,10 +29,15 @@ RESUMABLE = ("total_steps", "log_every", "eval_every", "eval_steps", "checkpoint
              "model.attention_precision")
 
 
+def resolved_model(model: Any) -> dict[str, Any]:
+  """A model config (ConfigDict, dict or ModelConfig) as JSON-ready data, every field set."""
+  return json.loads(json.dumps(model_config(model).to_dict(), default=str))
+
+
 def resolved_config(config: ml_collections.ConfigDict) -> dict[str, Any]:
   """``config`` as JSON-ready data, with the model's unset fields filled with their defaults."""
   data = json.loads(json.dumps(config.to_dict(), default=str))
-  data["model"] = json.loads(json.dumps(model_config(config.model).to_dict(), default=str))
+  data["model"] = resolved_model(config.model)
   return data
 
 
@@ -58,6 +63,41 @@ def differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
   return diffs
 
 
+# The ModelConfig fields that give an encoder's parameters their meaning: a model that
+# differs in one of them is another model (dropout, dtype, the route, remat, the layer
+# layout, the pooler and the segment terms a fine-tuning run adds are not).
+ARCHITECTURE = ("vocab_size", "d_model", "num_layers", "num_heads", "head_dim", "mlp_dim",
+                "max_len", "scheme", "attention", "linformer_k", "linformer_sharing", "pre_ln",
+                "activation", "layer_norm_eps")
+
+
+def saved_config(workdir: str) -> dict[str, Any] | None:
+  """The resolved config a ``train.py`` run recorded in ``<workdir>/config.json`` (None
+  without one).
+
+  Raises:
+    TrainConfigError: the file does not read as JSON.
+  """
+  path = epath.Path(workdir) / CONFIG_FILE
+  if not path.exists():
+    return None
+  try:
+    saved = json.loads(path.read_text())
+  except (OSError, ValueError) as e:
+    raise TrainConfigError(f"workdir: {path} does not read as JSON ({e}); move it away to "
+                           "reuse this workdir") from None
+  if isinstance(saved.get("model"), dict):  # runs from before scan_layers were unrolled
+    saved["model"].setdefault("scan_layers", False)
+  return saved
+
+
+def architecture_differences(theirs: dict[str, Any], ours: dict[str, Any]) -> list[str]:
+  """``model.<field>: <theirs> there, <ours> here`` for each :data:`ARCHITECTURE` field of
+  two resolved model configs that differs."""
+  return [f"model.{f}: {theirs.get(f)!r} there, {ours.get(f)!r} here" for f in ARCHITECTURE
+          if theirs.get(f) != ours.get(f)]
+
+
 def has_checkpoints(workdir: str) -> bool:
   directory = epath.Path(workdir) / "checkpoints"
   return directory.is_dir() and any(p.name.isdigit() for p in directory.iterdir())
@@ -78,14 +118,8 @@ def claim(workdir: str, config: ml_collections.ConfigDict) -> None:
     check_output_dir("workdir", workdir)
   except OutputPathError as e:
     raise TrainConfigError(str(e)) from None
-  if path.exists():
-    try:
-      saved = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-      raise TrainConfigError(f"workdir: {path} does not read as JSON ({e}); move it away to "
-                             "reuse this workdir") from None
-    if isinstance(saved.get("model"), dict):  # runs from before scan_layers were unrolled
-      saved["model"].setdefault("scan_layers", False)
+  saved = saved_config(workdir)
+  if saved is not None:
     diffs = differences(saved, current)
     if diffs:
       more = f" (and {len(diffs) - 1} more)" if len(diffs) > 1 else ""
