@@ -13,12 +13,13 @@ import pytest
 from matplotlib import image as mpimg
 
 from posenc_jax import params as params_tool
-from posenc_jax.analysis import TABLE2_COLUMNS, from_checkpoint, read_config
+from posenc_jax.analysis import TABLE2_COLUMNS, AnalysisError, from_checkpoint, read_config
 from posenc_jax.analysis.__main__ import main
 from posenc_jax.models.build import build_model
 from posenc_jax.training.checkpoint import Checkpointer
 from posenc_jax.training.loop import TrainState
 from posenc_jax.training.optim import make_optimizer
+from posenc_jax.training.workdir import claim
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RUN_CONFIG = "configs/pretrain.py:bert_tiny,diet_abs_share"
@@ -38,6 +39,7 @@ def workdir(tmp_path_factory):
   """A train.py checkpoint at step 5, written by train.py's own Checkpointer."""
   path = tmp_path_factory.mktemp("run")
   config = read_config(str(ROOT / RUN_CONFIG))
+  claim(str(path), config)  # config.json, as train.py records it
   model = build_model(config.model, config.head)
   variables = jax.jit(model.init)(jax.random.key(3), jnp.ones((1, 8), jnp.int32))
   tx, _ = make_optimizer(config.optimizer, config.total_steps)
@@ -77,10 +79,22 @@ def test_checkpoint_restores_the_saved_parameters(workdir):
     np.testing.assert_array_equal(a, b)
 
 
+def test_the_run_config_comes_from_the_workdir(workdir):
+  """Without a config the model is the one the run's config.json records; a config of
+  another model is one line."""
+  path, saved = workdir
+  model = from_checkpoint(str(path))
+  assert model.config == from_checkpoint(str(path), RUN_CONFIG).config
+  jax.tree.map(np.testing.assert_array_equal, model.variables["params"], saved["bert"])
+  other = RUN_CONFIG.replace("diet_abs_share", "alibi")
+  with pytest.raises(AnalysisError, match=r"^config: model.scheme: .* in the workdir, .* here: "
+                                          r"not the model the run trained; drop --config"):
+    from_checkpoint(str(path), other)
+
+
 def test_plots_of_a_checkpoint(workdir, tmp_path, capsys):
   path, _ = workdir
-  _, result = run(["plots", f"--config={RUN_CONFIG}", f"--workdir={path}",
-                   f"--out_dir={tmp_path}"] + FAST, capsys)
+  _, result = run(["plots", f"--workdir={path}", f"--out_dir={tmp_path}"] + FAST, capsys)
   names = sorted(pathlib.Path(f).name for f in result["files"])
   assert names == ["position_similarity.png", "positional_attention.png", "probing.png",
                    "rank_histogram.png"]

