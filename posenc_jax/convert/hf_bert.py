@@ -1,4 +1,5 @@
-"""Imports a pretrained Hugging Face BERT checkpoint into :class:`posenc_jax.models.BertEncoder`.
+"""Imports a pretrained Hugging Face BERT checkpoint into :class:`posenc_jax.models.BertEncoder`,
+and exports an input-APE BERT back (:func:`save_hf_bert`).
 
 Reads a checkpoint folder in the Hugging Face layout (``config.json``, ``model.safetensors``,
 ``vocab.txt``) with numpy and ``safetensors.numpy`` only: no PyTorch, no network.
@@ -409,3 +410,116 @@ def load_hf_bert(model_dir, config=None, *, rng=None, model: str = "encoder"):
     flat.update(initialised)
   variables["params"] = layout_for(traverse_util.unflatten_dict(flat), config.scan_layers)
   return config, variables, report
+
+
+# --- export -----------------------------------------------------------------------------------
+
+def _exportable(config) -> None:
+  """Raises one :class:`ConversionError` line naming the ``model.<field>`` a Hugging Face
+  ``BertModel`` cannot express."""
+  scheme = config.scheme if isinstance(config.scheme, Mapping) else None
+  segment = config.segment
+  problems = [
+      ("scheme", scheme is None or scheme.get("name") != "learned_ape",
+       "BERT's learned absolute table ({'name': 'learned_ape'})"),
+      ("segment", not isinstance(segment, Mapping) or segment.get("name") != "segment_input",
+       "BERT's token-type embeddings ({'name': 'segment_input'})"),
+      ("pre_ln", config.pre_ln, "False (BERT is post-LN)"),
+      ("attention", config.attention != "full", "'full'"),
+      ("head_dim", config.dim_per_head * config.num_heads != config.d_model,
+       f"d_model / num_heads = {config.d_model // config.num_heads}"),
+  ]
+  for field, bad, needed in problems:
+    if bad:
+      value = getattr(config, field)
+      value = dict(value) if isinstance(value, Mapping) else value
+      raise ConversionError(f"model.{field}: got {value!r}; a Hugging Face BERT needs {needed}")
+
+
+def hf_config_of(config, *, mlm: bool = False) -> dict[str, Any]:
+  """The Hugging Face ``config.json`` of a :class:`ModelConfig` (inverse of
+  :func:`config_from_hf`)."""
+  _exportable(config)
+  activation = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu"}[config.activation]
+  return {
+      "architectures": ["BertForMaskedLM" if mlm else "BertModel"], "model_type": "bert",
+      "vocab_size": config.vocab_size, "hidden_size": config.d_model,
+      "num_hidden_layers": config.num_layers, "num_attention_heads": config.num_heads,
+      "intermediate_size": config.mlp_dim, "max_position_embeddings": config.max_len,
+      "type_vocab_size": config.segment.get("num_segments", 2), "hidden_act": activation,
+      "layer_norm_eps": config.layer_norm_eps, "hidden_dropout_prob": config.dropout_rate,
+      "attention_probs_dropout_prob": config.attention_dropout_rate,
+      "position_embedding_type": "absolute", "pad_token_id": 0, "initializer_range": 0.02,
+  }
+
+
+def _from_slot(transform: str, value: np.ndarray) -> np.ndarray:
+  """The checkpoint tensor of a parameter (inverse of :func:`_to_slot`)."""
+  shape = _hf_shape(transform, value.shape)
+  if transform in ("dense", "heads_in", "heads_out"):
+    return np.ascontiguousarray(value.reshape(shape[::-1]).T)
+  return np.ascontiguousarray(value.reshape(shape))
+
+
+def save_hf_bert(out_dir, config, params, vocab_txt) -> list[str]:
+  """Writes a BERT as a Hugging Face folder: ``config.json``, ``model.safetensors`` (float32)
+  and ``vocab.txt``, which ``transformers``' ``BertModel`` / ``BertForMaskedLM`` (and
+  :func:`load_hf_bert`) read with the same outputs.
+
+  Args:
+    out_dir: the folder (created).
+    config: the :class:`ModelConfig` (or its fields): input APE (``learned_ape``) with
+      ``segment_input``, post-LN, full attention, ``head_dim = d_model / num_heads``.
+    params: the parameters (unboxed or boxed) of a :class:`BertEncoder`, or of a
+      :class:`BertForMaskedLM` (``bert/...`` and ``mlm/...``: the MLM head is written too,
+      its decoder tied to the word embeddings); scanned or unrolled layers.
+    vocab_txt: the WordPiece ``vocab.txt`` the model was trained with, one token a line,
+      ``vocab_size`` lines.
+
+  Returns:
+    The tensor names written.
+
+  Raises:
+    ConversionError: one line naming the model field, the parameter or the vocabulary.
+  """
+  import flax.linen as nn  # noqa: PLC0415
+  from flax import traverse_util  # noqa: PLC0415
+  from safetensors.numpy import save_file  # noqa: PLC0415
+
+  from posenc_jax.models.config import ModelConfigError, model_config  # noqa: PLC0415
+  from posenc_jax.models.scan import layout_for  # noqa: PLC0415
+
+  try:
+    config = model_config(config)
+  except ModelConfigError as e:
+    raise ConversionError(str(e)) from None
+  params = nn.unbox(params)
+  params = params.get("params", params)
+  mlm = "bert" in params
+  hf_config = hf_config_of(config, mlm=mlm)
+  tokens = pathlib.Path(vocab_txt).read_text(encoding="utf-8").splitlines()
+  if len(tokens) != config.vocab_size:
+    raise ConversionError(f"vocab_txt: {vocab_txt} has {len(tokens)} tokens, the model's "
+                          f"vocab_size is {config.vocab_size}")
+  if mlm:
+    params = {**params, "bert": layout_for(params["bert"], False)}
+  else:
+    params = layout_for(params, False)
+  flat = {k: np.asarray(v, np.float32) for k, v in traverse_util.flatten_dict(params).items()}
+  prefix = ("bert",) if mlm else ()
+  tensors = {}
+  for name, (path, transform) in _tensor_map(config.num_layers, flat, prefix).items():
+    if path is not None and path in flat:
+      tensors[f"bert.{name}" if mlm and not name.startswith("cls.") else name] = (
+          _from_slot(transform, flat.pop(path)))
+  if mlm:
+    tensors["cls.predictions.decoder.weight"] = tensors["bert.embeddings.word_embeddings.weight"]
+  left = sorted("/".join(p) for p in flat)
+  if left:
+    raise ConversionError(f"params: {left[0]} has no Hugging Face tensor ({len(left)} such)")
+  out = pathlib.Path(out_dir)
+  out.mkdir(parents=True, exist_ok=True)
+  (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+  (out / "vocab.txt").write_text("\n".join(tokens) + "\n", encoding="utf-8")
+  save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+  return sorted(tensors)
