@@ -15,6 +15,7 @@ import sys
 import jax
 import numpy as np
 import pytest
+import seqio
 
 from posenc_jax.convert import ConversionError
 from posenc_jax.models import model_config
@@ -337,3 +338,47 @@ def test_matching_presets_and_hugging_face_folders(tmp_path):
   with pytest.raises(TrainConfigError, match="^model.vocab_size: 40 in init_checkpoint"):
     finetune_lib.adopt_checkpoint_model(
         get_config("finetune_wordnet", "wordnet_supersense,bert_tiny,t5"), str(folder))
+
+
+def test_a_hugging_face_checkpoint_tokenises_with_its_own_vocabulary(tmp_path):
+  """No config.vocab: the folder's vocab.txt; the tasks are registered over it and the
+  config's task names follow; the same vocabulary always gets the same names."""
+  folder = hf_folder(tmp_path)
+  config = get_config("finetune_wordnet", "wordnet_supersense")
+  finetune_lib.use_vocabulary(config, str(folder))
+  assert config.task.startswith("wordnet_supersense_wp_") and config.vocab == str(folder)
+  task = seqio.get_mixture_or_task(config.task)
+  vocabulary = task.output_features["input_ids"].vocabulary
+  assert vocabulary.vocab_size == 40 and list(vocabulary.tokens)[:2] == ["[PAD]", "[UNK]"]
+  again = get_config("finetune_wordnet", "wordnet_supersense")
+  again.vocab = str(folder / "vocab.txt")
+  finetune_lib.use_vocabulary(again, str(folder))
+  assert again.task == config.task
+
+
+@pytest.mark.parametrize("case, message", [
+    ("other_vocab", "vocab: '{tmp}/other.txt' is not the vocabulary of init_checkpoint"),
+    ("hf_without_vocab", "vocab: unset, and init_checkpoint '{hf}' has no vocab.txt"),
+    ("workdir_with_vocab", "vocab: '{tmp}/other.txt', but init_checkpoint '{tmp}/pre' was "
+                           "trained with 'the bundled SentencePiece vocabulary'"),
+    ("missing_vocab", "vocab: '{tmp}/nope.txt' is neither a vocab.txt nor a folder"),
+])
+def test_a_vocabulary_that_is_not_the_checkpoint_s_is_one_line(tmp_path, case, message):
+  folder = hf_folder(tmp_path)
+  (tmp_path / "other.txt").write_text("\n".join(
+      ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "other"]) + "\n")
+  config = get_config("finetune_wordnet", "wordnet_supersense")
+  init = str(folder)
+  if case == "other_vocab":
+    config.vocab = str(tmp_path / "other.txt")
+  elif case == "hf_without_vocab":
+    (folder / "vocab.txt").unlink()
+  elif case == "workdir_with_vocab":
+    init = _pretrained_workdir(tmp_path, "bert_tiny,diet_abs_share")
+    config.vocab = str(tmp_path / "other.txt")
+  else:
+    init = None
+    config.vocab = str(tmp_path / "nope.txt")
+  with pytest.raises(TrainConfigError) as error:
+    finetune_lib.use_vocabulary(config, init)
+  assert str(error.value).startswith(message.format(tmp=tmp_path, hf=folder)), str(error.value)

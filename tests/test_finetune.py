@@ -136,3 +136,26 @@ def test_pretrain_then_finetune_beats_the_majority_class(tmp_path):
   assert best["metric"] == "task_accuracy"
   assert best["score"] > 100 * majority + 5, (best, majority)
   assert any((tmp_path / "ft" / "best").iterdir())
+
+
+def test_a_hugging_face_bert_fine_tunes_with_its_own_wordpiece_vocabulary(tmp_path):
+  """finetune() from a Hugging Face folder: the task is tokenised with its vocab.txt (the
+  registered task's vocabulary is that WordPiece one; ids stay below its 40 tokens), the
+  model is the checkpoint's, and the run records the vocabulary in its config.json."""
+  from posenc_jax.configs import finetune_wordnet  # noqa: PLC0415
+  from tests.test_errors_finetune import hf_folder  # noqa: PLC0415
+
+  folder = hf_folder(tmp_path)
+  config = finetune_wordnet.get_config("wordnet_supersense")
+  config.update(dict(seq_len=16, batch_size=4, total_steps=2, eval_every=2, eval_steps=1,
+                     checkpoint_every=2, log_every=1))
+  config.optimizer.warmup_steps = 0
+  result = finetune_lib.finetune(config, str(tmp_path / "ft"), str(folder))
+  saved = json.loads((tmp_path / "ft" / "config.json").read_text())
+  assert saved["vocab"] == str(folder) and saved["task"].startswith("wordnet_supersense_wp_")
+  assert saved["model"]["vocab_size"] == 40 and saved["model"]["scheme"]["name"] == "learned_ape"
+  vocabulary = seqio.get_mixture_or_task(saved["task"]).output_features["input_ids"].vocabulary
+  assert vocabulary.vocab_size == 40
+  ids = vocabulary.encode("the cat")  # the bundled glosses through BERT's WordPiece rules
+  assert ids and max(ids) < 40
+  assert result["best"]["metric"] == "task_accuracy"

@@ -218,7 +218,8 @@ def hf_tensors(hf, prefix="bert.", gamma_beta=False, mlm=False, seed=0):
 def write_checkpoint(folder, hf, tensors):
   folder.mkdir(parents=True, exist_ok=True)
   (folder / "config.json").write_text(json.dumps(hf))
-  (folder / "vocab.txt").write_text("\n".join(["[PAD]"] + [f"t{i}" for i in range(1, 40)]) + "\n")
+  specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]  # a BERT vocabulary's, ids 0-4
+  (folder / "vocab.txt").write_text("\n".join(specials + [f"t{i}" for i in range(5, 40)]) + "\n")
   safetensors_numpy.save_file(tensors, str(folder / "model.safetensors"))
   return folder
 

@@ -42,6 +42,9 @@ def finetune_config(task: str, presets: list[str], default: list[str], *, num_la
   if presets:
     config.presets = ",".join(presets)
   config.reinitialise = False
+  # A WordPiece vocab.txt (or a folder holding one) to tokenise with; None: a Hugging Face
+  # init_checkpoint's own vocab.txt, else the bundled SentencePiece vocabulary.
+  config.vocab = config_dict.placeholder(str)
   config.task = task
   config.objective = "regression" if regression else "classification"
   config.head = "classification"

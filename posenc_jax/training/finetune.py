@@ -157,6 +157,67 @@ def adopt_checkpoint_model(config: ml_collections.ConfigDict, init_checkpoint: s
         "start what differs from scratch")
 
 
+def _vocab_file(path: str) -> str:
+  """The ``vocab.txt`` that ``config.vocab`` names (the file, or a folder holding one)."""
+  return os.path.join(path, "vocab.txt") if os.path.isdir(path) else path
+
+
+def _same_tokens(a: str, b: str) -> bool:
+  with open(a, encoding="utf-8") as fa, open(b, encoding="utf-8") as fb:
+    return fa.read().split() == fb.read().split()
+
+
+def use_vocabulary(config: ml_collections.ConfigDict, init_checkpoint: str | None) -> None:
+  """Tokenises the tasks with the pre-trained model's vocabulary.
+
+  ``config.vocab`` (a WordPiece ``vocab.txt`` or a folder holding one) defaults to a Hugging
+  Face ``init_checkpoint``'s own; the tasks are then registered over it
+  (:func:`posenc_jax.tasks.register_wordpiece`) and ``config.task`` / ``config.eval_task``
+  renamed to those registrations. None keeps the bundled SentencePiece vocabulary, which a
+  ``train.py`` checkpoint trained with.
+
+  Raises:
+    TrainConfigError: one ``vocab`` line naming both vocabularies when they are not the
+      checkpoint's, or a vocabulary file that does not exist.
+  """
+  vocab = config.get("vocab")
+  hf = bool(init_checkpoint) and not os.path.isdir(os.path.join(init_checkpoint, "checkpoints"))
+  if hf:
+    own = os.path.join(init_checkpoint, "vocab.txt")
+    if not os.path.isfile(own):
+      if vocab is None:
+        raise TrainConfigError(f"vocab: unset, and init_checkpoint {init_checkpoint!r} has no "
+                               "vocab.txt; give the checkpoint's WordPiece vocabulary as "
+                               "--config.vocab=<vocab.txt> (the bundled SentencePiece one is "
+                               "not the checkpoint's)")
+    elif vocab is None:
+      vocab = init_checkpoint
+    elif os.path.isfile(_vocab_file(vocab)) and not _same_tokens(_vocab_file(vocab), own):
+      raise TrainConfigError(f"vocab: {_vocab_file(vocab)!r} is not the vocabulary of "
+                             f"init_checkpoint ({own!r}); drop --config.vocab to use the "
+                             "checkpoint's")
+  elif init_checkpoint and vocab is not None:
+    trained = (saved_config(init_checkpoint) or {}).get("vocab")
+    if trained is None or not _same_tokens(_vocab_file(vocab), _vocab_file(trained)):
+      raise TrainConfigError(
+          f"vocab: {vocab!r}, but init_checkpoint {init_checkpoint!r} was trained with "
+          f"{trained or 'the bundled SentencePiece vocabulary'!r}; drop --config.vocab")
+  if vocab is None:
+    return
+  if not os.path.isfile(_vocab_file(vocab)):
+    raise TrainConfigError(f"vocab: {vocab!r} is neither a vocab.txt nor a folder holding one")
+  from posenc_jax.tasks import register_wordpiece  # noqa: PLC0415
+
+  try:
+    suffix = register_wordpiece(vocab)
+  except ValueError as e:  # a vocab.txt WordPieceVocabulary refuses (a duplicate, no [CLS])
+    raise TrainConfigError(f"vocab: {e}") from None
+  config.vocab = vocab
+  for field in ("task", "eval_task"):
+    if config.get(field) and not config[field].endswith(suffix):
+      config[field] = config[field] + suffix
+
+
 def encoder_sizes(flat: dict[str, Any]) -> dict[str, int]:
   """The ``SIZE_FIELDS`` that flat encoder parameters (``a/b/c`` paths; arrays or shapes,
   scanned or unrolled layers) show."""
@@ -365,9 +426,10 @@ def finetune(config: ml_collections.ConfigDict, workdir: str, init_checkpoint: s
   from posenc_jax.training.loop import train  # noqa: PLC0415
 
   check_finetune(config, init_checkpoint)
+  config = copy.deepcopy(config)
+  use_vocabulary(config, init_checkpoint)
   init = None
   if init_checkpoint:
-    config = copy.deepcopy(config)
     adopt_checkpoint_model(config, init_checkpoint)
     model = build_model(config.model, config.head, num_labels=config.get("num_labels", 2))
     target = abstract_params(model)["bert"]

@@ -32,9 +32,13 @@ def _task(name: str):
 
 def check_data_config(config: ml_collections.ConfigDict) -> None:
   """The task exists and its vocabulary fits the model (before anything compiles)."""
+  import seqio  # noqa: PLC0415
+
   task = _task(config.task)
   vocab_size = model_config(config.model).vocab_size
   for name, feature in task.output_features.items():
+    if isinstance(feature.vocabulary, seqio.PassThroughVocabulary):
+      continue  # labels, segment ids, masks: not token ids
     if feature.vocabulary.vocab_size > vocab_size:
       raise TrainConfigError(
           f"model.vocab_size: {vocab_size} is smaller than task {config.task!r}'s "
