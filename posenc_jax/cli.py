@@ -184,10 +184,26 @@ def quiet_library_tracebacks() -> None:
   logging.getLogger("absl").addFilter(_OneLineLibraryErrors())
 
 
+def is_remote(path: str | os.PathLike) -> bool:
+  """A URI (``gs://bucket/run``) that ``etils.epath`` reads and writes, not a local path."""
+  return "://" in os.fspath(path)
+
+
+def absolute(path: str | os.PathLike) -> str:
+  """A local path made absolute; a URI (:func:`is_remote`) as it is."""
+  return os.fspath(path) if is_remote(path) else os.path.abspath(path)
+
+
 def check_output_dir(field: str, path: str) -> str:
   """Creates ``path`` (a directory the tool writes into) or raises ``ValueError`` naming
-  ``field``; returns the absolute path. Remote paths (``gs://``) are left to their writer."""
-  if "://" in path:
+  ``field``; returns :func:`absolute` of it. A URI is created through ``etils.epath``."""
+  if is_remote(path):
+    from etils import epath  # noqa: PLC0415
+
+    try:
+      epath.Path(path).mkdir(parents=True, exist_ok=True)
+    except Exception as e:  # noqa: BLE001 - each filesystem raises its own errors
+      raise OutputPathError(f"{field}: {path!r} cannot be created: {first_line(e)}") from None
     return path
   path = os.path.abspath(path)
   parent = path

@@ -33,7 +33,7 @@ import ml_collections
 
 from posenc_jax.analysis.probing import (AnalysisError, ProbeTokens, bundled_tokens,
                                          wordpiece_tokens)
-from posenc_jax.cli import config_path
+from posenc_jax.cli import absolute, config_path
 from posenc_jax.models import BertEncoder, ModelConfig, model_config
 
 
@@ -194,7 +194,7 @@ def from_checkpoint(workdir: str, config: Any = None, *, step: int | None = None
   if head != "encoder":
     params = params["bert"]
   return LoadedModel(cfg, BertEncoder(cfg), {"params": params}, bundled_tokens(cfg.vocab_size),
-                     f"checkpoint:{pathlib.Path(workdir).absolute()}@{step}", step)
+                     f"checkpoint:{absolute(workdir)}@{step}", step)
 
 
 def from_hf(model_dir: str | os.PathLike | None = None) -> LoadedModel:

@@ -22,17 +22,16 @@ from __future__ import annotations
 
 import logging
 import os
-import pathlib
-import shutil
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 from jax.experimental import multihost_utils
 
-from posenc_jax.cli import first_line
+from posenc_jax.cli import absolute, first_line
 from posenc_jax.models.scan import match_layout
 
 _GOLDEN = 2654435761  # Knuth's multiplicative hash constant: weights differ per position
@@ -132,6 +131,17 @@ def damage(tree: Any, recorded: dict[str, list[int]] | None, prefix: str = "") -
   return None
 
 
+def _move_tree(source: epath.Path, target: epath.Path) -> None:
+  """Moves the folder ``source`` to ``target`` file by file (object stores such as GCS
+  rename objects, not folders)."""
+  for folder, _, files in source.walk():
+    for name in files:
+      destination = target / folder.relative_to(source) / name
+      destination.parent.mkdir(parents=True, exist_ok=True)
+      (folder / name).rename(destination)
+  source.rmtree()
+
+
 class Checkpointer:
   """Saves and restores ``(state, data_state)`` under ``<workdir>/checkpoints``.
 
@@ -147,17 +157,18 @@ class Checkpointer:
 
   def __init__(self, workdir: str, *, save_interval_steps: int, max_to_keep: int = 3,
                async_save: bool = True):
-    self.workdir = os.path.abspath(workdir)
+    self.workdir = absolute(workdir)
     self.directory = os.path.join(self.workdir, "checkpoints")
-    if jax.process_index() == 0 and "://" not in self.directory:
-      probe = os.path.join(self.directory, f".writable-{os.getpid()}")
+    if jax.process_index() == 0:
+      probe = epath.Path(self.directory) / f".writable-{os.getpid()}"
       try:
-        os.makedirs(self.directory, exist_ok=True)
-        pathlib.Path(probe).write_text("")
-        os.remove(probe)
-      except OSError as e:
+        probe.parent.mkdir(parents=True, exist_ok=True)
+        probe.write_text("")
+        probe.unlink()
+      except Exception as e:  # noqa: BLE001 - OSError locally, the backend's own remotely
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else first_line(e)
         raise CheckpointError(f"checkpoints: {self.directory} is not writable "
-                              f"({e.strerror or e})") from None
+                              f"({reason})") from None
     options = ocp.CheckpointManagerOptions(
         save_interval_steps=save_interval_steps, max_to_keep=max_to_keep,
         enable_async_checkpointing=async_save, cleanup_tmp_directories=True, create=True)
@@ -229,12 +240,11 @@ class Checkpointer:
     """Moves step ``step`` out of the checkpoint folder (process 0; all processes wait)."""
     target = os.path.join(self.workdir, "damaged_checkpoints", str(step))
     if jax.process_index() == 0:
-      os.makedirs(os.path.dirname(target), exist_ok=True)
       suffix = 0
-      while os.path.exists(target + (f".{suffix}" if suffix else "")):
+      while epath.Path(target + (f".{suffix}" if suffix else "")).exists():
         suffix += 1
       target += f".{suffix}" if suffix else ""
-      shutil.move(os.path.join(self.directory, str(step)), target)
+      _move_tree(epath.Path(self.directory) / str(step), epath.Path(target))
     if jax.process_count() > 1:
       multihost_utils.sync_global_devices(f"posenc_jax quarantine {step}")
     self.manager.reload()
@@ -273,7 +283,7 @@ def checkpoint_steps(workdir: str, field: str = "workdir") -> list[int]:
 
 
 def _open(workdir: str, field: str) -> ocp.CheckpointManager:
-  directory = pathlib.Path(workdir).absolute() / "checkpoints"
+  directory = epath.Path(absolute(workdir)) / "checkpoints"
   if not directory.is_dir():
     raise CheckpointError(f"{field}: {workdir} has no checkpoints/ folder (train.py writes "
                           "<workdir>/checkpoints)")

@@ -37,6 +37,7 @@ from typing import Any
 import jax
 import ml_collections
 import numpy as np
+from etils import epath
 from flax import traverse_util
 
 from posenc_jax.cli import nearest
@@ -96,16 +97,20 @@ def hf_encoder(path: str) -> dict[str, Any]:
                                       sep="/")
 
 
+def is_train_workdir(path: str) -> bool:
+  """``path`` (local or an epath URI) is a ``train.py`` workdir: it has ``checkpoints/``."""
+  return (epath.Path(path) / "checkpoints").is_dir()
+
+
 def pretrained_encoder(path: str) -> dict[str, Any]:
   """The encoder parameters (``BertEncoder`` layout, plain arrays) stored at ``path``: a
   ``train.py`` workdir (``checkpoints/``; its ``config.json`` is the run's) or else a Hugging
   Face folder (``config.json``)."""
-  if not os.path.isdir(os.path.join(path, "checkpoints")) and os.path.exists(
-      os.path.join(path, "config.json")):
+  if not is_train_workdir(path) and (epath.Path(path) / "config.json").exists():
     return hf_encoder(path)
   from posenc_jax.training.checkpoint import CheckpointError, restore_params  # noqa: PLC0415
 
-  if not os.path.isdir(os.path.join(path, "checkpoints")):
+  if not is_train_workdir(path):
     raise TrainConfigError(f"init_checkpoint: {path!r} is neither a train.py workdir (no "
                            "checkpoints/) nor a Hugging Face folder (no config.json)")
   try:  # the newest checkpoint that restores and verifies; damaged ones are skipped
@@ -120,7 +125,7 @@ def checkpoint_model(path: str) -> dict[str, Any] | None:
   """The resolved model config of the encoder at ``path``: a ``train.py`` workdir's
   ``config.json`` model, or a Hugging Face folder's ``config.json`` mapped by
   :func:`~posenc_jax.convert.hf_bert.config_from_hf`; None for a workdir without one."""
-  if os.path.isdir(os.path.join(path, "checkpoints")):
+  if is_train_workdir(path):
     saved = saved_config(path)
     return None if saved is None else saved.get("model")
   from posenc_jax.convert.hf_bert import (ConversionError, config_from_hf,  # noqa: PLC0415
@@ -181,7 +186,7 @@ def use_vocabulary(config: ml_collections.ConfigDict, init_checkpoint: str | Non
       checkpoint's, or a vocabulary file that does not exist.
   """
   vocab = config.get("vocab")
-  hf = bool(init_checkpoint) and not os.path.isdir(os.path.join(init_checkpoint, "checkpoints"))
+  hf = bool(init_checkpoint) and not is_train_workdir(init_checkpoint)
   if hf:
     own = os.path.join(init_checkpoint, "vocab.txt")
     if not os.path.isfile(own):
@@ -370,7 +375,7 @@ def check_finetune(config: ml_collections.ConfigDict, init_checkpoint: str | Non
 
   if sweep:
     _check_sweep(config)
-  if init_checkpoint and not os.path.exists(init_checkpoint):
+  if init_checkpoint and not epath.Path(init_checkpoint).exists():
     raise TrainConfigError(f"init_checkpoint: {init_checkpoint!r} does not exist")
   validate_train_config(config)
   if config.objective not in FINETUNE_FEATURES:
@@ -472,11 +477,10 @@ def sweep(config: ml_collections.ConfigDict, workdir: str, init_checkpoint: str 
              "by_learning_rate": {f"{lr:g}": v for lr, v in by_lr.items()},
              "best_learning_rate": best_lr, "score": by_lr[best_lr]}
   if jax.process_index() == 0:
-    os.makedirs(workdir, exist_ok=True)
-    with open(os.path.join(workdir, "sweep.json"), "w") as f:
-      json.dump(summary, f, indent=2)
-    with open(os.path.join(workdir, "sweep.md"), "w") as f:
-      f.write(sweep_table(summary))
+    folder = epath.Path(workdir)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "sweep.json").write_text(json.dumps(summary, indent=2))
+    (folder / "sweep.md").write_text(sweep_table(summary))
   return summary
 
 

@@ -27,8 +27,10 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
+from etils import epath
 from flax.training import train_state
 
+from posenc_jax.cli import OutputPathError, absolute, check_output_dir
 from posenc_jax.models.build import build_model
 from posenc_jax.models.config import ModelConfig, model_config, scheme_dims
 from posenc_jax.schemes import build_scheme
@@ -116,16 +118,15 @@ class BestKeeper:
 
   def __init__(self, workdir: str, metric: str | None):
     self.metric = metric
-    self.path = os.path.join(workdir, "best.json")
+    self.path = epath.Path(workdir) / "best.json"
     self.record: dict[str, float] | None = None
-    if metric and os.path.exists(self.path):
-      with open(self.path) as f:
-        self.record = json.load(f)
+    if metric and self.path.exists():
+      self.record = json.loads(self.path.read_text())
     self.manager = None
     if metric:
       import orbax.checkpoint as ocp  # noqa: PLC0415
       self.manager = ocp.CheckpointManager(
-          os.path.join(os.path.abspath(workdir), "best"),
+          os.path.join(absolute(workdir), "best"),
           options=ocp.CheckpointManagerOptions(max_to_keep=1, create=True))
 
   def update(self, step: int, scalars: dict[str, float], params: Any) -> None:
@@ -142,8 +143,7 @@ class BestKeeper:
       self.manager.wait_until_finished()
       self.record = {"step": step, "metric": self.metric, "score": score}
       if jax.process_index() == 0:
-        with open(self.path, "w") as f:
-          json.dump(self.record, f)
+        self.path.write_text(json.dumps(self.record))
 
   def close(self) -> None:
     if self.manager is not None:
@@ -156,7 +156,6 @@ def use_compilation_cache(path: str | None) -> None:
   ``JAX_COMPILATION_CACHE_DIR``) or ``path`` is None."""
   if path is None or jax.config.jax_compilation_cache_dir:
     return
-  from posenc_jax.cli import OutputPathError, check_output_dir  # noqa: PLC0415
   try:
     path = check_output_dir("compilation_cache_dir", path)
   except OutputPathError as e:

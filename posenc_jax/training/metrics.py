@@ -18,14 +18,15 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from collections.abc import Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from etils import epath
 
+from posenc_jax.cli import is_remote
 from posenc_jax.models.config import ModelConfig, causal_variant, model_config
 from posenc_jax.schemes.base import is_int
 from posenc_jax.schemes.registry import SCHEMES
@@ -389,18 +390,29 @@ class Throughput:
     return out
 
 
-def _truncate_after(path: str, step: int) -> None:
+def _truncate_after(path: epath.Path, step: int) -> None:
   """Keeps the lines of ``path`` (JSONL with a ``step``) up to ``step``; replaced atomically."""
-  if not os.path.exists(path):
+  if not path.exists():
     return
-  with open(path) as f:
-    lines = f.readlines()
+  lines = path.read_text().splitlines(keepends=True)
   kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= step]
   if len(kept) == len(lines):
     return
-  with open(path + ".tmp", "w") as f:
-    f.writelines(kept)
-  os.replace(path + ".tmp", path)
+  tmp = path.parent / (path.name + ".tmp")
+  tmp.write_text("".join(kept))
+  tmp.replace(path)
+
+
+class _EpathEventFiles:
+  """A tensorboardX writer factory that writes event files through ``etils.epath``, so a
+  ``gs://`` (or any epath URI) workdir gets its TensorBoard events where TensorBoard reads
+  them (tensorboardX's own GCS writer needs the google-cloud-storage client)."""
+
+  def open(self, path: str):
+    return epath.Path(path).open("wb")
+
+  def directory_check(self, path: str) -> None:
+    epath.Path(path).mkdir(parents=True, exist_ok=True)
 
 
 class MetricWriter:
@@ -417,12 +429,15 @@ class MetricWriter:
     self._jsonl = None
     self._tb = None
     if self.active:
-      os.makedirs(workdir, exist_ok=True)
-      path = os.path.join(workdir, "metrics.jsonl")
+      folder = epath.Path(workdir)
+      folder.mkdir(parents=True, exist_ok=True)
+      path = folder / "metrics.jsonl"
       _truncate_after(path, start_step)
-      self._jsonl = open(path, "a")  # noqa: SIM115
-      from tensorboardX import SummaryWriter  # noqa: PLC0415
-      self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"),
+      self._jsonl = path.open("a")
+      from tensorboardX import SummaryWriter, record_writer  # noqa: PLC0415
+      if is_remote(workdir):
+        record_writer.register_writer_factory(str(workdir).split("://")[0], _EpathEventFiles())
+      self._tb = SummaryWriter(str(folder / "tensorboard"),
                                purge_step=start_step + 1 if start_step else None)
 
   def write(self, step: int, scalars: dict[str, Any]) -> None:
