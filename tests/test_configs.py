@@ -1,5 +1,6 @@
 """Every config file builds a valid train config for its documented arguments."""
 
+import dataclasses
 import importlib
 import importlib.util
 import pathlib
@@ -78,3 +79,92 @@ def test_config_paths_resolve_to_the_packaged_configs(tmp_path, monkeypatch):
     assert config_path(missing) == missing  # the loader names the file
   (tmp_path / "pretrain.py").write_text("def get_config(arg=None):\n  return {}\n")
   assert config_path("pretrain.py:x") == "pretrain.py:x"  # a file of the user's comes first
+
+
+# --config.<path>=<text> for every field, and the value it must reach.
+MODEL_FIELDS = {
+    "vocab_size": ("1000", 1000), "d_model": ("64", 64), "num_layers": ("3", 3),
+    "num_heads": ("4", 4), "head_dim": ("32", 32), "mlp_dim": ("96", 96), "max_len": ("96", 96),
+    "dropout_rate": ("0.2", 0.2), "attention_dropout_rate": ("0.05", 0.05),
+    "layer_norm_eps": ("1e-6", 1e-6), "pre_ln": ("True", True), "activation": ("relu", "relu"),
+    "dtype": ("bfloat16", "bfloat16"), "scheme.rank": ("64", 64),
+    "segment.name": ("segment_per_head", "segment_per_head"), "pooler": ("False", False),
+    "linformer_k": ("64", 64), "linformer_sharing": ("layer", "layer"),
+    "route": ("reference", "reference"), "remat": ("full", "full"),
+    "scan_layers": ("False", False), "attention_precision": ("tensorfloat32", "tensorfloat32"),
+    "num_decoder_layers": ("3", 3), "share_embeddings": ("False", False),
+    "attention": ("linformer", "linformer"),
+}
+# The config each field is set in (default: the pre-training demo's presets).
+MODEL_SPECS = {"num_decoder_layers": "configs/translate.py:transformer_base,t5",
+               "share_embeddings": "configs/translate.py:transformer_base,t5",
+               "attention": "configs/pretrain.py:bert_tiny,bert"}
+TRAIN_FIELDS = {
+    "async_checkpointing": ("False", False), "batch_size": ("16", 16),
+    "checkpoint_every": ("70", 70), "compilation_cache_dir": ("/tmp/xla", "/tmp/xla"),
+    "eval_every": ("70", 70), "eval_steps": ("3", 3), "grad_accum_steps": ("2", 2),
+    "head": ("mlm", "mlm"), "keep_checkpoints": ("2", 2), "label_smoothing": ("0.1", 0.1),
+    "log_every": ("5", 5), "mask_rate": ("0.2", 0.2), "max_predictions_per_seq": ("12", 12),
+    "mesh.axes": ("('data','tensor')", ("data", "tensor")),
+    "mesh.rules": ("(('vocab','tensor'),)", (("vocab", "tensor"),)),
+    "mesh.shape": ("(1,1)", (1, 1)), "objective": ("mlm", "mlm"), "optimizer.b1": ("0.8", 0.8),
+    "optimizer.b2": ("0.98", 0.98), "optimizer.eps": ("1e-8", 1e-8),
+    "optimizer.grad_clip_norm": ("0.5", 0.5), "optimizer.learning_rate": ("0.01", 0.01),
+    "optimizer.name": ("lamb", "lamb"), "optimizer.schedule": ("constant", "constant"),
+    "optimizer.warmup_fraction": ("0.1", 0.1), "optimizer.warmup_steps": ("0", 0),
+    "optimizer.weight_decay": ("0.0", 0.0), "profile_steps": ("2", 2), "seed": ("3", 3),
+    "seq_len": ("48", 48), "task": ("wordnet_glosses", "wordnet_glosses"),
+    "total_steps": ("700", 700),
+}
+
+
+def _parsed(spec: str, *overrides: str):
+  """``--config=<spec> <overrides>`` as train.py's flags parse them."""
+  from absl import flags  # noqa: PLC0415
+  from ml_collections import config_flags  # noqa: PLC0415
+
+  from posenc_jax import cli  # noqa: PLC0415
+
+  argv = ["train.py", f"--config={spec}", *overrides]
+  fv = flags.FlagValues()
+  config_flags.DEFINE_config_file("config", None, "", flag_values=fv, sys_argv=argv)
+  cli.flags_parser("train.py", fv=fv)(argv)
+  return fv.config
+
+
+def _leaves(config, prefix=""):
+  for key, value in config.items():
+    if hasattr(value, "items") and key != "model":
+      yield from _leaves(value, f"{prefix}{key}.")
+    elif key != "model":
+      yield f"{prefix}{key}"
+
+
+@pytest.mark.parametrize("field", sorted(MODEL_FIELDS))
+def test_every_model_field_is_overridable_and_reaches_the_model(field):
+  text, value = MODEL_FIELDS[field]
+  spec = MODEL_SPECS.get(field, "configs/pretrain.py:bert_tiny,diet_abs_share")
+  config = _parsed(spec, f"--config.model.{field}={text}")
+  model = build_model(config.model, config.head)
+  name, _, key = field.partition(".")
+  got = getattr(model.config, name)
+  assert (got[key] if key else got) == value
+
+
+def test_the_model_field_table_covers_every_field():
+  from posenc_jax.models import ModelConfig  # noqa: PLC0415
+
+  names = {f.partition(".")[0] for f in MODEL_FIELDS}
+  assert names == {f.name for f in dataclasses.fields(ModelConfig)}
+
+
+def test_every_train_field_is_overridable_and_valid():
+  spec = "configs/pretrain.py:bert_tiny,diet_abs_share"
+  assert set(_leaves(get_config("pretrain", "bert_tiny,diet_abs_share"))) == set(TRAIN_FIELDS)
+  config = _parsed(spec, *(f"--config.{f}={text}" for f, (text, _) in TRAIN_FIELDS.items()))
+  for field, (_, value) in TRAIN_FIELDS.items():
+    node = config
+    for key in field.split("."):
+      node = node[key]
+    assert node == value, field
+  validate_train_config(config)
