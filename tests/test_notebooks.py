@@ -148,14 +148,16 @@ def _fresh_python(tmp_path: pathlib.Path) -> tuple[pathlib.Path, dict[str, str]]
   return python, env
 
 
-@pytest.mark.parametrize("name", NOTEBOOKS)
-def test_install_cell_installs_from_a_clone_in_a_fresh_environment(tmp_path, name):
-  """The notebook's first code cell, run by a fresh environment's Python with
-  ``POSENC_JAX_SOURCE`` a local clone, installs the package so that it imports at once and
-  its packaged configs run from any folder; with the placeholder source it stops with advice."""
+def test_install_cell_installs_from_a_clone_in_a_fresh_environment(tmp_path):
+  """The notebooks' first code cell (the same in each), run by a fresh environment's Python
+  with ``POSENC_JAX_SOURCE`` a local clone, installs the package so that it imports at once
+  and its packaged configs run from any folder; with the placeholder source it stops with
+  advice."""
   python, env = _fresh_python(tmp_path)
-  cell = next(c.source for c in nbformat.read(COLAB / name, as_version=4).cells
-              if c.cell_type == "code")
+  cells = {next(c.source for c in nbformat.read(COLAB / name, as_version=4).cells
+                if c.cell_type == "code") for name in NOTEBOOKS}
+  assert len(cells) == 1
+  cell = cells.pop()
   unset = subprocess.run([str(python), "-c", cell], cwd=tmp_path, env=env, capture_output=True,
                          text=True, timeout=300)
   assert unset.returncode != 0 and "set SOURCE (or POSENC_JAX_SOURCE)" in unset.stderr
