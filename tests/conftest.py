@@ -1,6 +1,7 @@
 """Shared fixtures: small model dimensions and helpers to build schemes."""
 
 import atexit
+import gc
 import os
 import shutil
 import tempfile
@@ -8,25 +9,28 @@ import tempfile
 import jax
 import jax.numpy as jnp
 import pytest
-from jax.experimental.compilation_cache import compilation_cache
 
 from posenc_jax import build_scheme
 
 # train.py's persistent compilation cache (None: $XDG_CACHE_HOME/posenc_jax/xla) goes to a
-# folder of this session, for the runs in subprocesses too, never the user's cache.
+# folder of this session, for the runs in subprocesses too, never the user's cache. In this
+# process JAX's persistent cache stays off: a train() run here would otherwise turn it on
+# for every later test.
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="posenc_jax_tests_cache_")
 atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], ignore_errors=True)
+jax.config.update("jax_enable_compilation_cache", False)
 
 
-@pytest.fixture(autouse=True)
-def _no_compilation_cache_after_the_test():
-  """A run of ``train()`` in this process turns JAX's persistent cache on for the process;
-  later tests compile without it, as they would alone."""
-  before = jax.config.jax_compilation_cache_dir
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+  """Drops each module's compiled programs when it ends. Every XLA CPU executable keeps a
+  few memory mappings; the whole suite in one process would otherwise pass the kernel's
+  ``vm.max_map_count`` (65530) and LLVM crashes in a later compile (a segfault in
+  ``backend_compile_and_load``)."""
   yield
-  if jax.config.jax_compilation_cache_dir != before:
-    jax.config.update("jax_compilation_cache_dir", before)
-    compilation_cache.reset_cache()
+  jax.clear_caches()
+  gc.collect()
+
 
 DIMS = dict(num_layers=2, num_heads=4, head_dim=8, d_model=32, max_len=16)
 BATCH, LENGTH = 2, 10
