@@ -167,7 +167,7 @@ def test_errors_are_one_line(workdir, tmp_path):
     main(["analysis", "--config=configs/model.py:bert_tiny,bert"])
   with pytest.raises(SystemExit, match="checkpoints"):
     main(["analysis", "rank", f"--config={RUN_CONFIG}", f"--workdir={tmp_path}"])
-  with pytest.raises(SystemExit, match="does not hold the config's model.*position_embedding"):
+  with pytest.raises(SystemExit, match="model.scheme: .* in the workdir, .*learned_ape.* here"):
     main(["analysis", "rank", "--config=configs/pretrain.py:bert_tiny,bert", f"--workdir={path}"])
   with pytest.raises(SystemExit, match="out_dir"):
     main(["analysis", "plots", "--config=configs/model.py:bert_tiny,bert"])
