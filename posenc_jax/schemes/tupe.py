@@ -11,7 +11,14 @@ column 0 of the other rows to ``theta_2``. Both stay in factored form: with
 ``u_0 = v_0 = 0`` the reset adds the rank-2 correction
 ``u_extra_i = [theta_1 e0(i), theta_2 (1 - e0(i))]``, ``v_extra_j = [1, e0(j)]``.
 TUPE-R (eq. 11) adds a T5 bias, per head and shared by all layers, inside
-the reset (its row 0 and column 0 are zeroed).
+the reset (its row 0 and column 0 are zeroed). The reference code
+(guolinke/TUPE, ``TransformerSentenceEncoder.__init__``) instead points row 0
+and column 0 of that bias at two more learned buckets per head:
+[CLS]-to-others (row 0, ``[0, 0]`` included) and others-to-[CLS] (column 0
+of the other rows). ``cls_buckets=True`` takes that form; the two values add
+to ``theta_1`` and ``theta_2`` in the factored correction above, so the
+relative part stays a Toeplitz term with row 0 and column 0 zeroed (the
+flash kernel runs it) and the folded q/k keep their width.
 """
 
 from __future__ import annotations
@@ -73,12 +80,18 @@ class Tupe(Scheme):
     relative: add the T5 bias (TUPE-R).
     untie_cls: apply the [CLS] reset (False: TUPE-A^tie-cls).
     num_buckets, max_distance: TUPE-R's T5 bucketing (bidirectional); unused by TUPE-A.
+    cls_buckets: TUPE-R's reset in the reference code's form: row 0 and column 0 of the
+      relative bias hold two learned values per head, ``cls_relative_bias`` ``[2, H]``
+      (row 0: [CLS]-to-others, row 1: others-to-[CLS]; shared by all layers), instead of
+      eq. 11's zeros. Needs ``relative`` and ``untie_cls``. Default False (eq. 11, and
+      the parameters of checkpoints saved without it).
   """
 
   relative: bool = False
   untie_cls: bool = True
   num_buckets: int = 32
   max_distance: int = 128
+  cls_buckets: bool = False
 
   @property
   def scheme_name(self):
@@ -86,10 +99,14 @@ class Tupe(Scheme):
 
   absolute_table = True
   hyperparameters = {"relative": BOOL, "untie_cls": BOOL, "num_buckets": POSITIVE_INT,
-                     "max_distance": POSITIVE_INT}
+                     "max_distance": POSITIVE_INT, "cls_buckets": BOOL}
 
   @classmethod
   def joint_problem(cls, values):
+    if values["cls_buckets"] and not (values["relative"] and values["untie_cls"]):
+      return ("cls_buckets must be false unless relative and untie_cls are true (its buckets "
+              "fill row 0 and column 0 of the [CLS] reset's relative bias), got "
+              f"relative={values['relative']}, untie_cls={values['untie_cls']}")
     if not values["relative"]:
       return None
     return bucket_problem(values["num_buckets"], values["max_distance"], bidirectional=True)
@@ -108,6 +125,9 @@ class Tupe(Scheme):
                                (2, self.d_model), ("cls", "embed"))
       theta_q, theta_k = untied(cls)
       theta = jnp.sum(theta_q * theta_k, axis=-1) * scale  # [2, H]
+      if self.cls_buckets:  # [CLS]-to-others and others-to-[CLS] buckets, [2, H]
+        theta = theta + self.logical_param("cls_relative_bias", nn.initializers.normal(0.02),
+                                           (2, self.num_heads), ("cls", "heads"))
       first = (jnp.arange(length) == 0).astype(u.dtype)[:, None]  # e0, [L, 1]
       u_extra = jnp.stack([theta[0] * first, theta[1] * (1 - first)], axis=-1)
       v_extra = jnp.broadcast_to(jnp.stack([jnp.ones_like(first), first], axis=-1),
