@@ -347,7 +347,7 @@ first layer's logits with `analysis.positional_attention`:
 | `learned_ape` | Devlin et al. (BERT) | input table `p_i`: `c (P W_Q)(P W_K)^T` |
 | `sinusoidal_ape` | Vaswani et al. | fixed sinusoids at the input, same form |
 | `shaw` | Shaw et al. | query-dependent `q_i . a^K_{j-i}`: no content-free term |
-| `sinusoidal_rpe` | Wang et al. | Shaw's form with a sinusoidal table: none |
+| `sinusoidal_rpe` | Wang et al. | Shaw's form with a sinusoidal table, on keys and values (eq. 5): none |
 | `t5` | Raffel et al. | a learned bias per log-spaced offset bucket |
 | `diet_rel` | Chen et al. (DIET-REL) | a learned bias per clipped offset |
 | `diet_abs` | Chen et al. (DIET-ABS) | factored `P_Q^h P_K^{hT}` of rank `d_p` |

@@ -119,6 +119,21 @@ def test_indicators_table_and_json(tmp_path, capsys):
   np.testing.assert_allclose(printed, [result["indicators"][c] for c in TABLE2_COLUMNS],
                              atol=5e-5)
   assert any(line.startswith("learnable sin. APE + learnable sin. RPE") for line in lines)
+  assert result["paper_setup_differences"] == []
+
+
+def test_indicators_name_how_a_setup_differs_from_the_paper(tmp_path, capsys):
+  """Shaw's defaults (clip 16, per layer, no value table) are not Table 2's setup: no paper
+  row, and the table says which fields differ."""
+  out = tmp_path / "indicators.json"
+  assert main(["analysis", "indicators", "--config=configs/model.py:bert_tiny,shaw",
+               f"--out={out}"] + FAST_PROBE) == 0
+  lines = capsys.readouterr().out.strip().splitlines()
+  result = json.loads(out.read_text())
+  assert result["paper_row"] is None and result["paper"] is None
+  assert "shaw clip=16 (paper: 64)" in result["paper_setup_differences"]
+  assert any(line.startswith("not Wang et al.'s Table 2 setup: shaw clip=16 (paper: 64)")
+             for line in lines)
 
 
 def test_probe_writes_maps_and_per_head_json(tmp_path, capsys):

@@ -5,6 +5,7 @@ import pytest
 
 from posenc_jax.analysis import (PAPER_TABLE2, TABLE2_COLUMNS, aiv, db, drop_positions,
                                  format_table2, indicators, opr, opr_sequence, paper_row, sd)
+from posenc_jax.analysis.indicators import paper_setup_differences
 
 
 
@@ -144,6 +145,11 @@ def test_indicators_of_an_ideal_matrix():
   assert values["direction_balance"] == pytest.approx(1.0)
 
 
+# Wang et al. App. E: RPE shared by heads and layers, truncated to [-64, 64]; eq. 5: on the
+# keys and the values.
+PAPER_SHAW = {"name": "shaw", "clip": 64, "value": True, "sharing": "layer"}
+
+
 def test_paper_table2_matches_the_spec_and_rows_map_to_schemes():
   # shared/spec/RESULTS.md section 4 (Wang et al. Table 2), copied so that the tests need no
   # file outside the repository.
@@ -152,9 +158,32 @@ def test_paper_table2_matches_the_spec_and_rows_map_to_schemes():
   assert len(PAPER_TABLE2) == 13
   assert paper_row({"name": "learned_ape"}) == "BERT-style APE"
   assert paper_row({"name": "sinusoidal_ape", "learnable": True}) == "learnable sin. APE"
-  assert paper_row(({"name": "learned_ape"}, {"name": "shaw"})) == \
+  assert paper_row(({"name": "learned_ape"}, PAPER_SHAW)) == \
       "BERT-style APE + fully-learnable RPE"
   assert paper_row({"name": "diet_abs"}) is None
+
+
+@pytest.mark.parametrize("scheme, row, differences", [
+    (PAPER_SHAW, "fully-learnable RPE", []),
+    ({"name": "shaw"}, None, ["shaw clip=16 (paper: 64)", "shaw value=False (paper: True)",
+                              "shaw sharing='none' (paper: 'layer')"]),
+    (PAPER_SHAW | {"sharing": "none"}, None, ["shaw sharing='none' (paper: 'layer')"]),
+    ({"name": "sinusoidal_rpe"}, "fixed sin. RPE", []),  # the defaults are the paper's
+    ({"name": "sinusoidal_rpe", "learnable": True}, "learnable sin. RPE", []),
+    ({"name": "sinusoidal_rpe", "value": False}, None,
+     ["sinusoidal_rpe value=False (paper: True)"]),
+    ({"name": "sinusoidal_rpe", "clip": 16}, None, ["sinusoidal_rpe clip=16 (paper: 64)"]),
+    (({"name": "sinusoidal_ape", "learnable": True}, {"name": "sinusoidal_rpe"}),
+     "learnable sin. APE + fixed sin. RPE", []),
+    (({"name": "learned_ape"}, {"name": "shaw", "clip": 64, "value": True}), None,
+     ["shaw sharing='none' (paper: 'layer')"]),
+    ({"name": "learned_ape"}, "BERT-style APE", []),
+])
+def test_paper_rows_name_only_the_papers_setup(scheme, row, differences):
+  """A Table 2 row is named only for a config of the paper's setup; any other config has no
+  row, and the differences say why."""
+  assert paper_setup_differences(scheme) == differences
+  assert paper_row(scheme) == row
 
 
 def test_table2_puts_ours_beside_the_paper_row():

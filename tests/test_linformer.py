@@ -45,17 +45,29 @@ def init_layer(cfg, x, terms=()):
   return layer, scaled_random(params)
 
 
-def numpy_linformer(p, x, mask, e, f, u=None, v=None, scale=None):
-  """float64 Linformer self-attention, written out: project, zero padding, E/F, softmax."""
+def numpy_linformer(p, x, mask, e, f, u=None, v=None, scale=None, compress_first=True):
+  """float64 Linformer self-attention, written out: zero padding, E/F, projections, softmax.
+
+  ``compress_first``: the reference's order (Linformer's released code), ``K' = (E X) W_K +
+  b_K``; False: ``E (X W_K + b_K)``, which scales the bias by E's row sums.
+  """
   p = jax.tree.map(lambda a: np.asarray(a, np.float64), p)
   x = np.asarray(x, np.float64)
-  q, k, val = (np.einsum("bld,dhk->blhk", x, p[n]["kernel"]) + p[n]["bias"]
-               for n in ("query", "key", "value"))
-  keep = np.asarray(mask, bool)[:, :, None, None]
-  k, val = np.where(keep, k, 0.0), np.where(keep, val, 0.0)
   length = x.shape[1]
-  k_proj = np.einsum("rj,bjhd->brhd", np.asarray(e, np.float64)[:, :length], k)
-  v_proj = np.einsum("rj,bjhd->brhd", np.asarray(f, np.float64)[:, :length], val)
+  keep = np.asarray(mask, bool)[:, :, None]
+
+  def project(name, inputs):
+    return np.einsum("bld,dhk->blhk", inputs, p[name]["kernel"]) + p[name]["bias"]
+
+  def compressed(name, table):
+    """Padded tokens take no part: zero rows of X, or of X W + b."""
+    table = np.asarray(table, np.float64)[:, :length]
+    if compress_first:
+      return project(name, np.einsum("rj,bjd->brd", table, np.where(keep, x, 0.0)))
+    return np.einsum("rj,bjhd->brhd", table, np.where(keep[..., None], project(name, x), 0.0))
+
+  q = project("query", x)
+  k_proj, v_proj = compressed("key", e), compressed("value", f)
   scale = 1.0 / np.sqrt(q.shape[-1]) if scale is None else scale
   logits = np.einsum("bihd,brhd->bhir", q, k_proj) * scale  # [B, H, L, k]
   if u is not None:
@@ -83,6 +95,24 @@ def test_linformer_matches_numpy_reference(route, sharing):
   got = layer.apply({"params": params}, x, [term], mask=mask, scale=0.4)
   want = numpy_linformer(params, x, mask, params["E"], f, *uv, scale=0.4)
   np.testing.assert_allclose(got, want, **TOL)
+
+
+def test_biases_follow_the_reference_order():
+  """Non-zero key/value biases: the layer is the reference's ``(E X) W_K + b_K``, far from
+  ``E (X W_K + b_K)``; with zero key/value biases the two orders are the same model."""
+  cfg = config()
+  x, mask = inputs()
+  layer, params = init_layer(cfg, x)
+  e, f = params["E"], params["F"]
+  got = layer.apply({"params": params}, x, mask=mask)
+  np.testing.assert_allclose(got, numpy_linformer(params, x, mask, e, f), **TOL)
+  other_order = numpy_linformer(params, x, mask, e, f, compress_first=False)
+  assert np.abs(np.asarray(got) - other_order).max() > 0.1
+  zero = params | {n: params[n] | {"bias": jnp.zeros_like(params[n]["bias"])}
+                   for n in ("key", "value")}
+  got = layer.apply({"params": zero}, x, mask=mask)
+  np.testing.assert_allclose(got, numpy_linformer(zero, x, mask, e, f, compress_first=False),
+                             **TOL)
 
 
 def test_padded_tokens_do_not_change_unpadded_outputs():

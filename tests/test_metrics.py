@@ -185,7 +185,7 @@ def _per_layer_attention_extra(cfg, batch, length, rank=0, rows=0):
     ({"name": "tupe_r"}, 64 + 2, 0),
     ({"name": "shaw", "clip": 16}, 0, 33),                 # 2t + 1 offsets
     ({"name": "shaw", "clip": 16, "value": True}, 0, 66),  # and as many for the value table
-    ({"name": "sinusoidal_rpe"}, 0, 129),                  # clip 64
+    ({"name": "sinusoidal_rpe"}, 0, 258),                  # clip 64, key and value terms
     ({"name": "t5"}, 0, 0), ({"name": "alibi"}, 0, 0), ({"name": "rope"}, 0, 0),
     ({"name": "diet_rel"}, 0, 0), ({"name": "bert_ad"}, 0, 0), ({"name": "none"}, 0, 0),
 ])
@@ -212,8 +212,9 @@ def test_linformer_hand_count():
   cfg = model_config(attention="linformer", linformer_k=32, max_len=256, num_layers=2,
                      scheme={"name": "diet_abs_lin", "k": 32, "rank": 16}, segment=None)
   length, k, d, hd, heads, dim = 256, 32, 768, 768, 12, 64
-  layer = (4 * 2 * length * d * hd           # q, k, v, o projections
-           + 2 * 2 * k * length * hd         # E K and F V along the sequence
+  layer = (2 * 2 * length * d * hd           # q, o projections
+           + 2 * 2 * k * d * hd              # k, v projections of the k compressed rows
+           + 2 * 2 * k * length * d          # E X and F X along the sequence
            + 2 * heads * length * k * (dim + 16)  # Q K'^T over D plus the folded rank
            + 2 * heads * length * k * dim    # P V'
            + 2 * 2 * length * d * 3072)      # MLP

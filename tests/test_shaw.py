@@ -1,9 +1,11 @@
-"""Shaw's relative term and the Toeplitz bias without gather or scatter.
+"""Shaw's relative term and the Toeplitz bias without gather or scatter, and Wang et
+al.'s sinusoidal RPE with its value term (eq. 5).
 
 The skewing against a loop, the new formulation against the old gather /
 scatter-add one (values and gradients, decoding offsets included), and the
 lowered training step of small BERTs, which must scatter only into the
-word-embedding table.
+word-embedding table. The sinusoidal RPE against eq. 5 written out in numpy,
+on both routes, and decoding against teacher forcing.
 """
 
 import re
@@ -14,12 +16,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from posenc_jax import SchemeConfigError, attend, build_scheme
+from posenc_jax.attention import choose_route
 from posenc_jax.models.build import build_model
 from posenc_jax.presets import preset_config
 from posenc_jax.terms import QueryRelative, relative_offsets, skew_offsets, toeplitz_bias
 from posenc_jax.training.config import base_train_config
 from posenc_jax.training.loop import TrainState, make_train_step
 from posenc_jax.training.optim import make_optimizer
+from tests import test_attention, test_decoding
+from tests.conftest import DIMS, SCHEME_CONFIGS, init_scheme, padding_mask, qkv
 
 B, H, D = 2, 3, 4
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -181,3 +187,85 @@ def test_training_step_scatters_only_into_the_word_embeddings(scheme):
   gathers = re.findall(r'"stablehlo\.gather"\(.*? : \((tensor<[^>]*>)', text)
   assert len(gathers) == text.count('"stablehlo.gather"(')
   assert set(gathers) == {word_embeddings}
+
+
+# --- Wang et al.'s sinusoidal RPE: eq. 5, P added to the keys and the values -----------------
+
+# Clip 3 or 4 truncates within the test length of 10; the learnable variants get N(0, 1)
+# frequencies from init_scheme.
+SINUSOIDAL_RPE = {
+    "sinusoidal_rpe_value": {"name": "sinusoidal_rpe", "clip": 4},  # value: the default
+    "sinusoidal_rpe_key_only": {"name": "sinusoidal_rpe", "clip": 4, "value": False},
+    "sinusoidal_rpe_learnable_value": {"name": "sinusoidal_rpe", "clip": 3, "learnable": True},
+    "sinusoidal_rpe_learnable_key_only": {"name": "sinusoidal_rpe", "clip": 3,
+                                          "learnable": True, "value": False},
+}
+
+
+def numpy_eq5(q, k, v, mask, freqs, clip, value):
+  """Wang et al.'s eq. 5 in float64: ``A_ij = c q_i . (k_j + P_{clip(j-i)})``, masked
+  softmax, ``out_i = sum_j a_ij (v_j + P_{clip(j-i)})`` (``P`` on the values only with
+  ``value``), with ``P_r = (sin(r w_0), cos(r w_0), sin(r w_1), ...)``."""
+  q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+  length, dim = q.shape[1], q.shape[-1]
+  rel = np.clip(np.arange(length)[None, :] - np.arange(length)[:, None], -clip, clip)
+  angles = rel[..., None] * np.asarray(freqs, np.float64)  # [L, L, D/2]
+  p = np.stack([np.sin(angles), np.cos(angles)], -1).reshape(length, length, dim)
+  scale = 1.0 / np.sqrt(dim)
+  logits = (np.einsum("bihd,bjhd->bhij", q, k) + np.einsum("bihd,ijd->bhij", q, p)) * scale
+  logits = np.where(np.asarray(mask)[:, None, None, :], logits, -np.inf)
+  probs = np.exp(logits - logits.max(-1, keepdims=True))
+  probs /= probs.sum(-1, keepdims=True)
+  out = np.einsum("bhij,bjhd->bihd", probs, v)
+  return out + np.einsum("bhij,ijd->bihd", probs, p) if value else out
+
+
+@pytest.mark.parametrize("name", sorted(SINUSOIDAL_RPE))
+def test_sinusoidal_rpe_is_eq5(name):
+  """Both layers' terms (one shared table) against eq. 5 written out, padding included."""
+  config = SINUSOIDAL_RPE[name]
+  _, params, st = init_scheme(config)
+  dim = DIMS["head_dim"]
+  freqs = (params["params"]["frequencies"].value if config.get("learnable")
+           else 10000.0 ** (-np.arange(0, dim, 2) / dim))
+  q, k, v = qkv()
+  mask = padding_mask()
+  want = numpy_eq5(q, k, v, mask, freqs, config["clip"], config.get("value", True))
+  for layer in range(DIMS["num_layers"]):
+    got = attend(q, k, v, st.for_layer(layer), mask=mask, route="reference")
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", sorted(SINUSOIDAL_RPE))
+def test_sinusoidal_rpe_routes_and_decoding(name, monkeypatch):
+  """The key term alone: fused route = reference (values and gradients); with the value
+  term the fused route refuses in one line and ``auto`` takes the reference route. Either
+  way, sliced queries and cached decoding steps equal the full (teacher-forced) pass."""
+  monkeypatch.setitem(SCHEME_CONFIGS, name, SINUSOIDAL_RPE[name])
+  test_attention.test_fused_route_matches_reference(name, causal=True)
+  _, _, st = init_scheme(SINUSOIDAL_RPE[name])
+  value = SINUSOIDAL_RPE[name].get("value", True)
+  assert choose_route("auto", st.for_layer(0), backend="gpu") == ("reference" if value
+                                                                    else "fused")
+  test_decoding.test_scheme_terms_slice_and_kv_cache(name, "auto" if value else "fused")
+
+
+def test_sinusoidal_rpe_value_field():
+  """The paper's value term by default; the field is validated in one line; the parameter
+  tree does not depend on it (checkpoints load either way)."""
+  def scheme(**fields):
+    return build_scheme({"name": "sinusoidal_rpe", **fields}, **DIMS)
+
+  def param_shapes(**fields):
+    module = scheme(**fields)
+    return jax.eval_shape(lambda rng: module.init(rng, 6), jax.random.key(0))
+
+  assert scheme().value is True
+  with pytest.raises(SchemeConfigError) as info:
+    scheme(value="yes")
+  assert str(info.value) == ("scheme 'sinusoidal_rpe': value must be true or false, "
+                             "got 'yes'")
+  for learnable in (False, True):
+    without, with_value = (param_shapes(learnable=learnable, value=v) for v in (False, True))
+    assert jax.tree.structure(without) == jax.tree.structure(with_value)
+    assert jax.tree.leaves(without) == jax.tree.leaves(with_value)

@@ -22,7 +22,8 @@ import importlib
 
 from posenc_jax.analysis.indicators import (PAPER_TABLE2, TABLE2_COLUMNS, aiv, db,
                                             drop_positions, format_table2, indicators, opr,
-                                            opr_sequence, paper_row, sd)
+                                            opr_sequence, paper_row,
+                                            paper_setup_differences, sd)
 from posenc_jax.analysis.loading import (LoadedModel, checkpoint_steps, from_checkpoint,
                                          from_config, from_hf, load, read_config, restore_params)
 from posenc_jax.analysis.probing import (AnalysisError, LayerAttention, PositionalAttention,
@@ -40,8 +41,8 @@ __all__ = [
     "aiv", "bundled_tokens", "checkpoint_steps", "db", "drop_positions", "format_table2",
     "from_checkpoint", "from_config", "from_hf", "identical_word_ids", "identical_word_probing",
     "indicators", "layer_attention", "layer_runner", "load", "logit_ranks", "numerical_rank",
-    "opr", "opr_sequence", "paper_row", "plots", "position_vectors", "positional_attention",
-    "positional_ranks", "random_batch", "rank_report", "read_config", "restore_params", "sd",
+    "opr", "opr_sequence", "paper_row", "paper_setup_differences", "plots", "position_vectors",
+    "positional_attention", "positional_ranks", "random_batch", "rank_report", "read_config", "restore_params", "sd",
     "special_positions", "term_logits", "wordpiece_tokens",
 ]
 

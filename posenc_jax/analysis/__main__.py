@@ -259,12 +259,15 @@ def cmd_indicators(fv) -> tuple[dict[str, Any], str | None]:
   probe = _probe(fv, model)
   values = analysis.indicators(probe.attention, probe.special_positions, k=fv.k, l=fv.db_offset)
   row = analysis.paper_row(model.config.scheme)
+  differences = analysis.paper_setup_differences(model.config.scheme)
   result = {"model": model.describe(), "label": label, "probing": _probe_json(probe),
             "k": fv.k, "db_offset": fv.db_offset, "indicators": values, "paper_row": row,
             "paper": dict(zip(analysis.TABLE2_COLUMNS, analysis.PAPER_TABLE2[row])) if row
-            else None}
+            else None, "paper_setup_differences": differences}
   table = analysis.format_table2([{"label": label, "indicators": values, "paper_row": row}],
                                  paper=fv.paper, k=fv.k)
+  if differences:  # no Table 2 row has this setup: say why, rather than compare
+    table += "\nnot Wang et al.'s Table 2 setup: " + "; ".join(differences)
   return result, table
 
 

@@ -33,6 +33,8 @@ from typing import Any
 
 import numpy as np
 
+from posenc_jax.schemes.registry import SCHEMES
+
 # Wang et al. Table 2: (monotonicity all offsets, first 20 offsets, translation invariance
 # w/ [CLS], w/o [CLS], symmetry, direction balance). Paper Table 2 (ICLR 2021).
 TABLE2_COLUMNS = ("monotonicity_all", "monotonicity_first_k", "translation_invariance_with_cls",
@@ -228,17 +230,52 @@ _SINGLE_ROWS = {
     ("sinusoidal_rpe", False): "fixed sin. RPE",
     ("sinusoidal_rpe", True): "learnable sin. RPE",
 }
+# Wang et al.'s setup behind the RPE rows (App. E: "we share RPE in different heads and
+# layers", truncated to [-64, 64]; eq. 5 adds the RPE to the keys and the values). Shaw's
+# table is always shared by the heads; the sinusoidal one is a function of the offset alone,
+# shared by heads and layers by construction.
+PAPER_SETUP: dict[str, dict[str, Any]] = {
+    "shaw": {"clip": 64, "value": True, "sharing": "layer"},
+    "sinusoidal_rpe": {"clip": 64, "value": True},
+}
+
+
+def _parts(scheme: Any) -> tuple[dict[str, Any], ...]:
+  return tuple(dict(p) for p in (scheme if isinstance(scheme, (tuple, list)) else (scheme,)))
+
+
+def paper_setup_differences(scheme: Any) -> list[str]:
+  """How a scheme config (a mapping or a tuple of them) departs from the setup of Wang et
+  al.'s Table 2 (:data:`PAPER_SETUP`), the registry's defaults filled in.
+
+  Returns:
+    One ``"<name> <field>=<ours> (paper: <theirs>)"`` per differing field; empty when the
+    config is the paper's setup (always for the APE rows).
+  """
+  differences = []
+  for part in _parts(scheme):
+    name = part.pop("name")
+    setup = PAPER_SETUP.get(name, {})
+    values = SCHEMES[name].values(part) if setup else {}
+    differences += [f"{name} {field}={values[field]!r} (paper: {paper!r})"
+                    for field, paper in setup.items() if values[field] != paper]
+  return differences
 
 
 def paper_row(scheme: Any) -> str | None:
-  """The Table 2 row of a scheme config (a mapping or a tuple of two), or None if it has none.
+  """The Table 2 row of a scheme config (a mapping or a tuple of two), or None if no row has
+  its setup.
 
   ``learned_ape`` is "BERT-style APE", ``shaw`` "fully-learnable RPE",
-  ``sinusoidal_ape``/``sinusoidal_rpe`` the fixed or learnable sinusoidal rows.
+  ``sinusoidal_ape``/``sinusoidal_rpe`` the fixed or learnable sinusoidal rows. The RPE rows
+  need the paper's setup (:func:`paper_setup_differences` lists what differs): ``shaw`` with
+  ``clip=64, value=True, sharing='layer'`` (its defaults, clip 16 per layer without the
+  value term, have no row), ``sinusoidal_rpe`` with ``clip=64, value=True`` (its defaults).
   """
-  parts = scheme if isinstance(scheme, (tuple, list)) else (scheme,)
+  if paper_setup_differences(scheme):
+    return None
   names = []
-  for part in parts:
+  for part in _parts(scheme):
     key = (part["name"], bool(part.get("learnable", False)))
     if key not in _SINGLE_ROWS:
       return None

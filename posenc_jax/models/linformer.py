@@ -1,15 +1,21 @@
 """Linformer self-attention (Wang et al. 2020): keys and values projected along the sequence.
 
-For each head, with ``K = X W_K`` and ``V = X W_V`` ``[L, D]``::
+The layer input ``X`` ``[L, d]`` is projected along the sequence first, then
+by each head's key and value projections (biases ``b_K``, ``b_V`` ``[D]``)::
 
-  K' = E[:, :L] K,   V' = F[:, :L] V,   E, F [k, L_max]
+  K' = (E[:, :L] X) W_K + b_K,   V' = (F[:, :L] X) W_V + b_V,   E, F [k, L_max]
   head = softmax(c Q K'^T + sum_t T_t) V'          (logits [L, k])
 
-so attention costs ``O(L k)`` instead of ``O(L^2)``. Key rows of padding
-tokens are zeroed before the projection; the projected keys then need no
-mask. Positional terms must have ``k`` key rows (DIET-ABS-LIN); relative
-and query-dependent terms have no meaning here (a projected key has no
-position) and :func:`~posenc_jax.models.model_config` rejects them.
+so attention costs ``O(L k)`` instead of ``O(L^2)``. This is the order of
+Linformer's released code (fairseq ``examples/linformer``: ``compress_k`` on
+the input, then ``k_proj``), so each projected key gets the bias once.
+Projecting ``K = X W_K + b_K`` instead, ``E K = (E X) W_K + (E 1) b_K``, would
+scale the bias by ``E``'s row sums: the same model only with zero biases. Rows
+of ``X`` at padding tokens are zeroed before the projection; the projected
+keys then need no mask. Positional terms must have ``k`` key rows
+(DIET-ABS-LIN); relative and query-dependent terms have no meaning here (a
+projected key has no position) and :func:`~posenc_jax.models.model_config`
+rejects them.
 
 Sharing (``config.linformer_sharing``; the paper's "headwise" sharing is
 always on, one ``E``/``F`` for all heads of a layer):
@@ -30,10 +36,11 @@ layer-shared scheme term), so the layer keeps the call signature of
 
 Initialisation: Glorot (xavier) uniform over ``[k, L_max]``,
 ``U(+-sqrt(6 / (k + L_max)))``, the family of initialisers Linformer's
-released code uses for its projections (it may add a gain). A projected key
-row is then a random combination of the ``L`` keys with weights of variance
-``2 / (k + L_max)``: for ``L`` near ``L_max`` its variance stays of the order
-of one key's, so the logits start at the scale of full attention's.
+released code uses for its projections (it may add a gain). A row of ``E X``
+is then a random combination of the ``L`` token vectors with weights of
+variance ``2 / (k + L_max)``: for ``L`` near ``L_max`` its variance stays of
+the order of one token's, so the logits start at the scale of full
+attention's.
 """
 
 from __future__ import annotations
@@ -170,8 +177,8 @@ class LinformerSelfAttention(nn.Module):
       terms: the layer's terms; each positional term has ``k`` key rows
         (e.g. DIET-ABS-LIN's ``[L, k]``). Under ``layer`` sharing also the
         encoder's :class:`LinformerProjection`.
-      mask: ``[B, L]`` padding mask (True = token); padded key and value
-        rows are zeroed before the projection.
+      mask: ``[B, L]`` padding mask (True = token); rows of ``x`` at padded
+        tokens are zeroed before the sequence projection.
       scale: content scale ``c``; None gives ``1 / sqrt(D)``.
       deterministic: False enables attention dropout (``dropout`` rng).
 
@@ -187,12 +194,15 @@ class LinformerSelfAttention(nn.Module):
     shared = [t for t in terms if isinstance(t, LinformerProjection)]
     terms = [t for t in terms if not isinstance(t, LinformerProjection)]
     e, f = self._projections(shared, length)
-    q, k, v = (head_projection(self, name)(x) for name in ("query", "key", "value"))
-    if mask is not None:
-      keep = mask.astype(bool)[:, :, None, None]
-      k, v = jnp.where(keep, k, 0), jnp.where(keep, v, 0)
-    k = jnp.einsum("rj,bjhd->brhd", e.astype(k.dtype), k)  # [B, k, H, D]
-    v = jnp.einsum("rj,bjhd->brhd", f.astype(v.dtype), v)
+    q = head_projection(self, "query")(x)
+    tokens = x if mask is None else jnp.where(mask.astype(bool)[:, :, None], x, 0)
+
+    def compress(p):  # [k, L] -> p X [B, k, d]
+      return jnp.einsum("rj,bjd->brd", p.astype(self.dtype), tokens.astype(self.dtype))
+
+    ex = compress(e)
+    fx = ex if f is e else compress(f)  # E = F ('kv', 'layer'): one projection
+    k, v = head_projection(self, "key")(ex), head_projection(self, "value")(fx)  # [B, k, H, D]
     dropout_rng = None
     if not deterministic and cfg.attention_dropout_rate > 0.0:
       dropout_rng = self.make_rng("dropout")

@@ -1,11 +1,13 @@
 """DIET-ABS-LIN (Chen et al. 2021, eq. 4): DIET-ABS for Linformer attention.
 
-Linformer (Wang et al. 2020) projects the keys along the sequence,
-``K' = E K`` with ``E`` ``[k, L]``, so the logits are ``[L, k]`` and a key
-row no longer stands for one position. DIET-ABS-LIN keeps a per-head
-absolute term whose key side lives in the projected space::
+Linformer (Wang et al. 2020) projects the layer input ``X`` along the
+sequence before the key projection, ``K' = (E X) W_K + b_K`` with ``E``
+``[k, L]`` (:mod:`posenc_jax.models.linformer`), so the logits are ``[L, k]``
+and a key row no longer stands for one position. DIET-ABS-LIN keeps a
+per-head absolute term whose key side lives in the projected space (DIET
+writes no bias)::
 
-  A^h = c q^h (E X W_K^h)^T + P_Q^h P_K^{hT},   P_Q^h [L_max, d_p],  P_K^h [k, d_p]
+  A^h = c q^h (E X W_K^h + b_K^h)^T + P_Q^h P_K^{hT},   P_Q^h [L_max, d_p],  P_K^h [k, d_p]
 
 The term is input-independent (shared by the batch) and factored, so the
 fused route folds it into q/k as DIET-ABS does. The scheme has no input

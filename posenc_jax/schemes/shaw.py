@@ -1,5 +1,6 @@
 """Shaw et al.'s query-dependent relative scheme, and Wang et al.'s fixed and
-learnable sinusoidal RPE (Shaw's key term with a sinusoidal table)."""
+learnable sinusoidal RPE (their eq. 5 with a sinusoidal table: Shaw's key and
+value terms, one table for both)."""
 
 from __future__ import annotations
 
@@ -40,23 +41,31 @@ class ShawRPE(Scheme):
 
 
 class SinusoidalRPE(Scheme):
-  """Shaw's key term with ``a^K_r = sinusoid(r)`` over ``D`` dims, shared by heads and layers.
+  """Wang et al.'s eq. 5 with ``P_r = sinusoid(r)`` over ``D`` dims, shared by heads and layers.
+
+  The key term ``T[b,h,i,j] = c q_i . P_{clip(j-i)}`` and, with ``value``, the value
+  term ``out_i += sum_j alpha_ij P_{clip(j-i)}`` (eq. 5 adds ``P`` to keys and values,
+  as NEZHA's functional relative encoding does), one table ``[2 clip + 1, D]`` for both.
 
   Attributes:
-    learnable: train the ``D / 2`` frequencies.
+    learnable: train the ``D / 2`` frequencies (shared by the key and value terms).
     clip: offsets truncated to ``[-clip, clip]`` (Wang et al.: 64).
+    value: add the value term (the paper's eq. 5). False keeps the key term alone,
+      which the fused route runs; the value term needs the reference route.
   """
 
   learnable: bool = False
   clip: int = 64
+  value: bool = True
 
   scheme_name = "sinusoidal_rpe"
   even_dimension = "head_dim"
-  hyperparameters = {"learnable": BOOL, "clip": NON_NEGATIVE_INT}
+  hyperparameters = {"learnable": BOOL, "clip": NON_NEGATIVE_INT, "value": BOOL}
 
   @nn.compact
   def __call__(self, length, segment_ids=None):
     self.check_length(length)
     freqs = sinusoid_param(self, self.head_dim, self.learnable)
-    table = sinusoid(jnp.arange(-self.clip, self.clip + 1), freqs)
-    return SchemeTerms(terms=(QueryRelative(table[None], None, clip=self.clip),))
+    table = sinusoid(jnp.arange(-self.clip, self.clip + 1), freqs)[None]  # [1, 2 clip + 1, D]
+    return SchemeTerms(terms=(QueryRelative(table, table if self.value else None,
+                                            clip=self.clip),))

@@ -190,15 +190,15 @@ def _relative_rows(parts: list[dict[str, Any]]) -> int:
 def _attention(cfg: ModelConfig, q_len: int, k_len: int, *, rank: int = 0,
                relative_rows: int = 0, causal: bool = False, linformer: bool = False) -> int:
   """Forward FLOPs of one attention block for one example: the q/k/v/o projections, the
-  sequence projections of Linformer's keys and values, ``Q K^T`` over the head dim plus the
+  sequence projections of Linformer's layer input, ``Q K^T`` over the head dim plus the
   folded rank, ``P V``, and Shaw's query-offset products. Causal halves ``Q K^T`` and
   ``P V``."""
   inner = cfg.num_heads * cfg.dim_per_head
-  flops = 2 * cfg.d_model * inner * (2 * q_len + 2 * k_len)
-  keys = k_len
-  if linformer:
-    flops += 2 * (2 * cfg.linformer_k * k_len * inner)  # E K and F V
+  keys, flops = k_len, 0
+  if linformer:  # E X and F X along the sequence (one when E = F), then W_K, W_V on k rows
     keys = cfg.linformer_k
+    flops = (2 if cfg.linformer_sharing == "none" else 1) * 2 * keys * k_len * cfg.d_model
+  flops += 2 * cfg.d_model * inner * (2 * q_len + 2 * keys)
   mixing = 2 * cfg.num_heads * q_len * keys * (2 * cfg.dim_per_head + rank)
   flops += mixing // 2 if causal else mixing
   return flops + 2 * cfg.num_heads * q_len * relative_rows * cfg.dim_per_head
@@ -257,9 +257,10 @@ def train_flops_per_step(cfg: ModelConfig | Mapping[str, Any], batch: int, lengt
     ``Q K^T`` ``2 H L^2 (D + r)`` and ``P V`` ``2 H L^2 D``, where ``r`` is the rank the
     fused attention route folds into q and k (DIET-ABS(-LIN) ``d_p``, TUPE ``D`` (+2 with
     the [CLS] reset), per-head segments ``n_seg``); Shaw's and the sinusoidal RPE's
-    query-offset products ``2 H L (2t + 1) D`` (twice with Shaw's value table); under
-    Linformer the keys and values projected along the sequence, ``2 x 2 k L HD``, and
-    attention over ``k`` keys;
+    query-offset products ``2 H L (2t + 1) D`` (twice with a value table); under
+    Linformer the layer input projected along the sequence, ``2 k L d`` (twice unless
+    ``E = F``), the key and value projections on its ``k`` rows, and attention over ``k``
+    keys;
   * embeddings: lookups cost nothing; BERT's token-type one-hot times its table,
     ``2 L n_seg d``;
   * the head: MLM transform and tied decoder ``2 d^2 + 2 d V`` at every position, or at
