@@ -7,16 +7,41 @@ import dataclasses
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from posenc_jax.schemes.base import BOOL, Scheme
+from posenc_jax.schemes.base import BOOL, Scheme, one_of
 from posenc_jax.terms import SchemeTerms, Toeplitz
 
 Array = jax.Array
 
 
-def alibi_slopes(num_heads: int) -> Array:
-  """``[H]`` slopes ``m_h = 2^(-8 h / H)``, h = 1..H."""
-  return 2.0 ** (-8.0 * jnp.arange(1, num_heads + 1, dtype=jnp.float32) / num_heads)
+SLOPE_FORMS = ("reference", "geometric")
+
+
+def alibi_slopes(num_heads: int, form: str = "reference") -> Array:
+  """``[H]`` float32 slopes ``m_h``, steepest first.
+
+  ``geometric``: ``m_h = 2^(-8 h / H)``, h = 1..H, the paper's text (Press et al.,
+  section 3). ``reference``: ``get_slopes`` of the ALiBi authors' code
+  (ofirpress/attention_with_linear_biases), also BLOOM's, Hugging Face's and
+  flash-attention's. It equals ``geometric`` when H is a power of two; otherwise, with
+  ``p`` the largest power of two below H, it takes the ``p`` geometric slopes for ``p``
+  heads, then every other geometric slope for ``2p`` heads, ``2^(-4 (2i - 1) / p)``,
+  i = 1..H-p (H = 12: ``2^-1 .. 2^-8, 2^-0.5, 2^-1.5, 2^-2.5, 2^-3.5``).
+
+  Raises:
+    ValueError: ``form`` not in :data:`SLOPE_FORMS`, in one line.
+  """
+  if form not in SLOPE_FORMS:
+    raise ValueError(f"alibi_slopes: form must be one of {', '.join(map(repr, SLOPE_FORMS))}, "
+                     f"got {form!r}")
+  if form == "geometric":
+    exponents = np.arange(1, num_heads + 1) * 8 / num_heads
+  else:
+    p = 1 << (num_heads.bit_length() - 1)
+    exponents = np.concatenate([np.arange(1, p + 1) * 8 / p,
+                                np.arange(1, 2 * (num_heads - p), 2) * 4 / p])
+  return jnp.asarray(2.0 ** -exponents, jnp.float32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,15 +67,19 @@ class Alibi(Scheme):
 
   Attributes:
     causal: the decoder form.
+    slopes: ``reference`` (the ALiBi authors' code) or ``geometric`` (the paper's
+      ``2^(-8 h / H)``); they differ only when H is not a power of two
+      (:func:`alibi_slopes`).
   """
 
   causal: bool = False
+  slopes: str = "reference"
 
   scheme_name = "alibi"
-  hyperparameters = {"causal": BOOL}
+  hyperparameters = {"causal": BOOL, "slopes": one_of(*SLOPE_FORMS)}
 
   @nn.compact
   def __call__(self, length, segment_ids=None):
     self.check_length(length)  # the term is built for any length
-    slopes = alibi_slopes(self.num_heads)[None, :, None]  # [1 (layers), H, 1]
+    slopes = alibi_slopes(self.num_heads, self.slopes)[None, :, None]  # [1 (layers), H, 1]
     return SchemeTerms(terms=(Toeplitz(slopes, LinearDistance(self.causal)),))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-import math
+import functools
 
 import flax.linen as nn
 import jax
@@ -38,6 +38,47 @@ def bucket_problem(num_buckets: int, max_distance: int, bidirectional: bool) -> 
   return None
 
 
+@functools.lru_cache(maxsize=None)
+def bucket_starts(num_buckets: int, max_distance: int) -> tuple[int, ...]:
+  """The smallest distance ``n >= 0`` in each bucket ``1 .. num_buckets - 1`` of one direction.
+
+  With ``e = num_buckets // 2`` (``max_exact``) and ``m = num_buckets - e``, T5's
+  formula puts ``n < e`` in bucket ``n`` and ``n >= e`` in bucket
+  ``min(e + floor(m log(n / e) / log(max_distance / e)), num_buckets - 1)``, so bucket
+  ``e + k`` (``0 < k < m``) starts at the smallest ``n`` with
+  ``n^m e^k >= max_distance^k e^m``: an integer inequality, solved exactly by bisection
+  on ``[e, max_distance]``. That is the formula in real arithmetic; float logs round
+  instead. XLA's float32 log (vectorised or not, by array length) puts some exact powers
+  ``n = e (max_distance / e)^(k / m)`` one bucket low, flaxformer's ``+ float32 eps``
+  being below float32's spacing once ``n / e >= 2``. In float64, mesh-tensorflow's form
+  (no eps) drops some exact powers too (10 causal buckets, max distance 160, ``n = 10``),
+  and flaxformer's eps lifts a distance lying within ``1e-7`` below a start one bucket
+  high (58 causal buckets, max distance 282, ``n = 119``). Starts past the int32 range
+  are left out: no int32 offset reaches them.
+
+  Args:
+    num_buckets: the buckets of one direction (half of them when bidirectional).
+    max_distance: distances from here on share the last bucket.
+
+  Returns:
+    ``num_buckets - 1`` (fewer past int32) increasing starts; bucket ``b`` of distance
+    ``n`` is the number of starts ``<= n``.
+  """
+  max_exact = num_buckets // 2
+  m = num_buckets - max_exact
+  starts = list(range(1, max_exact + 1))
+  for k in range(1, m):
+    lo, hi = max_exact, max_distance
+    while lo < hi:
+      mid = (lo + hi) // 2
+      if mid**m * max_exact**k >= max_distance**k * max_exact**m:
+        hi = mid
+      else:
+        lo = mid + 1
+    starts.append(lo)
+  return tuple(s for s in starts if s <= np.iinfo(np.int32).max)
+
+
 def relative_position_bucket(relative_position: Array, *, bidirectional: bool = True,
                              num_buckets: int = 32, max_distance: int = 128) -> Array:
   """T5 bucket id of each offset ``r = j - i`` (key minus query position).
@@ -47,6 +88,11 @@ def relative_position_bucket(relative_position: Array, *, bidirectional: bool = 
   direction) get their own bucket; larger offsets are binned logarithmically
   up to ``max_distance``, beyond which they share the last bucket. Causal:
   all buckets for ``r <= 0``; ``r > 0`` maps to bucket 0.
+
+  The buckets are mesh-tensorflow's and flaxformer's ``_relative_position_bucket``
+  in exact arithmetic: integer bucket starts (:func:`bucket_starts`) found once when
+  traced, then a count of the starts each distance reaches (comparisons and a sum,
+  no float log, no gather), so an offset's bucket never depends on the array around it.
 
   Args:
     relative_position: int array of any shape.
@@ -60,21 +106,15 @@ def relative_position_bucket(relative_position: Array, *, bidirectional: bool = 
   problem = bucket_problem(num_buckets, max_distance, bidirectional)
   if problem:
     raise ValueError(f"relative_position_bucket: {problem}")
-  n = -relative_position.astype(jnp.int32)
-  bucket = jnp.zeros_like(n)
+  n = -jnp.asarray(relative_position, jnp.int32)  # the distance back to the key
   if bidirectional:
     num_buckets //= 2
-    bucket = bucket + (n < 0).astype(jnp.int32) * num_buckets
+    direction = (n < 0).astype(jnp.int32) * num_buckets
     n = jnp.abs(n)
   else:
-    n = jnp.maximum(n, 0)
-  max_exact = num_buckets // 2
-  # float32 eps keeps exact powers (n = max_exact * ratio^k) on their bucket.
-  log_ratio = jnp.log(n.astype(jnp.float32) / max_exact + np.finfo(np.float32).eps)
-  large = max_exact + (log_ratio / math.log(max_distance / max_exact)
-                       * (num_buckets - max_exact)).astype(jnp.int32)
-  large = jnp.minimum(large, num_buckets - 1)
-  return bucket + jnp.where(n < max_exact, n, large)
+    direction = 0  # a later key (n < 0) reaches no start: bucket 0
+  starts = np.array(bucket_starts(num_buckets, max_distance), np.int32)
+  return direction + jnp.sum(n[..., None] >= starts, axis=-1, dtype=jnp.int32)
 
 
 @dataclasses.dataclass(frozen=True)
