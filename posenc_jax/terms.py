@@ -522,51 +522,80 @@ def _clipped_columns(x: Array, clip: int, first: int, width: int) -> Array:
   return jnp.concatenate([p for p in parts if p.shape[-1]], axis=-1)
 
 
-def rotate_pairs(x: Array, angles: Array) -> Array:
-  """Rotates each pair ``(x_{2k}, x_{2k+1})`` of ``x`` by ``angles[..., k]``.
+def rotate_pairs(x: Array, angles: Array, layout: str = "interleaved",
+                 attention_factor: float = 1.0) -> Array:
+  """Rotates pairs among the first ``R = 2 * angles.shape[-1]`` features of ``x``.
+
+  Pair ``k`` turns by ``angles[..., k]``; features ``R..D-1`` pass through
+  unchanged (partial rotary, as in GPT-NeoX and GPT-J). The two layouts of
+  the pairs, equal up to a permutation of the first ``R`` features:
+
+  * ``"interleaved"``: ``(x_{2k}, x_{2k+1})`` (Su et al.'s RoFormer, GPT-J).
+  * ``"half"``: ``(x_k, x_{k+R/2})``, "rotate half" (GPT-NeoX, Llama, Hugging Face).
 
   Args:
-    x: ``[B, L, H, D]`` with even ``D``.
-    angles: ``[L, D/2]``.
+    x: ``[B, L, H, D]``.
+    angles: ``[L, R/2]`` with ``R <= D``.
+    layout: ``"interleaved"`` or ``"half"``.
+    attention_factor: multiplies cos and sin, so the rotated features are scaled by it
+      (YaRN's attention factor; the pass-through features are not, as in Hugging Face).
 
   Returns:
     ``[B, L, H, D]``.
   """
-  cos = jnp.cos(angles)[None, :, None, :].astype(x.dtype)
-  sin = jnp.sin(angles)[None, :, None, :].astype(x.dtype)
-  even, odd = x[..., 0::2], x[..., 1::2]
-  rotated = jnp.stack([even * cos - odd * sin, even * sin + odd * cos], axis=-1)
-  return rotated.reshape(x.shape)
+  width = 2 * angles.shape[-1]
+  cos = (attention_factor * jnp.cos(angles))[None, :, None, :].astype(x.dtype)
+  sin = (attention_factor * jnp.sin(angles))[None, :, None, :].astype(x.dtype)
+  # Pair k as [.., R/2, 2] (interleaved) or [.., 2, R/2] (half), its two members on `axis`.
+  axis, pairs = (-2, (2, width // 2)) if layout == "half" else (-1, (width // 2, 2))
+  rotated, rest = x[..., :width], x[..., width:]
+  paired = rotated.reshape(x.shape[:-1] + pairs)
+  first, second = (lax.index_in_dim(paired, i, axis, keepdims=False) for i in (0, 1))
+  rotated = jnp.stack([first * cos - second * sin, first * sin + second * cos], axis=axis)
+  return jnp.concatenate([rotated.reshape(x.shape[:-1] + (width,)), rest], axis=-1)
 
 
 @struct.dataclass
 class Rotation(Term):
-  """RoPE: q and k rotated by their positions' angles.
+  """RoPE: q and k rotated by their positions' angles (:func:`rotate_pairs`).
 
   Attributes:
-    q_angles: ``[Lq, D/2]``, ``i * theta_k`` for query position ``i``.
-    k_angles: ``[Lk, D/2]``.
+    q_angles: ``[Lq, R/2]``, ``i * theta_k`` for query position ``i``; the first
+      ``R <= D`` features of each head are rotated, the rest pass through.
+    k_angles: ``[Lk, R/2]``.
+    layout: ``"interleaved"`` (pairs ``(2k, 2k+1)``, Su et al.) or ``"half"``
+      (pairs ``(k, k + R/2)``, GPT-NeoX).
+    attention_factor: multiplies cos and sin, i.e. scales the rotated features of q and
+      of k (YaRN's attention temperature: their logits scale by its square).
   """
 
   q_angles: Array
   k_angles: Array
+  layout: str = struct.field(pytree_node=False, default="interleaved")
+  attention_factor: float = struct.field(pytree_node=False, default=1.0)
 
   def shape_problem(self, q_shape, k_shape):
     dim = q_shape[3]
     if dim % 2:
       return f"rotates pairs of features, but q has an odd head dim {dim}"
+    if self.layout not in ("interleaved", "half"):
+      return f"layout is {self.layout!r}; expected 'interleaved' or 'half'"
     for name, angles, length, source in (("q_angles", self.q_angles, q_shape[1], "q has"),
                                          ("k_angles", self.k_angles, k_shape[1], "k has")):
       shape = jnp.shape(angles)
-      problem = (_rank_problem(name, shape, (2,), "[L, D/2]")
-                 or _axis_problem(name, shape, 0, "positions", length, source)
-                 or _axis_problem(name, shape, 1, "angles", dim // 2, f"q's head dim {dim} needs"))
+      problem = (_rank_problem(name, shape, (2,), "[L, R/2]")
+                 or _axis_problem(name, shape, 0, "positions", length, source))
       if problem:
         return problem
-    return None
+    q_angles, k_angles = jnp.shape(self.q_angles), jnp.shape(self.k_angles)
+    if q_angles[1] > dim // 2:
+      return (f"q_angles {list(q_angles)} has {q_angles[1]} angles, but q's head dim {dim} has "
+              f"only {dim // 2} pairs")
+    return _axis_problem("k_angles", k_angles, 1, "angles", q_angles[1], "q_angles has")
 
   def transform_qk(self, q, k):
-    return rotate_pairs(q, self.q_angles), rotate_pairs(k, self.k_angles)
+    return (rotate_pairs(q, self.q_angles, self.layout, self.attention_factor),
+            rotate_pairs(k, self.k_angles, self.layout, self.attention_factor))
 
   def slice_queries(self, start, size):
     return self.replace(q_angles=slice_rows(self.q_angles, start, size, -2))

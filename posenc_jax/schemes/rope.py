@@ -1,32 +1,191 @@
-"""RoPE (Su et al.): q and k rotated pairwise by position-dependent angles."""
+"""RoPE (Su et al.): q and k rotated pairwise by position-dependent angles, with the
+rotate-half layout, partial rotary and context extension (position interpolation,
+NTK-aware scaling, YaRN, Llama 3)."""
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 from posenc_jax.schemes.absolute import sinusoid_frequencies
-from posenc_jax.schemes.base import Check, Scheme, is_finite_number
+from posenc_jax.schemes.base import (POSITIVE_FLOAT, POSITIVE_INT, Check, Scheme,
+                                     SchemeConfigError, is_finite_number, one_of, optional)
 from posenc_jax.terms import Rotation, SchemeTerms
+
+Array = jax.Array
+
+LAYOUTS = ("interleaved", "half")
+SCALINGS = ("none", "linear", "ntk", "yarn", "llama3")
+# The scalings that read each scaling hyperparameter; under any other scaling it keeps its
+# default.
+SCALING_FIELDS = {
+    "factor": ("linear", "ntk", "yarn", "llama3"),
+    "original_max_len": ("yarn", "llama3"),
+    "beta_fast": ("yarn",),
+    "beta_slow": ("yarn",),
+    "attention_factor": ("yarn",),
+    "low_freq_factor": ("llama3",),
+    "high_freq_factor": ("llama3",),
+}
 
 
 class Rope(Scheme):
-  """Rotates each pair ``(q_{2k}, q_{2k+1})`` by ``i theta_k``, ``theta_k = base^(-2k/D)``.
+  """Rotates pairs of the first ``R`` features of each head of q and k by ``i theta'_k``.
+
+  ``theta_k = base^(-2k/R)`` for ``k < R/2``, ``R = round(fraction * D)`` (must be
+  even); features ``R..D-1`` pass through. ``theta'_k`` is ``theta_k`` rescaled
+  for context extension by ``scaling``, with ``s = factor`` and
+  ``L = original_max_len``:
+
+  * ``"none"``: ``theta_k``.
+  * ``"linear"``: position interpolation (Chen et al. 2023), ``theta_k / s``.
+  * ``"ntk"``: NTK-aware scaling (bloc97, 2023; static, not "dynamic"):
+    ``base' = base * s^(R / (R - 2))``.
+  * ``"yarn"`` (Peng et al. 2023): ``theta'_k = (1 - gamma_k) theta_k / s + gamma_k theta_k``,
+    with ``gamma_k`` 1 for dims ``k <= floor(d(beta_fast))``, 0 from
+    ``ceil(d(beta_slow))``, linear in ``k`` between, where
+    ``d(n) = R ln(L / (2 pi n)) / (2 ln base)`` is the dim whose frequency turns ``n``
+    times over ``L`` (the paper's reference code); and cos, sin multiplied by the
+    attention factor ``sqrt(1/t)``, default ``0.1 ln(s) + 1``, so the rotated part of
+    ``q . k`` scales by its square.
+  * ``"llama3"`` (Llama 3.1): the same blend with ``gamma_k = clip((L / lambda_k - a) /
+    (b - a), 0, 1)``, ``a = low_freq_factor``, ``b = high_freq_factor``,
+    ``lambda_k = 2 pi / theta_k``: wavelengths above ``L / a`` are interpolated, those
+    below ``L / b`` kept.
+
+  The names follow Hugging Face's config: ``base`` is ``rope_theta``, ``fraction``
+  ``partial_rotary_factor``, ``scaling`` ``rope_scaling["rope_type"]``, and the
+  scaling fields its ``rope_scaling`` keys (``original_max_len`` is
+  ``original_max_position_embeddings``). Hugging Face always uses the ``"half"``
+  layout; its Llama conversion permutes the q/k projections to match it.
 
   Attributes:
     base: 10000 as in Su et al.
+    layout: ``"interleaved"`` pairs ``(x_{2k}, x_{2k+1})`` (Su et al., GPT-J) or
+      ``"half"`` pairs ``(x_k, x_{k+R/2})`` (GPT-NeoX, Llama).
+    fraction: of the head dim rotated, ``R = round(fraction * D)`` (1: all).
+    scaling: ``"none"``, ``"linear"``, ``"ntk"``, ``"yarn"`` or ``"llama3"``.
+    factor: ``s >= 1``, the context extension ratio (linear, ntk, yarn, llama3).
+    original_max_len: ``L``, the pre-training context (yarn, llama3); None: the
+      model's ``max_len`` (Hugging Face falls back to ``max_position_embeddings``).
+    beta_fast, beta_slow: YaRN's turn counts bounding the ramp (32, 1).
+    attention_factor: YaRN's cos/sin multiplier; None: ``0.1 ln(s) + 1``.
+    low_freq_factor, high_freq_factor: Llama 3's wavelength thresholds ``L / factor``
+      (1, 4).
   """
 
   base: float = 10000.0
+  layout: str = "interleaved"
+  fraction: float = 1.0
+  scaling: str = "none"
+  factor: float = 1.0
+  original_max_len: int | None = None
+  beta_fast: float = 32.0
+  beta_slow: float = 1.0
+  attention_factor: float | None = None
+  low_freq_factor: float = 1.0
+  high_freq_factor: float = 4.0
 
   scheme_name = "rope"
   even_dimension = "head_dim"
-  # theta_k = base^(-2k/D) falls with k only for base > 1.
-  hyperparameters = {"base": Check(lambda x: is_finite_number(x) and x > 1, "a finite number > 1")}
+  hyperparameters = {
+      # theta_k = base^(-2k/R) falls with k only for base > 1.
+      "base": Check(lambda x: is_finite_number(x) and x > 1, "a finite number > 1"),
+      "layout": one_of(*LAYOUTS),
+      "fraction": Check(lambda x: is_finite_number(x) and 0 < x <= 1, "a number in (0, 1]"),
+      "scaling": one_of(*SCALINGS),
+      "factor": Check(lambda x: is_finite_number(x) and x >= 1, "a finite number >= 1"),
+      "original_max_len": optional(POSITIVE_INT),
+      "beta_fast": POSITIVE_FLOAT,
+      "beta_slow": POSITIVE_FLOAT,
+      "attention_factor": optional(POSITIVE_FLOAT),
+      "low_freq_factor": POSITIVE_FLOAT,
+      "high_freq_factor": POSITIVE_FLOAT,
+  }
+
+  @classmethod
+  def joint_problem(cls, values):
+    defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+    scaling = values["scaling"]
+    for field, scalings in SCALING_FIELDS.items():
+      if scaling not in scalings and values[field] != defaults[field]:
+        return (f"{field} must stay {defaults[field]!r} with scaling {scaling!r} (it applies to "
+                f"scaling {', '.join(repr(s) for s in scalings)}), got {values[field]!r}")
+    if values["beta_fast"] <= values["beta_slow"]:
+      return f"beta_fast must be > beta_slow ({values['beta_slow']!r}), got {values['beta_fast']!r}"
+    if values["high_freq_factor"] <= values["low_freq_factor"]:
+      return (f"high_freq_factor must be > low_freq_factor ({values['low_freq_factor']!r}), "
+              f"got {values['high_freq_factor']!r}")
+    return None
+
+  def __post_init__(self):
+    super().__post_init__()
+    # NTK's exponent R / (R - 2) needs R > 2.
+    least = 4 if self.scaling == "ntk" else 2
+    if self.rotated_dim % 2 or self.rotated_dim < least:
+      with_ntk = " with scaling 'ntk'" if self.scaling == "ntk" else ""
+      raise SchemeConfigError(
+          f"scheme {self.scheme_name!r}: fraction must make the rotated dims, round(fraction * "
+          f"head_dim), an even number >= {least}{with_ntk}, got round({self.fraction!r} * "
+          f"{self.head_dim}) = {self.rotated_dim}")
+
+  @property
+  def rotated_dim(self) -> int:
+    """``R = round(fraction * D)``, the rotated features of each head."""
+    return round(self.fraction * self.head_dim)
+
+  @property
+  def original_length(self) -> int:
+    """``L``: ``original_max_len``, or the model's ``max_len`` when None."""
+    return self.max_len if self.original_max_len is None else self.original_max_len
+
+  def extrapolation(self) -> np.ndarray:
+    """``[R/2]`` float64 ``gamma_k`` in ``[0, 1]``: 1 keeps ``theta_k`` (extrapolation), 0
+    divides it by ``factor`` (interpolation); see the class docstring."""
+    rotated, length = self.rotated_dim, self.original_length
+    if self.scaling == "linear":
+      return np.zeros(rotated // 2)
+    if self.scaling == "yarn":
+      def dim_turning(turns):  # YaRN's correction dim: theta_d turns `turns` times over L
+        return rotated * math.log(length / (2 * math.pi * turns)) / (2 * math.log(self.base))
+      low = max(math.floor(dim_turning(self.beta_fast)), 0)
+      high = min(math.ceil(dim_turning(self.beta_slow)), rotated - 1)
+      span = high - low if high != low else 1e-3  # one dim: a step, as in the reference code
+      return 1.0 - np.clip((np.arange(rotated // 2) - low) / span, 0.0, 1.0)
+    if self.scaling == "llama3":
+      theta = self.base ** (-np.arange(0, rotated, 2) / rotated)
+      turns = length * theta / (2 * math.pi)  # L / wavelength
+      return np.clip((turns - self.low_freq_factor)
+                     / (self.high_freq_factor - self.low_freq_factor), 0.0, 1.0)
+    return np.ones(rotated // 2)  # none, ntk
+
+  def frequencies(self) -> Array:
+    """``[R/2]`` float32 ``theta'_k``, the scaled frequencies."""
+    rotated = self.rotated_dim
+    base = self.base
+    if self.scaling == "ntk":
+      base = base * self.factor ** (rotated / (rotated - 2))
+    gamma = self.extrapolation()
+    blend = jnp.asarray((1.0 - gamma) / self.factor + gamma, jnp.float32)
+    return sinusoid_frequencies(rotated, base) * blend
+
+  def attention_scaling(self) -> float:
+    """The multiplier of cos and sin: YaRN's ``attention_factor`` (default
+    ``0.1 ln(factor) + 1``); 1 under every other scaling."""
+    if self.scaling != "yarn":
+      return 1.0
+    if self.attention_factor is not None:
+      return self.attention_factor
+    return 0.1 * math.log(self.factor) + 1.0
 
   @nn.compact
   def __call__(self, length, segment_ids=None):
     self.check_length(length)
-    theta = sinusoid_frequencies(self.head_dim, self.base)
-    angles = jnp.arange(length, dtype=jnp.float32)[:, None] * theta[None, :]
-    return SchemeTerms(terms=(Rotation(angles[None], angles[None]),))
+    angles = jnp.arange(length, dtype=jnp.float32)[:, None] * self.frequencies()[None, :]
+    return SchemeTerms(terms=(Rotation(angles[None], angles[None], self.layout,
+                                       self.attention_scaling()),))
