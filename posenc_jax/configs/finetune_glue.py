@@ -67,19 +67,26 @@ def finetune_config(task: str, presets: list[str], default: list[str], *, num_la
   return config
 
 
+def parse_argument(arg: str, tasks) -> tuple[str, list[str], bool]:
+  """``<task>[,<preset>...][,no_per_head_segments]`` -> the task (one of ``tasks``, else one
+  ValueError line with the nearest name), the presets, and whether per-head segments stay."""
+  names = arg.split(",")
+  task = names[0]
+  if task not in tasks:
+    raise ValueError(f"config argument: task {task!r} is unknown{nearest(task, tasks)} "
+                     f"allowed: {', '.join(sorted(tasks))}")
+  presets = [n for n in names[1:] if n != "no_per_head_segments"]
+  return task, presets, "no_per_head_segments" not in names
+
+
 def get_config(arg="glue_rte"):
   from posenc_jax.data.glue import TASK_INFO  # noqa: PLC0415 - needs the data extra
 
-  names = arg.split(",")
-  task = names[0]
-  if task not in TASK_INFO:
-    raise ValueError(f"config argument: task {task!r} is unknown{nearest(task, TASK_INFO)} "
-                     f"allowed: {', '.join(sorted(TASK_INFO))}")
+  task, presets, per_head_segments = parse_argument(arg, TASK_INFO)
   info = TASK_INFO[task]
-  presets = [n for n in names[1:] if n != "no_per_head_segments"]
   epochs = 10 if task in SMALL else 5
   steps = epochs * TRAIN_SIZE.get(task, TRAIN_SIZE["glue_mnli"]) // 32
-  return finetune_config(task, presets, ["bert_base", "bert"], num_labels=info.num_labels, regression=info.regression,
-                         pair=info.is_pair, best_metric=f"task_{info.score_metrics[0]}",
-                         total_steps=steps,
-                         per_head_segments="no_per_head_segments" not in names)
+  return finetune_config(task, presets, ["bert_base", "bert"], num_labels=info.num_labels,
+                         regression=info.regression, pair=info.is_pair,
+                         best_metric=f"task_{info.score_metrics[0]}", total_steps=steps,
+                         per_head_segments=per_head_segments)

@@ -13,23 +13,18 @@ presets must match it (``--config.reinitialise=True`` starts what differs from
 scratch). Pair tasks switch on per-head segment terms (DIET).
 """
 
-from posenc_jax.cli import nearest
-from posenc_jax.configs.finetune_glue import finetune_config
+from posenc_jax.configs.finetune_glue import finetune_config, parse_argument
 
 TASKS = {"wordnet_supersense": dict(num_labels=45, pair=False),
          "wordnet_hypernym": dict(num_labels=2, pair=True)}
 
 
 def get_config(arg="wordnet_supersense"):
-  names = arg.split(",")
-  task = names[0]
-  if task not in TASKS:
-    raise ValueError(f"config argument: task {task!r} is unknown{nearest(task, TASKS)} "
-                     f"allowed: {', '.join(TASKS)}")
-  presets = [n for n in names[1:] if n != "no_per_head_segments"]
-  config = finetune_config(task, presets, ["bert_tiny", "diet_abs_share"], num_labels=TASKS[task]["num_labels"], regression=False,
+  task, presets, per_head_segments = parse_argument(arg, TASKS)
+  config = finetune_config(task, presets, ["bert_tiny", "diet_abs_share"],
+                           num_labels=TASKS[task]["num_labels"], regression=False,
                            pair=TASKS[task]["pair"], best_metric="task_accuracy",
-                           total_steps=600, per_head_segments="no_per_head_segments" not in names)
+                           total_steps=600, per_head_segments=per_head_segments)
   config.seq_len = 64
   config.log_every = 50
   config.eval_every = 200
