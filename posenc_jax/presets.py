@@ -12,9 +12,7 @@ from __future__ import annotations
 import ml_collections
 
 from posenc_jax.cli import nearest
-from posenc_jax.models.config import ModelConfig, ModelConfigError
-
-HEADS = ("mlm", "encoder", "classification", "span", "translation")
+from posenc_jax.models.config import HEADS, ModelConfig, ModelConfigError
 
 # Model sizes. Unset fields keep the ModelConfig defaults (BERT-base).
 SIZES: dict[str, dict] = {

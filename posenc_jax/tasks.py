@@ -7,15 +7,16 @@ Configs name tasks; the trainer imports this module and asks seqio for them::
     seqio.get_mixture_or_task("glue_rte")
 
 Families (one module each in :mod:`posenc_jax.data`): ``tasks`` (the bundled
-``wordnet_glosses`` corpus), ``wordnet_tasks`` (``wordnet_supersense``,
-``wordnet_hypernym``), ``pretraining`` (``wikipedia_en``, ``c4_en``,
-``wiki40b_<lang>``), ``glue`` (GLUE and XNLI), ``xtreme_qa`` (SQuAD v1.1,
-XQuAD, MLQA, TyDiQA-GoldP), ``wmt`` (WMT18).
+``wordnet_glosses`` corpus), ``causal_lm`` (``wordnet_glosses_lm``, the same text for
+causal LM), ``wordnet_tasks`` (``wordnet_supersense``, ``wordnet_hypernym``),
+``pretraining`` (``wikipedia_en``, ``c4_en``, ``wiki40b_<lang>``), ``glue`` (GLUE and
+XNLI), ``xtreme_qa`` (SQuAD v1.1, XQuAD, MLQA, TyDiQA-GoldP), ``wmt`` (WMT18).
 """
 
 import seqio
 
-from posenc_jax.data import glue, pretraining, tasks, wmt, wordnet_tasks, xtreme_qa  # noqa: F401
+from posenc_jax.data import (causal_lm, glue, pretraining, tasks, wmt,  # noqa: F401
+                             wordnet_tasks, xtreme_qa)
 
 
 def register_wordpiece(vocab: str) -> str:

@@ -1,11 +1,12 @@
-"""Pre-training and translation training: ``python -m posenc_jax.train --config=...
---workdir=...`` (or ``python train.py ...`` in a clone). Importing this module defines its
-command-line flags.
+"""Pre-training, translation and causal-LM training: ``python -m posenc_jax.train
+--config=... --workdir=...`` (or ``python train.py ...`` in a clone). Importing this module
+defines its command-line flags.
 
   python -m posenc_jax.train --workdir=/tmp/posenc_demo   # configs/pretrain.py, the demo
   python train.py --config=configs/pretrain.py --workdir=/tmp/posenc_demo
   python train.py --config=configs/pretrain.py:bert_base,diet_rel,tupe_protocol \
       --config.batch_size=512 --workdir=/data/runs/diet_rel
+  python train.py --config=configs/lm.py:bert_tiny,alibi --workdir=/tmp/posenc_lm
 
 Multi-host: on TPU pods ``jax.distributed`` initialises itself; on GPU
 clusters pass ``--coordinator_address``, ``--num_processes`` and

@@ -32,6 +32,10 @@ def get_config(name, arg):
     ("finetune_xtreme", "xnli_de", dict(task="xnli_train", eval_task="xnli_de")),
     ("finetune_xtreme", "mlqa_zh", dict(task="squad_v1", objective="span", seq_len=384)),
     ("finetune_wordnet", "wordnet_hypernym", dict(num_labels=2)),
+    ("lm", "bert_tiny,alibi", dict(objective="lm", head="lm", task="wordnet_glosses_lm",
+                                   total_steps=500)),
+    ("lm", "bert_small,rope,pre_ln", dict(objective="lm", seq_len=64)),
+    ("lm", "bert_tiny,t5", dict(head="lm")),
 ])
 def test_config_files_validate(name, arg, expect):
   config = get_config(name, arg)
@@ -168,3 +172,23 @@ def test_every_train_field_is_overridable_and_valid():
       node = node[key]
     assert node == value, field
   validate_train_config(config)
+
+
+def test_the_lm_config_has_the_pretraining_fields_and_takes_overrides():
+  """``configs/lm.py`` has the pre-training config's fields; each override (but those naming
+  the objective and MLM's own) reaches the validated config, and model overrides the LM."""
+  assert set(_leaves(get_config("lm", "bert_tiny,rope"))) == set(TRAIN_FIELDS)
+  fixed = {"objective", "head", "task", "max_predictions_per_seq"}
+  config = _parsed("configs/lm.py:bert_tiny,rope", "--config.model.num_layers=3",
+                   "--config.model.scheme.name=alibi",
+                   *(f"--config.{f}={text}" for f, (text, _) in TRAIN_FIELDS.items()
+                     if f not in fixed))
+  for field, (_, value) in TRAIN_FIELDS.items():
+    node = config
+    for key in field.split("."):
+      node = node[key]
+    assert field in fixed or node == value, field
+  validate_train_config(config)
+  model = build_model(config.model, config.head)
+  assert model.config.num_layers == 3 and model.config.scheme["name"] == "alibi"
+  assert type(model).__name__ == "CausalLM"

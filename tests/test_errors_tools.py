@@ -101,6 +101,16 @@ CASES = [
     ("train.py", ["--workdir={file}/run"], "train.py: workdir:", ["{file}", "is a file"]),
     ("train.py", ["--workdir={ro}/run"], "train.py: workdir:", ["{ro}/run", "cannot be created"]),
     ("train.py", [], "train.py: --workdir is required", []),
+    # train.py with the causal-LM config: what the language model cannot run.
+    ("train.py", ["--config=configs/lm.py:transformer_base", RUN],
+     "train.py: model.num_decoder_layers:", ["got 6", "0 for the language model",
+                                             "model.num_layers"]),
+    ("train.py", ["--config=configs/lm.py:bert_tiny,linformer", RUN], "train.py: model.attention:",
+     ["the language model runs full attention", "'linformer'"]),
+    ("train.py", ["--config=configs/lm.py", "--config.task=wordnet_glosses", RUN],
+     "train.py: task:", ["'wordnet_glosses' has no 'targets' feature", "'wordnet_glosses_lm'"]),
+    ("train.py", ["--config=configs/lm.py", "--config.head=mlm", RUN], "train.py: head:",
+     ["got 'mlm'", "'lm' for objective 'lm'"]),
     ("train.py", ["--workdirr=x"], "train.py: Unknown command line flag 'workdirr'",
      ["Did you mean: workdir"]),
     # bench: argparse flags.

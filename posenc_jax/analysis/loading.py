@@ -105,6 +105,9 @@ def _check_encoder(cfg: ModelConfig, head: str) -> None:
   if cfg.num_decoder_layers or head == "translation":
     raise AnalysisError("model: the analysis works on BERT encoders; this config is an "
                         "encoder-decoder (translation) model")
+  if head == "lm":
+    raise AnalysisError("model: the analysis works on BERT encoders; this config is a "
+                        "decoder-only causal language model (head 'lm')")
 
 
 def from_config(config: Any, *, seed: int = 0, name: str | None = None) -> LoadedModel:

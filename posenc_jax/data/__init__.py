@@ -1,4 +1,5 @@
-"""Data: the bundled WordNet corpus, SentencePiece vocabularies, seqio tasks, MLM pipeline.
+"""Data: the bundled WordNet corpus, SentencePiece vocabularies, seqio tasks, MLM and
+causal-LM pipelines.
 
 Needs the ``data`` extra (seqio, TensorFlow, tensorflow-text, sentencepiece). Importing this
 package imports nothing heavy, and ``import posenc_jax`` never imports it; the submodules
@@ -18,6 +19,7 @@ load TensorFlow/seqio when they are imported (``tasks``, ``preprocessors``) or c
     squad_metrics   SQuAD F1/EM and MLQA's per-language variant
     wordpiece       BERT ``vocab.txt`` as a seqio Vocabulary
     preprocessors   full-sentence packing, BERT masking, ``mlm_dataset`` for the trainer
+    causal_lm       ``wordnet_glosses_lm`` (packed ``targets``), ``lm_dataset`` for the trainer
     bundled/        the corpus files, their licence and the bundled vocabulary
 
 ``import posenc_jax.tasks`` registers every family.

@@ -29,6 +29,9 @@ The pipeline, one epoch at a time (epoch ``e`` = 0, 1, ...):
    where reading started;
 7. ``batch(batch_size)``.
 
+Steps 3-5 (and the resume below) are :func:`packed_stream`'s, which the causal-LM pipeline
+(:func:`posenc_jax.data.causal_lm.lm_dataset`) shares.
+
 Everything is a function of the arguments, so the same call gives the same batches.
 Resuming at step ``s``: ``mlm_dataset(..., start_step=s)`` gives what the uninterrupted
 dataset gives from its step ``s`` on. It starts at epoch ``s * batch_size * num_shards // N``
@@ -41,6 +44,7 @@ checkpoint to the pipeline's structure; ``start_step`` needs nothing but the ste
 """
 
 import functools
+from collections.abc import Callable
 
 import seqio
 import tensorflow as tf
@@ -52,25 +56,33 @@ MLM_FEATURES = ("input_ids", "segment_ids", "mask", "mlm_targets", "mlm_weights"
 
 
 def pack_lines(dataset: tf.data.Dataset, seq_len: int, feature: str = "text",
-               lines_per_chunk: int = 1024) -> tf.data.Dataset:
+               lines_per_chunk: int = 1024, *, separator: int = SEP_ID,
+               start: int | None = CLS_ID) -> tf.data.Dataset:
   """Full-sentence packing of tokenised lines into sequences of exactly ``seq_len`` tokens.
 
   Args:
     dataset: examples ``{feature: int32 [n]}`` (one tokenised line each, no [CLS]/[SEP]).
-    seq_len: ``L``, tokens per output sequence, [CLS] included (at least 2).
+    seq_len: ``L``, tokens per output sequence, ``start`` included (at least 2 with a
+      ``start`` token, else at least 1).
     feature: the token feature of ``dataset``.
     lines_per_chunk: lines concatenated per step of the packing loop (speed only; the
       output does not depend on it).
+    separator: the id after every line (masked-LM: [SEP]; causal LM: EOS).
+    start: the id every sequence begins with (masked-LM: [CLS]), or None for none.
 
   Returns:
-    ``{"input_ids": int32 [L], "mask": int32 [L]}``: ``input_ids[0]`` is [CLS], then the next
-    ``L - 1`` tokens of ``line_1 [SEP] line_2 [SEP] ...``; the last sequence is padded with
-    0 where ``mask`` is 0 (every other sequence has ``mask`` all ones).
+    ``{"input_ids": int32 [L], "mask": int32 [L]}``: ``input_ids[0]`` is ``start``, then the
+    next ``L - 1`` tokens of ``line_1 [SEP] line_2 [SEP] ...`` (without a ``start``: the next
+    ``L``); the last sequence is padded with 0 where ``mask`` is 0 (every other sequence has
+    ``mask`` all ones).
   """
-  if seq_len < 2:
-    raise ValueError(f"seq_len: got {seq_len}; allowed: at least 2 ([CLS] and one token)")
-  body = seq_len - 1
-  lines = dataset.map(lambda ex: tf.concat([tf.cast(ex[feature], tf.int32), [SEP_ID]], 0))
+  head = [] if start is None else [start]
+  if seq_len < len(head) + 1:
+    what = "[CLS] and one token" if start == CLS_ID else "the start token and one token"
+    raise ValueError(f"seq_len: got {seq_len}; allowed: at least {len(head) + 1}" +
+                     (f" ({what})" if head else ""))
+  body = seq_len - len(head)
+  lines = dataset.map(lambda ex: tf.concat([tf.cast(ex[feature], tf.int32), [separator]], 0))
   chunks = lines.ragged_batch(lines_per_chunk).map(lambda r: (r.flat_values, False))
   # One empty final chunk flagged ``True`` flushes the remainder as a padded sequence.
   chunks = chunks.concatenate(tf.data.Dataset.from_tensors((tf.zeros([0], tf.int32), True)))
@@ -91,8 +103,8 @@ def pack_lines(dataset: tf.data.Dataset, seq_len: int, feature: str = "text",
 
   packed = chunks.scan(tf.zeros([0], tf.int32), step).unbatch()
   return packed.map(lambda ids, mask: {
-      "input_ids": tf.ensure_shape(tf.concat([[CLS_ID], ids], 0), [seq_len]),
-      "mask": tf.ensure_shape(tf.concat([[1], mask], 0), [seq_len]),
+      "input_ids": tf.ensure_shape(tf.concat([tf.constant(head, tf.int32), ids], 0), [seq_len]),
+      "mask": tf.ensure_shape(tf.concat([tf.ones([len(head)], tf.int32), mask], 0), [seq_len]),
   })
 
 
@@ -149,11 +161,61 @@ def packed_epoch(task_name: str, split: str, seq_len: int, feature: str = "text"
   return pack_lines(lines, seq_len, feature)
 
 
+def count(dataset: tf.data.Dataset) -> int:
+  """The number of elements of a finite dataset (one pass)."""
+  return int(dataset.reduce(tf.constant(0, tf.int64), lambda n, _: n + 1).numpy())
+
+
 @functools.lru_cache(maxsize=None)
 def epoch_length(task_name: str, split: str, seq_len: int, feature: str = "text") -> int:
   """``N``: packed sequences per epoch (one pass over the split; cached per process)."""
-  packed = packed_epoch(task_name, split, seq_len, feature)
-  return int(packed.reduce(tf.constant(0, tf.int64), lambda n, _: n + 1).numpy())
+  return count(packed_epoch(task_name, split, seq_len, feature))
+
+
+def packed_stream(packed: tf.data.Dataset, epoch_size: Callable[[], int], batch_size: int,
+                  seed: int, *, shard_id: int = 0, num_shards: int = 1, repeat: bool = True,
+                  shuffle: bool | None = None, start_step: int = 0, shuffle_block: int = 16_384,
+                  cache: bool = True) -> tf.data.Dataset:
+  """Steps 3-5 of the module docstring: this host's share of the stream of epochs.
+
+  Args:
+    packed: one epoch of fixed-length examples (dicts of ``[L]`` tensors), in source order.
+    epoch_size: returns ``N``, the examples of an epoch (called only to resume).
+    batch_size: examples per batch on this host (to turn ``start_step`` into positions).
+    seed: the seed of shuffling.
+    shard_id, num_shards, repeat, shuffle, start_step, shuffle_block, cache: as
+      :func:`mlm_dataset`'s.
+
+  Returns:
+    ``(e, i, x)`` elements: example ``x`` at position ``i`` of epoch ``e``.
+  """
+  if not 0 <= shard_id < num_shards:
+    raise ValueError(f"shard_id: got {shard_id}; allowed: 0 <= shard_id < num_shards={num_shards}")
+  shuffle = repeat if shuffle is None else shuffle
+  if cache:
+    packed = packed.cache()
+  shuffle_base = tf.random.experimental.stateless_fold_in(tf.constant([seed, 0], tf.int64), 0)
+
+  def epoch(e):
+    """(e, position in epoch, example) for every packed sequence of epoch ``e``."""
+    ds = packed
+    if shuffle:
+      epoch_seed = tf.random.experimental.stateless_fold_in(shuffle_base, e)
+      def permute(block, x):
+        block_seed = tf.random.experimental.stateless_fold_in(epoch_seed, block)
+        rows = tf.shape(next(iter(x.values())))[0]
+        order = tf.random.experimental.stateless_shuffle(tf.range(rows), block_seed)
+        return {k: tf.gather(v, order) for k, v in x.items()}
+      ds = ds.batch(shuffle_block).enumerate().map(permute).unbatch()
+    return ds.enumerate().map(lambda i, x: (e, i, x))
+
+  skip = start_step * batch_size * num_shards            # global stream positions
+  first_epoch = 0
+  if repeat and skip:
+    first_epoch, skip = divmod(skip, epoch_size())
+  epochs = (tf.data.Dataset.counter(first_epoch) if repeat
+            else tf.data.Dataset.range(1))
+  return epochs.flat_map(epoch).skip(skip).shard(num_shards, shard_id)
 
 
 def mlm_dataset(task_name: str, split: str, seq_len: int, batch_size: int, seed: int,
@@ -186,38 +248,13 @@ def mlm_dataset(task_name: str, split: str, seq_len: int, batch_size: int, seed:
   Returns:
     ``tf.data.Dataset`` of dicts of ``[batch_size, L]`` tensors (``MLM_FEATURES``).
   """
-  if not 0 <= shard_id < num_shards:
-    raise ValueError(f"shard_id: got {shard_id}; allowed: 0 <= shard_id < num_shards={num_shards}")
-  shuffle = repeat if shuffle is None else shuffle
   task = seqio.get_mixture_or_task(task_name)
   vocab_size = task.output_features[feature].vocabulary.vocab_size
-  packed = packed_epoch(task_name, split, seq_len, feature)
-  if cache:
-    packed = packed.cache()
-  base = tf.constant([seed, 0], tf.int64)
-  shuffle_base = tf.random.experimental.stateless_fold_in(base, 0)
-  mask_base = tf.random.experimental.stateless_fold_in(base, 1)
-
-  def epoch(e):
-    """(e, position in epoch, example) for every packed sequence of epoch ``e``."""
-    ds = packed
-    if shuffle:
-      epoch_seed = tf.random.experimental.stateless_fold_in(shuffle_base, e)
-      def permute(block, x):
-        block_seed = tf.random.experimental.stateless_fold_in(epoch_seed, block)
-        order = tf.random.experimental.stateless_shuffle(tf.range(tf.shape(x["mask"])[0]),
-                                                         block_seed)
-        return {k: tf.gather(v, order) for k, v in x.items()}
-      ds = ds.batch(shuffle_block).enumerate().map(permute).unbatch()
-    return ds.enumerate().map(lambda i, x: (e, i, x))
-
-  skip = start_step * batch_size * num_shards            # global stream positions
-  first_epoch = 0
-  if repeat and skip:
-    first_epoch, skip = divmod(skip, epoch_length(task_name, split, seq_len, feature))
-  epochs = (tf.data.Dataset.counter(first_epoch) if repeat
-            else tf.data.Dataset.range(1))
-  ds = epochs.flat_map(epoch).skip(skip).shard(num_shards, shard_id)
+  ds = packed_stream(packed_epoch(task_name, split, seq_len, feature),
+                     lambda: epoch_length(task_name, split, seq_len, feature), batch_size, seed,
+                     shard_id=shard_id, num_shards=num_shards, repeat=repeat, shuffle=shuffle,
+                     start_step=start_step, shuffle_block=shuffle_block, cache=cache)
+  mask_base = tf.random.experimental.stateless_fold_in(tf.constant([seed, 0], tf.int64), 1)
 
   def corrupt(e, i, x):
     seed_e = tf.random.experimental.stateless_fold_in(mask_base, e)

@@ -14,12 +14,15 @@ Registered:
                       (99,477 lines) and ``validation`` (5,997); feature ``text`` tokenised
                       with the bundled ``spm8k`` vocabulary, no EOS appended.
 
+The causal-LM task ``wordnet_glosses_lm`` (the same lines, packed) is registered by
+:mod:`posenc_jax.data.causal_lm`.
+
 New text-line tasks are one ``register_text_lines(...)`` call; other sources (TFDS,
 GLUE, ...) call ``register(name, source=..., ...)`` with seqio's arguments.
 """
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import seqio
 import tensorflow as tf
@@ -56,13 +59,14 @@ def _line_to_feature(feature: str):
 
 def register_text_lines(name: str, split_to_files: Mapping[str, str | os.PathLike],
                         vocabulary: seqio.Vocabulary, feature: str = "text",
-                        add_eos: bool = False) -> seqio.Task:
+                        add_eos: bool = False, postprocessors: Sequence = ()) -> seqio.Task:
   """Registers a task whose examples are the lines of text files.
 
   Either all files are gzip (names ending in ``.gz``) or none is.
 
   Each example is ``{feature: int32 [n]}``, the line tokenised by ``vocabulary`` (the raw
-  string is kept as ``<feature>_pretokenized``).
+  string is kept as ``<feature>_pretokenized``), then passed through ``postprocessors``
+  (seqio preprocessors, e.g. packing).
   """
   files = {split: str(path) for split, path in split_to_files.items()}
   gzipped = {path.endswith(".gz") for path in files.values()}
@@ -72,17 +76,16 @@ def register_text_lines(name: str, split_to_files: Mapping[str, str | os.PathLik
       name,
       source=seqio.FileDataSource(read_file_fn=_line_reader("GZIP" if gzipped.pop() else ""),
                                   split_to_filepattern=files),
-      preprocessors=[_line_to_feature(feature), seqio.preprocessors.tokenize],
+      preprocessors=[_line_to_feature(feature), seqio.preprocessors.tokenize, *postprocessors],
       output_features={feature: seqio.Feature(vocabulary, add_eos=add_eos, dtype=tf.int32)},
       metric_fns=[],
       shuffle_buffer_size=10_000,
   )
 
 
-register_text_lines(
-    "wordnet_glosses",
-    {"train": WORDNET_DIR / "pretrain_train.txt.gz",
-     "validation": WORDNET_DIR / "pretrain_validation.txt.gz"},
-    vocab_lib.vocabulary(vocab_lib.BUNDLED_VOCAB),
-)
+WORDNET_GLOSSES_FILES = {"train": WORDNET_DIR / "pretrain_train.txt.gz",
+                         "validation": WORDNET_DIR / "pretrain_validation.txt.gz"}
+
+register_text_lines("wordnet_glosses", WORDNET_GLOSSES_FILES,
+                    vocab_lib.vocabulary(vocab_lib.BUNDLED_VOCAB))
 

@@ -39,13 +39,17 @@ SEGMENT_SCHEMES = ("segment_input", "segment_per_head")
 CAUSAL_FIELDS = {"t5": {"bidirectional": False}, "alibi": {"causal": True}}
 
 
+# The models a config can be built as (:func:`posenc_jax.models.build.build_model`).
+HEADS = ("mlm", "encoder", "classification", "span", "translation", "lm")
+
+
 class ModelConfigError(ValueError):
   """A model config has an unknown field or an invalid value."""
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """Dimensions and choices of a BERT encoder or an encoder-decoder Transformer.
+  """Dimensions and choices of a BERT encoder, an encoder-decoder Transformer or a causal LM.
 
   Defaults are BERT-base (Devlin et al.) with its learned input APE and
   input token types.
@@ -53,7 +57,7 @@ class ModelConfig:
   Attributes:
     vocab_size: V.
     d_model: d.
-    num_layers: encoder layers.
+    num_layers: encoder layers (the causal language model's layers: it has no encoder).
     num_heads: H.
     head_dim: D; None gives ``d_model // num_heads``.
     mlp_dim: feed-forward width F.
@@ -74,9 +78,10 @@ class ModelConfig:
     linformer_sharing: ``none`` (E, F per layer), ``kv`` (E = F per layer),
       ``layer`` (one E = F for all layers).
     route: attention route (see :func:`posenc_jax.attend`).
-    remat: what each encoder layer keeps for the backward pass: ``none`` (everything,
-      the fastest), ``dots`` (matmul outputs, recomputing the rest) or ``full``
-      (only the layer's input; longest sequences and largest batches).
+    remat: what each layer (encoder or decoder; not in cached decoding steps) keeps for
+      the backward pass: ``none`` (everything, the fastest), ``dots`` (matmul outputs,
+      recomputing the rest) or ``full`` (only the layer's input; longest sequences and
+      largest batches).
     scan_layers: run each stack of layers (encoder, decoder) as one scanned layer
       (``nn.scan``): one layer is compiled, and the parameters carry a leading ``layers``
       axis (``layers/...``); False unrolls them (``layers_0/..``, ``layers_1/..``, ...).
@@ -84,9 +89,10 @@ class ModelConfig:
     attention_precision: matmul precision of attention in float32:
       ``float32`` (exact, the default) or ``tensorfloat32`` (JAX's faster
       default: TF32 on NVIDIA GPUs); see :func:`posenc_jax.attend`.
-    num_decoder_layers: decoder layers of an encoder-decoder model (0: none).
+    num_decoder_layers: decoder layers of an encoder-decoder model (0: none; the causal
+      language model, decoder-only, counts its layers in ``num_layers``).
     share_embeddings: encoder-decoder: one table for source, target and the
-      output projection.
+      output projection; language model: the output projection is the token table.
   """
 
   vocab_size: int = 30522
@@ -245,23 +251,29 @@ def _names(config: Any) -> tuple[str, ...]:
   return tuple(part["name"] for part in (config if isinstance(config, tuple) else (config,)))
 
 
-def _forms(cfg: ModelConfig, field: str, config: Any):
-  """``(label, config, num_layers)`` of each form the model builds: the encoder's, then
-  (a scheme of a model with a decoder) the decoder's causal form, made once the first is
-  known to be valid."""
-  yield "", config, cfg.num_layers
-  if field == "scheme" and cfg.num_decoder_layers:
-    yield "decoder (causal form): ", causal_variant(config), cfg.num_decoder_layers
+def _build_form(cfg: ModelConfig, field: str, label: str, form: Any, num_layers: int) -> None:
+  """One :class:`ModelConfigError` line ``model.<field>: <label><why>`` unless the scheme
+  config ``form`` builds at the model's dimensions with ``num_layers`` layers."""
+  try:
+    build_scheme(form, **scheme_dims(cfg, num_layers))
+  except SchemeConfigError as e:
+    raise ModelConfigError(f"model.{field}: {label}{e}") from None
+
+
+def check_causal_form(cfg: ModelConfig, num_layers: int, owner: str = "decoder") -> None:
+  """One :class:`ModelConfigError` line unless ``cfg.scheme``'s causal form
+  (:func:`causal_variant`) builds for a causal stack of ``num_layers`` layers (``owner``
+  names it in the message)."""
+  _build_form(cfg, "scheme", f"{owner} (causal form): ", causal_variant(cfg.scheme), num_layers)
 
 
 def _check_scheme(cfg: ModelConfig, field: str, config: Any) -> None:
-  """``config`` builds at the model's dimensions, and is a segment scheme exactly when
-  ``field`` is ``segment``."""
-  for label, form, num_layers in _forms(cfg, field, config):
-    try:
-      build_scheme(form, **scheme_dims(cfg, num_layers))
-    except SchemeConfigError as e:
-      raise ModelConfigError(f"model.{field}: {label}{e}") from None
+  """``config`` builds at the model's dimensions (and, for the scheme of a model with a
+  decoder, so does its causal form), and is a segment scheme exactly when ``field`` is
+  ``segment``."""
+  _build_form(cfg, field, "", config, cfg.num_layers)
+  if field == "scheme" and cfg.num_decoder_layers:
+    check_causal_form(cfg, cfg.num_decoder_layers)
   for name in _names(config):
     if field == "segment" and name not in SEGMENT_SCHEMES:
       raise ModelConfigError(f"model.segment: got {name!r}; allowed: "

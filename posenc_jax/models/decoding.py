@@ -1,4 +1,4 @@
-"""Greedy and beam search over a KV-cached decoder.
+"""Greedy, sampling and beam search over a KV-cached decoder.
 
 The searches are model-agnostic: they drive a ``tokens_to_logits`` function
 
@@ -7,7 +7,9 @@ The searches are model-agnostic: they drive a ``tokens_to_logits`` function
 that runs one decoding step, with a fixed ``max_decode_len`` and
 :func:`jax.lax.while_loop` (they stop early once every sequence is done, and
 run under :func:`jax.jit`). :func:`translate` and :func:`greedy_translate`
-wire them to an :class:`~posenc_jax.models.transformer.EncoderDecoder`.
+wire them to an :class:`~posenc_jax.models.transformer.EncoderDecoder`,
+:func:`generate` to a :class:`~posenc_jax.models.lm.CausalLM` (a prompt, then greedy or
+sampled continuations).
 
 Conventions: decoding starts from ``bos_id`` (0, the pad id, as in the flax
 WMT example); outputs are ``[.., max_decode_len]`` tokens without the BOS,
@@ -27,7 +29,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from posenc_jax.models.layers import check_token_ids
 from posenc_jax.models.stack import SCANNED
+from posenc_jax.schemes.base import is_finite_number, is_int
 
 Array = jax.Array
 Cache = Any
@@ -56,7 +60,7 @@ class _GreedyState(NamedTuple):
 
 
 def greedy_search(tokens_to_logits: TokensToLogits, cache: Cache, batch_size: int,
-                  max_decode_len: int, *, bos_id: int = 0, eos_id: int = 1,
+                  max_decode_len: int, *, bos_id: int | Array = 0, eos_id: int = 1,
                   pad_id: int = 0) -> tuple[Array, Array]:
   """Takes the most likely token at every step.
 
@@ -65,12 +69,55 @@ def greedy_search(tokens_to_logits: TokensToLogits, cache: Cache, batch_size: in
     cache: the decoder cache for batch ``B`` (e.g. :func:`init_cache`).
     batch_size: B.
     max_decode_len: L, the number of steps at most.
-    bos_id, eos_id, pad_id: start, end and padding tokens.
+    bos_id: the first step's input, one id or ``[B]`` (a prompt's last tokens).
+    eos_id, pad_id: end and padding tokens.
 
   Returns:
     ``tokens`` ``[B, L]`` int32 (pad after EOS) and ``log_probs`` ``[B]``,
     the sum of the chosen tokens' log-probabilities up to and with EOS.
   """
+  return _token_search(tokens_to_logits, cache, batch_size, max_decode_len,
+                       lambda log_probs, step: jnp.argmax(log_probs, axis=-1), bos_id=bos_id,
+                       eos_id=eos_id, pad_id=pad_id)
+
+
+def sample_search(tokens_to_logits: TokensToLogits, cache: Cache, batch_size: int,
+                  max_decode_len: int, rng: Array, *, temperature: float = 1.0,
+                  top_k: int = 0, bos_id: int | Array = 0, eos_id: int = 1,
+                  pad_id: int = 0) -> tuple[Array, Array]:
+  """Draws every token from the model's distribution, sharpened or flattened.
+
+  Step ``t`` draws from ``softmax(log p / temperature)`` restricted to the ``top_k`` most
+  likely tokens (0: all), with the key ``fold_in(rng, t)``.
+
+  Args:
+    tokens_to_logits, cache, batch_size, max_decode_len, bos_id, eos_id, pad_id: as
+      :func:`greedy_search`'s.
+    rng: a PRNG key.
+    temperature: a positive number (1: the model's own distribution).
+    top_k: draw among this many most likely tokens (0: among all).
+
+  Returns:
+    ``tokens`` ``[B, L]`` int32 (pad after EOS) and ``log_probs`` ``[B]``, the chosen tokens'
+    summed log-probabilities under the model (without temperature or top-k).
+  """
+
+  def choose(log_probs: Array, step: Array) -> Array:
+    logits = log_probs / temperature
+    if top_k:
+      kth = jax.lax.top_k(log_probs, top_k)[0][..., -1:]
+      logits = jnp.where(log_probs >= kth, logits, -jnp.inf)
+    return jax.random.categorical(jax.random.fold_in(rng, step), logits, axis=-1)
+
+  return _token_search(tokens_to_logits, cache, batch_size, max_decode_len, choose,
+                       bos_id=bos_id, eos_id=eos_id, pad_id=pad_id)
+
+
+def _token_search(tokens_to_logits: TokensToLogits, cache: Cache, batch_size: int,
+                  max_decode_len: int, choose: Callable[[Array, Array], Array], *,
+                  bos_id: int | Array, eos_id: int, pad_id: int) -> tuple[Array, Array]:
+  """One sequence per row, each step's token ``choose(log_probs [B, V], step) -> [B]``
+  (:func:`greedy_search`, :func:`sample_search`)."""
   state = _GreedyState(
       step=jnp.array(0, jnp.int32), last=jnp.full((batch_size,), bos_id, jnp.int32),
       tokens=jnp.full((batch_size, max_decode_len), pad_id, jnp.int32),
@@ -83,7 +130,7 @@ def greedy_search(tokens_to_logits: TokensToLogits, cache: Cache, batch_size: in
   def body(s: _GreedyState) -> _GreedyState:
     logits, cache = tokens_to_logits(s.last[:, None], s.cache)
     log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    token = jnp.argmax(log_probs, axis=-1).astype(jnp.int32)
+    token = choose(log_probs, s.step).astype(jnp.int32)
     token_log_prob = jnp.take_along_axis(log_probs, token[:, None], axis=-1)[:, 0]
     token = jnp.where(s.finished, pad_id, token)
     total = s.log_probs + jnp.where(s.finished, 0.0, token_log_prob)
@@ -238,26 +285,45 @@ def beam_search(tokens_to_logits: TokensToLogits, cache: Cache, batch_size: int,
 
 
 # ---------------------------------------------------------------------------
+# Model wiring: a model's ``decode`` method takes ``(*context, ids, decode=True)``, where
+# ``context`` is ``(encoded, src_mask)`` for an EncoderDecoder and nothing for a CausalLM.
+
+
+def _empty_cache(model: nn.Module, params: Any, context: tuple[Any, ...], batch: int,
+                 max_decode_len: int) -> Cache:
+  """Traces one ``decode=True`` call of the full length (``jax.eval_shape``: no compute)
+  and fills every leaf with zeros, which is the initial cache (keys, values and indices
+  all 0)."""
+  dummy = jnp.zeros((batch, max_decode_len), jnp.int32)
+
+  def create(params, context):
+    _, variables = model.apply({"params": params}, *context, dummy, decode=True,
+                               method=model.decode, mutable=["cache"])
+    return variables["cache"]
+
+  shapes = jax.eval_shape(create, params, context)
+  return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
+
+
+def _step(model: nn.Module, params: Any, context: tuple[Any, ...]) -> TokensToLogits:
+  """``tokens_to_logits`` of ``model.decode`` with ``context`` (see above)."""
+
+  def tokens_to_logits(ids: Array, cache: Cache) -> tuple[Array, Cache]:
+    logits, variables = model.apply({"params": params, "cache": cache}, *context, ids,
+                                    decode=True, method=model.decode, mutable=["cache"])
+    return logits[:, -1], variables["cache"]
+
+  return tokens_to_logits
+
+
+# ---------------------------------------------------------------------------
 # The EncoderDecoder wiring.
 
 
 def init_cache(model: nn.Module, params: Any, encoded: Array, src_mask: Array | None,
                max_decode_len: int) -> Cache:
-  """An empty decoder cache for ``encoded``'s batch and ``max_decode_len`` positions.
-
-  Traces one ``decode=True`` call of the full length (``jax.eval_shape``: no
-  compute) and fills every leaf with zeros, which is the initial cache
-  (keys, values and indices all 0).
-  """
-  dummy = jnp.zeros((encoded.shape[0], max_decode_len), jnp.int32)
-
-  def create(params, encoded, src_mask):
-    _, variables = model.apply({"params": params}, encoded, src_mask, dummy, decode=True,
-                               method=model.decode, mutable=["cache"])
-    return variables["cache"]
-
-  shapes = jax.eval_shape(create, params, encoded, src_mask)
-  return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
+  """An empty decoder cache for ``encoded``'s batch and ``max_decode_len`` positions."""
+  return _empty_cache(model, params, (encoded, src_mask), encoded.shape[0], max_decode_len)
 
 
 def decoder_step(model: nn.Module, params: Any, encoded: Array,
@@ -270,13 +336,7 @@ def decoder_step(model: nn.Module, params: Any, encoded: Array,
     encoded: ``[N, Ls, d]`` encoder output (``N = B*K`` for beam search).
     src_mask: ``[N, Ls]`` or None.
   """
-
-  def tokens_to_logits(ids: Array, cache: Cache) -> tuple[Array, Cache]:
-    logits, variables = model.apply({"params": params, "cache": cache}, encoded, src_mask, ids,
-                                    decode=True, method=model.decode, mutable=["cache"])
-    return logits[:, -1], variables["cache"]
-
-  return tokens_to_logits
+  return _step(model, params, (encoded, src_mask))
 
 
 def greedy_translate(model: nn.Module, params: Any, src_ids: Array,
@@ -305,3 +365,61 @@ def translate(model: nn.Module, params: Any, src_ids: Array, src_mask: Array | N
   return beam_search(decoder_step(model, params, encoded, src_mask), cache, src_ids.shape[0],
                      max_decode_len, beam_size=beam_size, alpha=alpha, bos_id=bos_id,
                      eos_id=eos_id, pad_id=pad_id)
+
+
+# ---------------------------------------------------------------------------
+# The CausalLM wiring.
+
+
+def generate(model: nn.Module, params: Any, prompt: Array, *, max_new_tokens: int,
+             rng: Array | None = None, temperature: float = 1.0, top_k: int = 0,
+             bos_id: int = 0, eos_id: int = 1, pad_id: int = 0) -> tuple[Array, Array]:
+  """Continues ``prompt`` with a :class:`~posenc_jax.models.lm.CausalLM`: greedy, or sampled
+  with ``rng`` (:func:`sample_search`'s ``temperature`` and ``top_k``).
+
+  The model reads ``[bos, prompt..., new tokens...]`` (its training inputs are the targets
+  shifted right behind ``bos_id``). The cache covers ``P + max_new_tokens`` positions
+  (every input but the last new token): the prompt fills it one cached step at a time,
+  each exactly the teacher-forced pass's row, then the search continues from the prompt's
+  last token (from ``bos_id`` when the prompt is empty). Works under :func:`jax.jit` with
+  ``max_new_tokens`` (and ``temperature``, ``top_k``) static.
+
+  Args:
+    model: a :class:`~posenc_jax.models.lm.CausalLM`.
+    params: its parameters (in the layer layout of the model's config).
+    prompt: ``[B, P]`` int ids, ``P >= 0``, no padding.
+    max_new_tokens: N, the tokens to generate at most (a positive integer).
+    rng: None for greedy decoding; a PRNG key to sample.
+    temperature, top_k: sampling only (see :func:`sample_search`).
+    bos_id, eos_id, pad_id: start, end and padding tokens.
+
+  Returns:
+    ``tokens`` ``[B, N]`` int32 (pad after EOS) and ``log_probs`` ``[B]``, the new tokens'
+    summed log-probabilities up to and with EOS.
+
+  Raises:
+    ValueError: one line naming an argument that does not fit (an absolute scheme's table
+      shorter than ``P + N`` positions is named by the scheme).
+  """
+  batch, length = check_token_ids("generate", "prompt", prompt)
+  if not is_int(max_new_tokens) or max_new_tokens < 1:
+    raise ValueError(f"generate: max_new_tokens: got {max_new_tokens!r}; allowed: a positive "
+                     "integer")
+  if rng is not None and not (is_finite_number(temperature) and temperature > 0):
+    raise ValueError(f"generate: temperature: got {temperature!r}; allowed: a finite positive "
+                     "number")
+  if rng is not None and not (is_int(top_k) and 0 <= top_k <= model.config.vocab_size):
+    raise ValueError(f"generate: top_k: got {top_k!r}; allowed: an integer in [0, "
+                     f"vocab_size={model.config.vocab_size}] (0: every token)")
+  inputs = jnp.concatenate([jnp.full((batch, 1), bos_id, jnp.int32),
+                            jnp.asarray(prompt, jnp.int32)], axis=1)
+  step = _step(model, params, ())
+  cache = _empty_cache(model, params, (), batch, length + max_new_tokens)
+  cache, _ = jax.lax.scan(lambda cache, ids: (step(ids[:, None], cache)[1], None), cache,
+                          inputs[:, :-1].T)
+  last = inputs[:, -1]
+  if rng is None:
+    return greedy_search(step, cache, batch, max_new_tokens, bos_id=last, eos_id=eos_id,
+                         pad_id=pad_id)
+  return sample_search(step, cache, batch, max_new_tokens, rng, temperature=temperature,
+                       top_k=top_k, bos_id=last, eos_id=eos_id, pad_id=pad_id)

@@ -1,8 +1,9 @@
-"""Transformer building blocks shared by the BERT encoder and the translation model.
+"""Transformer building blocks shared by the BERT encoder, the translation model and the
+causal language model.
 
 :class:`EncoderLayer` serves both encoders; :class:`DecoderLayer` is the
 translation decoder's (causal self-attention with an optional KV cache,
-cross-attention, feed-forward).
+cross-attention, feed-forward) and, without cross-attention, the language model's.
 
 Every parameter carries logical axis names (``embed``, ``heads``, ``kv``,
 ``mlp``, ``vocab``) for mesh sharding; compute runs in ``config.dtype`` with
@@ -123,7 +124,8 @@ class DecoderLayer(nn.Module):
   """Causal self-attention with the scheme's terms, content-only cross-attention, feed-forward.
 
   Parameters: ``self_attention``, ``self_attention_norm``, ``cross_attention``,
-  ``cross_attention_norm``, ``mlp``, ``mlp_norm``.
+  ``cross_attention_norm``, ``mlp``, ``mlp_norm``; a decoder-only model (``encoded`` None)
+  has no ``cross_attention`` or ``cross_attention_norm``.
   """
 
   config: ModelConfig
@@ -138,7 +140,7 @@ class DecoderLayer(nn.Module):
     self.mlp_norm = layer_norm(self.config)
     self.dropout = nn.Dropout(self.config.dropout_rate)
 
-  def __call__(self, x: Array, terms: Sequence[Term], encoded: Array, mask: Array | None,
+  def __call__(self, x: Array, terms: Sequence[Term], encoded: Array | None, mask: Array | None,
                encoded_mask: Array | None, scale: float | None, decode: bool = False,
                deterministic: bool = True) -> Array:
     """One decoder layer.
@@ -147,7 +149,8 @@ class DecoderLayer(nn.Module):
       x: ``[B, Lt, d]`` (``[B, 1, d]`` in a decoding step).
       terms: this layer's self-attention terms (for the full decode length
         when ``decode``).
-      encoded: ``[B, Ls, d]`` encoder output.
+      encoded: ``[B, Ls, d]`` encoder output, or None for a decoder-only model (no
+        cross-attention).
       mask: ``[B, Lt]`` target padding mask or None (causality is added).
       encoded_mask: ``[B, Ls]`` source padding mask or None.
       scale: the scheme's content scale for the self-attention (None: ``1/sqrt(D)``).
@@ -168,7 +171,8 @@ class DecoderLayer(nn.Module):
                                   deterministic=deterministic)
 
     x = residual(cfg, self.self_attention_norm, self.dropout, attend_self, x, deterministic)
-    x = residual(cfg, self.cross_attention_norm, self.dropout, attend_source, x, deterministic)
+    if encoded is not None:
+      x = residual(cfg, self.cross_attention_norm, self.dropout, attend_source, x, deterministic)
     return residual(cfg, self.mlp_norm, self.dropout, lambda y: self.mlp(y, deterministic), x,
                     deterministic)
 

@@ -94,7 +94,8 @@ def check_translation_config(config: ModelConfig) -> None:
                            f"decoder caches keys by position), got {config.attention!r}")
 
 
-def _embedding_init(config: ModelConfig) -> nn.initializers.Initializer:
+def embedding_init(config: ModelConfig) -> nn.initializers.Initializer:
+  """tensor2tensor's N(0, d^-1/2) token table (inputs scaled by sqrt(d), logits unscaled)."""
   return nn.initializers.normal(config.d_model ** -0.5)
 
 
@@ -135,13 +136,19 @@ class Encoder(nn.Module):
 class Decoder(nn.Module):
   """Scaled target embeddings, the causal scheme's terms, N decoder layers.
 
+  Without ``encoded`` it is a decoder-only stack (no cross-attention): the causal language
+  model's (:class:`~posenc_jax.models.lm.CausalLM`).
+
   Attributes:
     config: a validated :class:`ModelConfig`.
     embed: the target token embedding (shared or not; owned by the parent).
+    num_layers: N (the encoder-decoder's ``num_decoder_layers``, the language model's
+      ``num_layers``).
   """
 
   config: ModelConfig
   embed: nn.Module
+  num_layers: int
 
   def _decode_length(self) -> int | None:
     """``L_dec`` from the first layer's KV cache (or the scanned layers'), or None before
@@ -152,14 +159,14 @@ class Decoder(nn.Module):
     return layer["cached_key"].shape[-3] if "cached_key" in layer else None
 
   @nn.compact
-  def __call__(self, encoded: Array, src_mask: Array | None, tgt_ids: Array,
+  def __call__(self, encoded: Array | None, src_mask: Array | None, tgt_ids: Array,
                tgt_mask: Array | None = None, *, decode: bool = False,
                deterministic: bool = True) -> Array:
     """Decoder hidden states.
 
     Args:
-      encoded: ``[B, Ls, d]`` encoder output.
-      src_mask: ``[B, Ls]`` source padding mask or None.
+      encoded: ``[B, Ls, d]`` encoder output, or None (decoder-only: no cross-attention).
+      src_mask: ``[B, Ls]`` source padding mask or None (None without ``encoded``).
       tgt_ids: ``[B, Lt]`` decoder inputs (targets shifted right); ``[B, 1]``
         in a decoding step.
       tgt_mask: ``[B, Lt]`` target padding mask or None (must be None in a
@@ -175,14 +182,20 @@ class Decoder(nn.Module):
       ValueError: one line naming an input of the wrong shape or dtype.
     """
     cfg = self.config
-    if jnp.ndim(encoded) != 3 or encoded.shape[-1] != cfg.d_model:
-      raise ValueError(f"Decoder: encoded: got shape {jnp.shape(encoded)}; expected [B, Ls, d] "
-                       f"with d = {cfg.d_model}")
-    batch, length = check_token_ids("Decoder", "tgt_ids", tgt_ids, encoded.shape[0])
-    check_like("Decoder", "src_mask", src_mask, encoded.shape[:2])
+    if encoded is None:
+      batch, length = check_token_ids("Decoder", "tgt_ids", tgt_ids)
+      if src_mask is not None:
+        raise ValueError(f"Decoder: src_mask: got shape {jnp.shape(src_mask)}; expected None "
+                         "without encoded (a decoder-only model has no source)")
+    else:
+      if jnp.ndim(encoded) != 3 or encoded.shape[-1] != cfg.d_model:
+        raise ValueError(f"Decoder: encoded: got shape {jnp.shape(encoded)}; expected "
+                         f"[B, Ls, d] with d = {cfg.d_model}")
+      batch, length = check_token_ids("Decoder", "tgt_ids", tgt_ids, encoded.shape[0])
+      check_like("Decoder", "src_mask", src_mask, encoded.shape[:2])
     check_like("Decoder", "tgt_mask", tgt_mask, (batch, length))
-    position = build_scheme(causal_variant(cfg.scheme),
-                            **scheme_dims(cfg, cfg.num_decoder_layers), name="position")
+    position = build_scheme(causal_variant(cfg.scheme), **scheme_dims(cfg, self.num_layers),
+                            name="position")
     step = decode and self._decode_length() is not None
     x = self.embed(tgt_ids).astype(jnp.float32) * math.sqrt(cfg.d_model)
     if step:
@@ -200,7 +213,7 @@ class Decoder(nn.Module):
     else:
       x = terms.embed(x)
     x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic).astype(cfg.compute_dtype)
-    layers = layer_stack(DecoderLayer, cfg, cfg.num_decoder_layers, remat=False, name="layers")
+    layers = layer_stack(DecoderLayer, cfg, self.num_layers, remat=not decode, name="layers")
     x = run_stack(layers, x, terms, encoded, tgt_mask, src_mask, terms.content_scale, decode,
                   deterministic)
     if cfg.pre_ln:
@@ -224,7 +237,7 @@ class EncoderDecoder(nn.Module):
 
   def setup(self):
     cfg = self.config
-    init = _embedding_init(cfg)
+    init = embedding_init(cfg)
     if cfg.share_embeddings:
       self.shared_embed = token_embedding(cfg, init=init)
       source, target = self.shared_embed, self.shared_embed
@@ -234,7 +247,7 @@ class EncoderDecoder(nn.Module):
       self.output = dense(cfg.vocab_size, ("embed", "vocab"), cfg)
       source, target = self.source_embed, self.target_embed
     self.encoder = Encoder(cfg, embed=source)
-    self.decoder = Decoder(cfg, embed=target)
+    self.decoder = Decoder(cfg, embed=target, num_layers=cfg.num_decoder_layers)
 
   def encode(self, src_ids: Array, src_mask: Array | None = None, *,
              deterministic: bool = True) -> Array:

@@ -9,7 +9,7 @@ import os
 import ml_collections
 
 from posenc_jax.cli import nearest
-from posenc_jax.models.build import HEADS
+from posenc_jax.models.build import HEADS, check_head
 from posenc_jax.models.config import model_config, scheme_dims
 from posenc_jax.schemes import build_scheme
 from posenc_jax.training.mesh import check_mesh_config
@@ -148,7 +148,7 @@ def validate_train_config(config: ml_collections.ConfigDict) -> None:
     _fail("label_smoothing", config.label_smoothing, "a number in [0, 1)")
   check_optimizer_config(config.optimizer, config.total_steps)
   check_mesh_config(config.mesh)
-  cfg = model_config(config.model)  # ModelConfigError names model.<field>
+  cfg = check_head(config.model, config.head)  # ModelConfigError names model.<field>
   lengths = [config.seq_len] + [config.get(f) for f in ("input_len", "target_len")
                                 if config.get(f)]
   if max(lengths) > cfg.max_len:

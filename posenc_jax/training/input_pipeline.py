@@ -30,11 +30,20 @@ def _task(name: str):
                            f"{', '.join(sorted(seqio.TaskRegistry.names()))}") from None
 
 
+# The token feature each pre-training objective packs, and a bundled task that has it.
+TEXT_FEATURES = {"mlm": ("text", "wordnet_glosses"), "lm": ("targets", "wordnet_glosses_lm")}
+
+
 def check_data_config(config: ml_collections.ConfigDict) -> None:
-  """The task exists and its vocabulary fits the model (before anything compiles)."""
+  """The task exists, has the token feature the objective packs, and its vocabulary fits the
+  model (before anything compiles)."""
   import seqio  # noqa: PLC0415
 
   task = _task(config.task)
+  needed, example = TEXT_FEATURES.get(config.objective, (None, None))
+  if needed and needed not in task.output_features:
+    raise TrainConfigError(f"task: {config.task!r} has no {needed!r} feature; allowed with "
+                           f"objective {config.objective!r}: a task with one, e.g. {example!r}")
   vocab_size = model_config(config.model).vocab_size
   for name, feature in task.output_features.items():
     if isinstance(feature.vocabulary, seqio.PassThroughVocabulary):
@@ -94,7 +103,7 @@ def _finetune(config, split, start_step, shard_id, num_shards):
 def make_batches(config: ml_collections.ConfigDict, split: str, start_step: int,
                  shard_id: int = 0, num_shards: int = 1) -> Iterator[dict[str, np.ndarray]]:
   """Endless training batches from ``start_step``, or the evaluation batches (``eval_steps``
-  of them for pre-training and translation, the whole split for fine-tuning).
+  of them for pre-training, causal LM and translation, the whole split for fine-tuning).
 
   Each batch is this host's ``batch_size / num_shards`` rows (numpy).
   """
@@ -104,13 +113,18 @@ def make_batches(config: ml_collections.ConfigDict, split: str, start_step: int,
     ds = _finetune(config, split, start_step, shard_id, num_shards)
   else:
     _task(config.task)
+    from posenc_jax.data.causal_lm import lm_dataset  # noqa: PLC0415
     from posenc_jax.data.preprocessors import mlm_dataset  # noqa: PLC0415
 
     train = split == "train"
-    ds = mlm_dataset(config.task, split, config.seq_len, config.batch_size // num_shards,
-                     config.seed, shard_id=shard_id, num_shards=num_shards, repeat=train,
-                     start_step=start_step if train else 0, cache=train,
-                     mask_rate=config.mask_rate)
+    stream = dict(shard_id=shard_id, num_shards=num_shards, repeat=train,
+                  start_step=start_step if train else 0, cache=train)
+    local = config.batch_size // num_shards
+    if config.objective == "lm":
+      ds = lm_dataset(config.task, split, config.seq_len, local, config.seed, **stream)
+    else:
+      ds = mlm_dataset(config.task, split, config.seq_len, local, config.seed,
+                       mask_rate=config.mask_rate, **stream)
     if not train:
       ds = ds.take(config.eval_steps)
   return ds.as_numpy_iterator()

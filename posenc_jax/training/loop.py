@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import math
 import os
 import signal
 import time
@@ -262,6 +263,8 @@ def model_inputs(batch: Batch, objective_name: str) -> tuple[Any, ...]:
   """The positional inputs of ``model.init`` for one batch."""
   if objective_name == "translation":
     return batch["inputs"], batch["targets"], batch["inputs"] > 0
+  if objective_name == "lm":
+    return (batch["targets"],)
   return batch["input_ids"], batch["segment_ids"], batch["mask"]
 
 
@@ -275,8 +278,10 @@ def _host_scalars(metrics: dict[str, jax.Array]) -> dict[str, float]:
   return {k: float(v) for k, v in jax.device_get(metrics).items()}
 
 
-def evaluate(eval_step, params, batches: Iterator, sharding) -> dict[str, float]:
-  """Mean loss and accuracy over the eval batches."""
+def evaluate(eval_step, params, batches: Iterator, sharding,
+             perplexity: bool = False) -> dict[str, float]:
+  """Mean loss and accuracy over the eval batches, and (``perplexity``) ``exp`` of the
+  mean loss as ``eval_perplexity``."""
   total = None
   for batch in batches:
     sums = eval_step(params, _global(batch, sharding))
@@ -285,7 +290,10 @@ def evaluate(eval_step, params, batches: Iterator, sharding) -> dict[str, float]
     return {}
   total = _host_scalars(total)
   weight = max(total["weight"], 1.0)
-  return {"eval_loss": total["loss"] / weight, "eval_accuracy": total["correct"] / weight}
+  scalars = {"eval_loss": total["loss"] / weight, "eval_accuracy": total["correct"] / weight}
+  if perplexity:
+    scalars["eval_perplexity"] = math.exp(min(scalars["eval_loss"], 700.0))  # no overflow
+  return scalars
 
 
 def task_evaluation(config, model, params, data, host) -> dict[str, float]:
@@ -324,7 +332,8 @@ def train(config: ml_collections.ConfigDict, workdir: str,
   """Trains ``config`` in ``workdir``; returns the final state and metrics.
 
   Args:
-    config: a train config (``configs/pretrain.py``, ``configs/translate.py``).
+    config: a train config (``configs/pretrain.py``, ``configs/translate.py``,
+      ``configs/lm.py``).
     workdir: checkpoints, ``metrics.jsonl`` and TensorBoard events go here.
     data: ``data(config, split, start_step, shard_id, num_shards)`` -> iterator of
       host-local numpy batches; None uses :mod:`posenc_jax.training.input_pipeline`.
@@ -430,7 +439,8 @@ def train(config: ml_collections.ConfigDict, workdir: str,
           scalars["compile_s"] = throughput.compile_seconds
           if config.eval_every and (step % config.eval_every == 0 or step == config.total_steps):
             scalars |= evaluate(eval_fn, state.params,
-                                data(config, "validation", 0, **host), batch_sharding)
+                                data(config, "validation", 0, **host), batch_sharding,
+                                perplexity=config.objective == "lm")
             scalars |= task_evaluation(config, model, state.params, data, host)
             best.update(step, scalars, state.params)
           writer.write(step, scalars)

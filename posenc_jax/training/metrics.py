@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from etils import epath
 
 from posenc_jax.cli import is_remote
-from posenc_jax.models.config import ModelConfig, causal_variant, model_config
+from posenc_jax.models.config import HEADS, ModelConfig, causal_variant, model_config
 from posenc_jax.schemes.base import is_int
 from posenc_jax.schemes.registry import SCHEMES
 
@@ -144,8 +144,6 @@ def peak_flops(device: jax.Device | None = None, dtype: Any = "bfloat16") -> flo
 
 # --- Analytic FLOPs of the model the loop runs -------------------------------------------------
 
-HEADS = ("mlm", "encoder", "classification", "span", "translation")
-
 
 def _scheme_parts(config: Any) -> list[dict[str, Any]]:
   """Each part of a scheme config (one, or a tuple composed) with every hyperparameter,
@@ -231,14 +229,17 @@ def _segment_tables(cfg: ModelConfig, part: dict[str, Any], length: int) -> int:
   return 0
 
 
-def _decoder(cfg: ModelConfig, source_length: int, length: int) -> int:
-  """Forward FLOPs of the decoder stack for one example: causal self-attention with the
-  scheme's causal form, content-only cross-attention to ``source_length`` states, MLP."""
+def _decoder(cfg: ModelConfig, num_layers: int, length: int,
+             source_length: int | None = None) -> int:
+  """Forward FLOPs of a decoder stack of ``num_layers`` layers for one example: causal
+  self-attention with the scheme's causal form, content-only cross-attention to
+  ``source_length`` states (None: decoder-only, none), MLP."""
   parts = _scheme_parts(causal_variant(cfg.scheme))
   layer = (_attention(cfg, length, length, rank=_folded_rank(cfg, parts),
-                      relative_rows=_relative_rows(parts), causal=True)
-           + _attention(cfg, length, source_length) + _mlp(cfg, length))
-  return cfg.num_decoder_layers * layer
+                      relative_rows=_relative_rows(parts), causal=True) + _mlp(cfg, length))
+  if source_length is not None:
+    layer += _attention(cfg, length, source_length)
+  return num_layers * layer
 
 
 def _fail(field: str, value: Any, allowed: str) -> None:
@@ -271,7 +272,9 @@ def train_flops_per_step(cfg: ModelConfig | Mapping[str, Any], batch: int, lengt
   * the encoder-decoder: the encoder over ``length`` source tokens; per decoder layer causal
     self-attention (``Q K^T`` and ``P V`` halved: ``L_t^2 / 2`` of the pairs), cross-attention
     (q and o over the ``L_t`` targets, k and v over the ``length`` sources, ``2 H L_t L_s D``
-    twice) and the MLP; the output projection ``2 d V`` per target token.
+    twice) and the MLP; the output projection ``2 d V`` per target token;
+  * the causal language model (head ``lm``): ``num_layers`` decoder layers without
+    cross-attention over ``length`` tokens, and the output projection ``2 d V`` per token.
 
   Left out: softmax, LayerNorm, activations, biases, dropout (not matmuls); a scheme's
   batch-free work, done once per forward pass whatever the batch (TUPE's and BERT-A^d's
@@ -286,8 +289,8 @@ def train_flops_per_step(cfg: ModelConfig | Mapping[str, Any], batch: int, lengt
     length: tokens per example; the source length of an encoder-decoder.
     target_length: target tokens per example of an encoder-decoder (None: ``length``).
     predictions_per_seq: MLM positions per example the head runs at (None: all ``length``).
-    head: ``mlm``, ``encoder``, ``classification``, ``span`` or ``translation`` (None:
-      ``translation`` for a config with decoder layers, else ``mlm``).
+    head: ``mlm``, ``encoder``, ``classification``, ``span``, ``translation`` or ``lm``
+      (None: ``translation`` for a config with decoder layers, else ``mlm``).
     num_labels: the classifier's outputs (1 for regression).
 
   Returns:
@@ -321,7 +324,10 @@ def train_flops_per_step(cfg: ModelConfig | Mapping[str, Any], batch: int, lengt
   d, vocab = cfg.d_model, cfg.vocab_size
   if head == "translation":
     target = length if target_length is None else target_length
-    forward = _encoder(cfg, length) + _decoder(cfg, length, target) + 2 * d * vocab * target
+    forward = (_encoder(cfg, length) + _decoder(cfg, cfg.num_decoder_layers, target, length)
+               + 2 * d * vocab * target)
+  elif head == "lm":
+    forward = _decoder(cfg, cfg.num_layers, length) + 2 * d * vocab * length
   else:
     forward = _encoder(cfg, length)
     if head == "mlm":

@@ -1,4 +1,4 @@
-"""Training objectives: masked-LM (BERT) and teacher-forced translation.
+"""Training objectives: masked-LM (BERT), teacher-forced translation, causal LM.
 
 Each returns summed loss and weight (so micro-batches and hosts combine
 exactly) and summed metric numerators over one batch.
@@ -14,6 +14,9 @@ trainer checks every batch).
 
 Translation batch: ``inputs`` ``[B, Ls]``, ``targets`` ``[B, Lt]`` (0 is
 padding; the decoder input is ``targets`` shifted right by one).
+
+Causal-LM batch: ``targets`` ``[B, L]`` (packed text, 0 is padding); the model reads them
+shifted right by one and predicts each from the ones before it.
 
 Fine-tuning batches carry ``input_ids``, ``segment_ids``, ``mask`` and
 ``label`` ``[B]`` (int for classification, float for regression), or
@@ -36,10 +39,10 @@ from posenc_jax.models.transformer import shift_right
 
 Array = jax.Array
 
-OBJECTIVES = ("mlm", "translation", "classification", "regression", "span")
+OBJECTIVES = ("mlm", "translation", "classification", "regression", "span", "lm")
 # The model head each objective trains.
 HEAD_OF = {"mlm": "mlm", "translation": "translation", "classification": "classification",
-           "regression": "classification", "span": "span"}
+           "regression": "classification", "span": "span", "lm": "lm"}
 
 
 def weighted_cross_entropy(logits: Array, targets: Array, weights: Array,
@@ -109,6 +112,20 @@ def translation_objective(model: nn.Module, params: Any, batch: dict[str, Array]
   return loss, {"loss": loss, "weight": weight, "correct": correct}
 
 
+def lm_objective(model: nn.Module, params: Any, batch: dict[str, Array], rng: Array | None,
+                 label_smoothing: float = 0.0) -> tuple[Array, dict[str, Array]]:
+  """Next-token prediction: the logits at ``shift_right(targets)`` predict ``targets``;
+  padding (0) weighs 0. Padding only ends a row, so causal attention keeps it from every
+  real position and no key mask is needed."""
+  deterministic = rng is None
+  logits = model.apply({"params": params}, shift_right(batch["targets"]),
+                       deterministic=deterministic,
+                       rngs=None if deterministic else {"dropout": rng})
+  loss, weight, correct = weighted_cross_entropy(logits, batch["targets"],
+                                                 batch["targets"] > 0, label_smoothing)
+  return loss, {"loss": loss, "weight": weight, "correct": correct}
+
+
 def _encoder_inputs(batch):
   return batch["input_ids"], batch["segment_ids"], batch["mask"]
 
@@ -161,4 +178,4 @@ def objective(name: str, max_predictions: int | None = None):
   if name == "mlm":
     return functools.partial(mlm_objective, max_predictions=max_predictions or None)
   return {"translation": translation_objective, "classification": classification_objective,
-          "regression": regression_objective, "span": span_objective}[name]
+          "regression": regression_objective, "span": span_objective, "lm": lm_objective}[name]

@@ -1,0 +1,35 @@
+"""Causal language modelling: a decoder-only Transformer trained on next-token prediction.
+
+  python train.py --config=configs/lm.py --workdir=/tmp/posenc_lm
+  python train.py --config=configs/lm.py:bert_tiny,rope --workdir=/tmp/posenc_lm_rope
+
+The argument is ``<size>[,<scheme>...]`` (sizes and schemes as in ``configs/model.py``; a
+size's ``num_layers`` are the model's layers, and the encoder-decoder sizes, which have
+``num_decoder_layers``, do not apply). The scheme runs in its causal form (T5
+unidirectional, ALiBi causal, the others as they are). The default is the bundled demo: a
+``bert_tiny``-sized ALiBi model on the WordNet glosses (task ``wordnet_glosses_lm``, the
+MLM demo's text and SentencePiece vocabulary), with the MLM demo's schedule; minutes on a
+laptop CPU. ``posenc_jax.models.generate`` continues prompts with a trained model.
+"""
+
+from posenc_jax.configs.pretrain import DEMO
+from posenc_jax.presets import preset_config
+from posenc_jax.training.config import base_train_config
+
+
+def get_config(arg="bert_tiny,alibi"):
+  config = base_train_config()
+  config.update(preset_config(arg))
+  config.objective = "lm"
+  config.head = "lm"
+  config.task = "wordnet_glosses_lm"
+  for key, value in DEMO.items():
+    if key == "optimizer":
+      config.optimizer.update(value)
+    else:
+      config[key] = value
+  config.model.segment = None  # one text stream, no token types
+  config.model.pooler = False
+  config.model.dropout_rate = 0.0
+  config.model.attention_dropout_rate = 0.0
+  return config

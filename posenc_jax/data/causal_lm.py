@@ -1,0 +1,105 @@
+"""Causal-LM data: the ``wordnet_glosses_lm`` task and ``lm_dataset`` for the trainer.
+
+Importing this module registers (again: no error)::
+
+    wordnet_glosses_lm  the lines of ``wordnet_glosses`` (the same files and the same bundled
+                        ``spm8k`` vocabulary) as one token stream
+                        ``line_1 EOS line_2 EOS ...``, cut into examples
+                        ``{"targets": int32 [L]}`` of exactly ``L = sequence_length["targets"]``
+                        tokens, the last one padded with 0; without a length, one example per
+                        line with its EOS. Splits ``train`` and ``validation``.
+
+    ds = seqio.get_mixture_or_task("wordnet_glosses_lm").get_dataset(
+        {"targets": 128}, split="train", shuffle=False)
+
+Packing concatenates lines as GPT-2's and T5's LM pre-training do, with no segment ids:
+attention crosses the line boundaries inside a sequence and the EOS marks where a line ends,
+so a packed sequence is an ordinary causal sequence (every scheme sees positions
+``0 .. L-1``, and cached decoding equals teacher forcing on it). A sequence may start inside
+a line.
+
+``lm_dataset(task, split, seq_len, batch_size, seed, ...)`` is what the training loop calls:
+the task's packed examples through :func:`posenc_jax.data.preprocessors.packed_stream`
+(shuffled in blocks each epoch, epochs concatenated, sharded over hosts, resumed exactly at a
+step, as the masked-LM pipeline), batched as ``{"targets": int32 [batch_size, L]}``.
+
+Other text-line corpora: ``register_causal_lm(name, split_to_files, vocabulary)``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Mapping
+
+import seqio
+import tensorflow as tf
+
+from posenc_jax.data import preprocessors
+from posenc_jax.data import tasks as tasks_lib
+from posenc_jax.data.vocab import EOS_ID
+
+FEATURE = "targets"
+
+
+def pack_targets(dataset: tf.data.Dataset, sequence_length: Mapping[str, int] | None = None,
+                 output_features=None) -> tf.data.Dataset:
+  """A seqio preprocessor: tokenised lines ``{"targets": int32 [n]}`` -> the stream
+  ``line_1 EOS line_2 EOS ...`` cut into ``{"targets": int32 [L]}`` (``L`` from
+  ``sequence_length``; the last example padded with 0), or each line with its EOS when no
+  length is given."""
+  del output_features
+  if not sequence_length or sequence_length.get(FEATURE) is None:
+    return dataset.map(lambda ex: {FEATURE: tf.concat([ex[FEATURE], [EOS_ID]], 0)})
+  packed = preprocessors.pack_lines(dataset, sequence_length[FEATURE], FEATURE,
+                                    separator=EOS_ID, start=None)
+  return packed.map(lambda ex: {FEATURE: ex["input_ids"]})
+
+
+def register_causal_lm(name: str, split_to_files: Mapping[str, str | os.PathLike],
+                       vocabulary: seqio.Vocabulary) -> seqio.Task:
+  """Registers a causal-LM task over the lines of text files (module docstring)."""
+  return tasks_lib.register_text_lines(name, split_to_files, vocabulary, feature=FEATURE,
+                                       add_eos=True, postprocessors=[pack_targets])
+
+
+register_causal_lm(
+    "wordnet_glosses_lm", tasks_lib.WORDNET_GLOSSES_FILES,
+    seqio.get_mixture_or_task("wordnet_glosses").output_features["text"].vocabulary)
+
+
+def packed_epoch(task_name: str, split: str, seq_len: int) -> tf.data.Dataset:
+  """One epoch of a causal-LM task's packed examples ``{"targets": [L]}``, in source order."""
+  task = seqio.get_mixture_or_task(task_name)
+  return task.get_dataset({FEATURE: seq_len}, split=split, shuffle=False, num_epochs=1,
+                          use_cached=False)
+
+
+@functools.lru_cache(maxsize=None)
+def epoch_length(task_name: str, split: str, seq_len: int) -> int:
+  """``N``: packed examples per epoch (one pass over the split; cached per process)."""
+  return preprocessors.count(packed_epoch(task_name, split, seq_len))
+
+
+def lm_dataset(task_name: str, split: str, seq_len: int, batch_size: int, seed: int,
+               shard_id: int = 0, num_shards: int = 1, repeat: bool = True,
+               shuffle: bool | None = None, start_step: int = 0, shuffle_block: int = 16_384,
+               drop_remainder: bool = True, cache: bool = True) -> tf.data.Dataset:
+  """Batches of a causal-LM task: ``{"targets": int32 [batch_size, L]}``.
+
+  Args:
+    task_name: a registered task with a packed ``targets`` feature (``wordnet_glosses_lm``).
+    split: the task split.
+    seq_len: ``L``, tokens per sequence.
+    batch_size: sequences per batch on this host.
+    seed: the seed of shuffling.
+    shard_id, num_shards, repeat, shuffle, start_step, shuffle_block, drop_remainder, cache:
+      as :func:`posenc_jax.data.preprocessors.mlm_dataset`'s (the same order, shards and
+      resume).
+  """
+  ds = preprocessors.packed_stream(
+      packed_epoch(task_name, split, seq_len), lambda: epoch_length(task_name, split, seq_len),
+      batch_size, seed, shard_id=shard_id, num_shards=num_shards, repeat=repeat,
+      shuffle=shuffle, start_step=start_step, shuffle_block=shuffle_block, cache=cache)
+  ds = ds.map(lambda e, i, x: x).batch(batch_size, drop_remainder=drop_remainder or repeat)
+  return ds.prefetch(tf.data.AUTOTUNE)
