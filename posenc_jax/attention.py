@@ -505,12 +505,13 @@ class MultiHeadAttention(nn.Module):
   def __call__(self, x: Array, terms: Sequence[Term] = (), *, context: Array | None = None,
                mask: Array | None = None, causal: bool = False,
                scale: float | None = None, deterministic: bool = True,
-               decode: bool = False) -> Array:
+               decode: bool = False, segment_ids: Array | None = None) -> Array:
     """Args: ``x`` ``[B, Lq, d]``; ``context`` ``[B, Lk, d']`` (None: ``x``).
 
     ``decode``: one incremental-decoding step (see the class docstring); a
     ``mask`` is then ``[B, L_dec]`` over the cache positions, ``causal`` is
-    implied.
+    implied. ``segment_ids``: ``[B, L]`` packed sequences (self-attention, not with
+    ``decode``): a query attends only keys of its own segment (see :func:`attend`).
 
     Returns ``[B, Lq, d]``. The other arguments are checked by :func:`attend`.
     """
@@ -522,6 +523,8 @@ class MultiHeadAttention(nn.Module):
     if decode and context is not None:
       raise ValueError("decode: the KV cache is for self-attention; cross-attention "
                        "(context given) recomputes its keys")
+    if decode and segment_ids is not None:
+      raise ValueError("decode: a decoding step takes no packed segment_ids")
     context = x if context is None else context
     dense = lambda name: head_projection(self, name)  # noqa: E731
     q, k, v = dense("query")(x), dense("key")(context), dense("value")(context)
@@ -532,7 +535,7 @@ class MultiHeadAttention(nn.Module):
       dropout_rng = self.make_rng("dropout")
     out = attend(q, k, v, terms, mask=mask, causal=causal, scale=scale, route=self.route,
                  dropout_rate=self.dropout_rate, dropout_rng=dropout_rng,
-                 precision=self.precision)
+                 segment_ids=segment_ids, precision=self.precision)
     return output_projection(self, x.shape[-1])(out)
 
   def _decode_step(self, q, k, v, terms, mask, causal):

@@ -329,6 +329,71 @@ def lookup(table: Array, index: Array) -> Array:
   return jnp.einsum("...r,nr->...n", table, one_hot, precision=lax.Precision.HIGHEST)
 
 
+def lookup_rows(table: Array, ids: Array, axis: int = 0) -> Array:
+  """``jnp.take(table, ids, axis)`` for position ids, as a one-hot contraction.
+
+  Args:
+    table: ``[..., M, ...]`` with ``M`` rows along ``axis``.
+    ids: int ``[B, L]`` in ``[0, M)`` (may be traced; an id outside it reads a row of
+      zeros).
+
+  Returns:
+    ``table`` with ``axis`` replaced by ``[B, L]``, exactly the table's rows. Its gradient
+    is a matmul, where ``jnp.take``'s is a scatter-add (see :func:`lookup`).
+  """
+  axis = axis % table.ndim
+  one_hot = jax.nn.one_hot(ids, table.shape[axis], dtype=table.dtype)  # [B, L, M]
+  rows = jnp.tensordot(one_hot, table, axes=((2,), (axis,)), precision=lax.Precision.HIGHEST)
+  return jnp.moveaxis(rows, (0, 1), (axis, axis + 1))  # [B, L, ...] -> the table's layout
+
+
+def id_offsets(position_ids: Array) -> Array:
+  """``[B, Lq, Lk]`` int32 offsets ``position_ids[b, j] - position_ids[b, i]`` of ``[B, L]``
+  ids (self-attention): :func:`relative_offsets` for per-token positions."""
+  ids = position_ids.astype(jnp.int32)
+  return ids[:, None, :] - ids[:, :, None]
+
+
+def toeplitz_bias_at(offset_values: Array, position_ids: Array, zero_first: bool = False
+                     ) -> Array:
+  """A Toeplitz term at per-token positions: ``[B, H|1, L, L]`` with entry ``(b, h, i, j)``
+  the value of offset ``position_ids[b, j] - position_ids[b, i]``.
+
+  Args:
+    offset_values: ``[H|1, 2M - 1]`` values of offsets ``-(M - 1) .. M - 1`` (the layout of
+      :func:`offsets` for ``Lq = Lk = M``).
+    position_ids: int ``[B, L]`` in ``[0, M)`` (an id outside it gets a bias of 0).
+    zero_first: zero the rows and columns of tokens at position 0 (TUPE-R's [CLS] reset).
+
+  Returns:
+    ``O T O^T`` with ``T`` the ``[H, M, M]`` Toeplitz matrix (:func:`toeplitz_bias`) and
+    ``O`` the ``[B, L, M]`` one-hot positions: exact (one non-zero product per entry) and,
+    like :func:`lookup`, free of gathers and scatters in both passes.
+  """
+  num_positions = (offset_values.shape[-1] + 1) // 2
+  table = toeplitz_bias(offset_values, num_positions, num_positions)[0]  # [H, M, M]
+  one_hot = jax.nn.one_hot(position_ids, num_positions, dtype=offset_values.dtype)
+  bias = jnp.einsum("bia,hac,bjc->bhij", one_hot, table, one_hot,
+                    precision=lax.Precision.HIGHEST)
+  if zero_first:
+    kept = position_ids != 0
+    bias = bias * (kept[:, None, :, None] & kept[:, None, None, :])
+  return bias
+
+
+def _ids_problem(position_ids: Array | None, q_shape: Sequence[int],
+                 k_shape: Sequence[int]) -> str | None:
+  """Per-token positions must be ``[B, L]`` for self-attention over q ``[B, L, ..]``."""
+  if position_ids is None:
+    return None
+  shape = tuple(jnp.shape(position_ids))
+  want = (q_shape[0], q_shape[1])
+  if shape != want or k_shape[1] != q_shape[1]:
+    return (f"position_ids {list(shape)} need self-attention with [B, L] = {list(want)}, "
+            f"got {q_shape[1]} queries and {k_shape[1]} keys")
+  return None
+
+
 @struct.dataclass
 class Toeplitz(Term):
   """Relative bias ``T[h, i, j] = f(table_h, j - i)``: a function of the offset only.
@@ -348,6 +413,11 @@ class Toeplitz(Term):
     q_offset: absolute position of query row 0 (int scalar, may be traced);
       None means 0. :meth:`slice_queries` sets it for decoding.
     k_len: number of keys; None means ``Lq``. Set by :func:`posenc_jax.attend`.
+    position_ids: optional int ``[B, L]`` per-token positions (packed sequences); the
+      offset is then ``position_ids[b, j] - position_ids[b, i]``, and the term is a dense
+      per-example bias (:func:`toeplitz_bias_at`), so the flash kernel's in-tile bias
+      applies only without ids. ``zero_first`` then zeroes tokens at position 0.
+    num_positions: ``M``, with ids in ``[0, M)``; set with ``position_ids``.
   """
 
   table: Array
@@ -355,19 +425,24 @@ class Toeplitz(Term):
   zero_first: bool = struct.field(pytree_node=False, default=False)
   q_offset: Array | int | None = None
   k_len: int | None = struct.field(pytree_node=False, default=None)
+  position_ids: Array | None = None
+  num_positions: int | None = struct.field(pytree_node=False, default=None)
 
   def with_key_length(self, k_len):
     return self.replace(k_len=k_len)
 
   def shape_problem(self, q_shape, k_shape):
-    del k_shape  # the term is a function of the offset alone
-    shape = jnp.shape(self.table)
+    shape = jnp.shape(self.table)  # the term is a function of the offset alone
     return (_rank_problem("table", shape, (2,), "[H|1, R] (SchemeTerms.for_layer drops the "
                           "layer axis)")
-            or _axis_problem("table", shape, 0, "heads", q_shape[2], "q has", broadcast=True))
+            or _axis_problem("table", shape, 0, "heads", q_shape[2], "q has", broadcast=True)
+            or _ids_problem(self.position_ids, q_shape, k_shape))
 
   def slice_queries(self, start, size):
     del size  # the table has no query axis
+    if self.position_ids is not None:
+      raise NotImplementedError("Toeplitz with position_ids: incremental decoding counts "
+                                "positions by step; build the term without ids")
     offset = start if self.q_offset is None else self.q_offset + start
     return self.replace(q_offset=jnp.asarray(offset, jnp.int32))
 
@@ -381,7 +456,11 @@ class Toeplitz(Term):
     return self.offset_fn(self.table, offsets(q_len, k_len) - q_offset)
 
   def materialise(self, q_len: int, k_len: int) -> Bias:
-    """The same term as a ``[1, H|1, Lq, Lk]`` :class:`Bias`."""
+    """The same term as a ``[1, H|1, Lq, Lk]`` :class:`Bias` (``[B, H|1, L, L]`` with
+    ``position_ids``)."""
+    if self.position_ids is not None:
+      values = self.offset_fn(self.table, offsets(self.num_positions, self.num_positions))
+      return Bias(toeplitz_bias_at(values, self.position_ids, self.zero_first))
     q_offset = 0 if self.q_offset is None else self.q_offset
     return Bias(toeplitz_bias(self.offset_values(q_len, k_len), q_len, k_len, self.zero_first,
                               q_offset))
@@ -390,7 +469,8 @@ class Toeplitz(Term):
     return self.materialise(*self._lengths(q)).logits(q, scale)
 
   def fused(self, q, scale):
-    if self.q_offset is not None:  # a decoding step: the kernel counts rows from 0
+    if self.q_offset is not None or self.position_ids is not None:
+      # A decoding step (the kernel counts rows from 0) or per-token positions: dense.
       return self.materialise(*self._lengths(q)).fused(q, scale)
     return FusedPart(offset_bias=self.offset_values(*self._lengths(q)),
                      zero_first=self.zero_first)
@@ -415,6 +495,11 @@ class QueryRelative(Term):
 
   Keys sit at positions ``0..Lk-1`` and queries at
   ``q_offset..q_offset+Lq-1`` of the same sequence (self-attention).
+
+  With ``position_ids`` (optional int ``[B, L]``, self-attention; a leading layer axis
+  of 1 inside :class:`SchemeTerms`) the offset is ``position_ids[b, j] -
+  position_ids[b, i]`` instead, spread by a one-hot contraction ``[B, L, L, 2t+1]``
+  (still no gather or scatter) rather than the skew.
   """
 
   key_table: Array
@@ -422,6 +507,7 @@ class QueryRelative(Term):
   q_offset: Array | int | None = None
   clip: int = struct.field(pytree_node=False, default=16)
   k_len: int | None = struct.field(pytree_node=False, default=None)
+  position_ids: Array | None = None
 
   @property
   def fusable(self):
@@ -429,6 +515,9 @@ class QueryRelative(Term):
 
   def slice_queries(self, start, size):
     del size  # the table has no query axis; the rows are the queries given to logits
+    if self.position_ids is not None:
+      raise NotImplementedError("QueryRelative with position_ids: incremental decoding "
+                                "counts positions by step; build the term without ids")
     offset = start if self.q_offset is None else self.q_offset + start
     return self.replace(q_offset=jnp.asarray(offset, jnp.int32))
 
@@ -436,7 +525,6 @@ class QueryRelative(Term):
     return self.replace(k_len=k_len)
 
   def shape_problem(self, q_shape, k_shape):
-    del k_shape  # the tables hold offsets, not keys
     if not isinstance(self.clip, numbers.Integral) or self.clip < 0:
       return f"clip is {self.clip!r}; expected an integer >= 0"
     _, _, heads, dim = q_shape
@@ -452,7 +540,7 @@ class QueryRelative(Term):
                                                        broadcast=True)))
       if problem:
         return problem
-    return None
+    return _ids_problem(self.position_ids, q_shape, k_shape)
 
   def _k_len(self, q_len: int) -> int:
     return q_len if self.k_len is None else self.k_len
@@ -468,6 +556,11 @@ class QueryRelative(Term):
     built from slices, broadcasts, a concatenation and :func:`skew_offsets`,
     so neither it nor its transpose (:meth:`value_output`) gathers or scatters.
     """
+    if self.position_ids is not None:  # per-token positions: a one-hot of clip(j - i) + t
+      columns = jnp.clip(id_offsets(self.position_ids), -self.clip, self.clip) + self.clip
+      one_hot = jax.nn.one_hot(columns, 2 * self.clip + 1, dtype=per_offset.dtype)
+      return jnp.einsum("bhir,bijr->bhij", per_offset, one_hot,
+                        precision=lax.Precision.HIGHEST)
     q_len = per_offset.shape[-2]
     width = q_len + k_len - 1
     q_offset = 0 if self.q_offset is None else self.q_offset
@@ -535,7 +628,7 @@ def rotate_pairs(x: Array, angles: Array, layout: str = "interleaved",
 
   Args:
     x: ``[B, L, H, D]``.
-    angles: ``[L, R/2]`` with ``R <= D``.
+    angles: ``[L, R/2]`` with ``R <= D``, or ``[B, L, R/2]`` (per-token positions).
     layout: ``"interleaved"`` or ``"half"``.
     attention_factor: multiplies cos and sin, so the rotated features are scaled by it
       (YaRN's attention factor; the pass-through features are not, as in Hugging Face).
@@ -544,8 +637,9 @@ def rotate_pairs(x: Array, angles: Array, layout: str = "interleaved",
     ``[B, L, H, D]``.
   """
   width = 2 * angles.shape[-1]
-  cos = (attention_factor * jnp.cos(angles))[None, :, None, :].astype(x.dtype)
-  sin = (attention_factor * jnp.sin(angles))[None, :, None, :].astype(x.dtype)
+  angles = angles[..., None, :]  # [B|.., L, 1 (heads), R/2]
+  cos = (attention_factor * jnp.cos(angles)).astype(x.dtype)
+  sin = (attention_factor * jnp.sin(angles)).astype(x.dtype)
   # Pair k as [.., R/2, 2] (interleaved) or [.., 2, R/2] (half), its two members on `axis`.
   axis, pairs = (-2, (2, width // 2)) if layout == "half" else (-1, (width // 2, 2))
   rotated, rest = x[..., :width], x[..., width:]
@@ -561,8 +655,9 @@ class Rotation(Term):
 
   Attributes:
     q_angles: ``[Lq, R/2]``, ``i * theta_k`` for query position ``i``; the first
-      ``R <= D`` features of each head are rotated, the rest pass through.
-    k_angles: ``[Lk, R/2]``.
+      ``R <= D`` features of each head are rotated, the rest pass through. ``[B, Lq, R/2]``
+      for per-token positions (packed sequences).
+    k_angles: ``[Lk, R/2]`` or ``[B, Lk, R/2]``.
     layout: ``"interleaved"`` (pairs ``(2k, 2k+1)``, Su et al.) or ``"half"``
       (pairs ``(k, k + R/2)``, GPT-NeoX).
     attention_factor: multiplies cos and sin, i.e. scales the rotated features of q and
@@ -583,15 +678,17 @@ class Rotation(Term):
     for name, angles, length, source in (("q_angles", self.q_angles, q_shape[1], "q has"),
                                          ("k_angles", self.k_angles, k_shape[1], "k has")):
       shape = jnp.shape(angles)
-      problem = (_rank_problem(name, shape, (2,), "[L, R/2]")
-                 or _axis_problem(name, shape, 0, "positions", length, source))
+      problem = (_rank_problem(name, shape, (2, 3), "[L, R/2] or [B|1, L, R/2]")
+                 or _axis_problem(name, shape, -2, "positions", length, source)
+                 or (len(shape) == 3 and _axis_problem(name, shape, 0, "examples", q_shape[0],
+                                                       "q has", broadcast=True)))
       if problem:
         return problem
     q_angles, k_angles = jnp.shape(self.q_angles), jnp.shape(self.k_angles)
-    if q_angles[1] > dim // 2:
-      return (f"q_angles {list(q_angles)} has {q_angles[1]} angles, but q's head dim {dim} has "
+    if q_angles[-1] > dim // 2:
+      return (f"q_angles {list(q_angles)} has {q_angles[-1]} angles, but q's head dim {dim} has "
               f"only {dim // 2} pairs")
-    return _axis_problem("k_angles", k_angles, 1, "angles", q_angles[1], "q_angles has")
+    return _axis_problem("k_angles", k_angles, -1, "angles", q_angles[-1], "q_angles has")
 
   def transform_qk(self, q, k):
     return (rotate_pairs(q, self.q_angles, self.layout, self.attention_factor),
@@ -609,8 +706,8 @@ class QKShift(Term):
   of TUPE's BERT-A^d ablation.
 
   Attributes:
-    q_shift: ``[Lq, H, D]``.
-    k_shift: ``[Lk, H, D]``.
+    q_shift: ``[Lq, H, D]``, or ``[B, Lq, H, D]`` (per-token positions).
+    k_shift: ``[Lk, H, D]``, or ``[B, Lk, H, D]``.
   """
 
   q_shift: Array
@@ -619,9 +716,11 @@ class QKShift(Term):
   def shape_problem(self, q_shape, k_shape):
     for name, shift, want, source in (("q_shift", self.q_shift, q_shape, "q"),
                                       ("k_shift", self.k_shift, k_shape, "k")):
-      if tuple(jnp.shape(shift)) != tuple(want[1:]):
-        return (f"{name} is {list(jnp.shape(shift))}; expected [L, H, D] = {list(want[1:])} "
-                f"from {source}")
+      shape = tuple(jnp.shape(shift))
+      if shape != tuple(want[1:]) and not (len(shape) == 4 and shape[1:] == tuple(want[1:])
+                                           and shape[0] in (1, want[0])):
+        return (f"{name} is {list(shape)}; expected [L, H, D] = {list(want[1:])} "
+                f"(or [B|1, L, H, D]) from {source}")
     return None
 
   def transform_qk(self, q, k):

@@ -235,8 +235,8 @@ def test_bad_preset_and_pooler():
   with pytest.raises(ModelConfigError, match="model.pooler"):
     BertForSequenceClassification(model_config(TINY, pooler=False)).init(
         jax.random.key(0), jnp.ones((1, 4), jnp.int32))
-  with pytest.raises(ModelConfigError, match="head: got 'lm'"):
-    build_model(model_config(TINY), "lm")
+  with pytest.raises(ModelConfigError, match="head: got 'mlmm'; did you mean 'mlm'"):
+    build_model(model_config(TINY), "mlmm")
 
 
 def _mlm_loss(cfg):

@@ -31,8 +31,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from posenc_jax.models.config import ModelConfig, ModelConfigError, scheme_dims
-from posenc_jax.models.layers import (ACTIVATION_FNS, EncoderLayer, as_mask, check_like,
-                                      check_token_ids, dense, layer_norm, token_embedding)
+from posenc_jax.models.layers import (ACTIVATION_FNS, EncoderLayer, as_mask, check_ids_like,
+                                      check_like, check_token_ids, dense, layer_norm,
+                                      token_embedding)
 from posenc_jax.models.linformer import shared_projection
 from posenc_jax.models.stack import layer_stack, run_stack
 from posenc_jax.schemes import build_scheme
@@ -67,12 +68,14 @@ class BertEncoder(nn.Module):
     if cfg.pooler:
       self.pooler = dense(cfg.d_model, ("embed", "mlp"), cfg)
 
-  def terms(self, length: int, segment_ids: Array) -> SchemeTerms:
+  def terms(self, length: int, segment_ids: Array,
+            position_ids: Array | None = None) -> SchemeTerms:
     """The position (and segment) scheme's terms for one forward pass.
 
-    Under Linformer's ``layer`` sharing they also carry the shared ``E``.
+    ``position_ids`` ``[B, L]`` (None: ``0..L-1`` in every row) go to the position
+    scheme. Under Linformer's ``layer`` sharing the terms also carry the shared ``E``.
     """
-    terms = self.position(length, segment_ids)
+    terms = self.position(length, segment_ids, position_ids)
     if self.config.segment is not None:
       terms = terms + self.segment(length, segment_ids)
     if self.linformer is not None:
@@ -80,7 +83,8 @@ class BertEncoder(nn.Module):
     return terms
 
   def __call__(self, input_ids: Array, segment_ids: Array | None = None,
-               mask: Array | None = None, *, deterministic: bool = True
+               mask: Array | None = None, *, deterministic: bool = True,
+               position_ids: Array | None = None, packed_segment_ids: Array | None = None
                ) -> tuple[Array, Array | None]:
     """Encodes a batch.
 
@@ -89,6 +93,11 @@ class BertEncoder(nn.Module):
       segment_ids: ``[B, L]`` int token types (None: all 0).
       mask: ``[B, L]`` padding mask, True (or 1) at real tokens (None: no padding).
       deterministic: False enables dropout (needs a ``dropout`` rng).
+      position_ids: ``[B, L]`` int position of each token (None: ``0..L-1``); packed
+        sequences restart them per sequence (see :meth:`posenc_jax.schemes.base.Scheme.
+        __call__`).
+      packed_segment_ids: ``[B, L]`` int packed-sequence id of each token (None: one
+        sequence per row); attention stays within a sequence. Not with Linformer.
 
     Returns:
       ``hidden`` ``[B, L, d]`` and the pooled [CLS] vector ``[B, d]`` (None
@@ -101,14 +110,21 @@ class BertEncoder(nn.Module):
     batch, length = check_token_ids("BertEncoder", "input_ids", input_ids)
     check_like("BertEncoder", "segment_ids", segment_ids, (batch, length))
     check_like("BertEncoder", "mask", mask, (batch, length))
+    check_ids_like("BertEncoder", "position_ids", position_ids, (batch, length))
+    check_ids_like("BertEncoder", "packed_segment_ids", packed_segment_ids, (batch, length))
+    if packed_segment_ids is not None and cfg.attention == "linformer":
+      raise ValueError("BertEncoder: packed_segment_ids: Linformer projects the whole "
+                       "sequence and cannot keep packed sequences apart; got attention "
+                       "'linformer'")
     segment_ids = jnp.zeros_like(input_ids) if segment_ids is None else segment_ids
     mask = as_mask(mask, (batch, length))
-    terms = self.terms(length, segment_ids)
+    terms = self.terms(length, segment_ids, position_ids)
     x = terms.embed(self.token_embed(input_ids).astype(jnp.float32))
     if not cfg.pre_ln:
       x = self.embed_norm(x)
     x = self.dropout(x, deterministic=deterministic).astype(cfg.compute_dtype)
-    x = run_stack(self.layers, x, terms, mask, terms.content_scale, deterministic)
+    x = run_stack(self.layers, x, terms, mask, terms.content_scale, deterministic,
+                  packed_segment_ids)
     if cfg.pre_ln:
       x = self.final_norm(x)
     pooled = jnp.tanh(self.pooler(x[:, 0])) if cfg.pooler else None
@@ -148,9 +164,11 @@ class BertForMaskedLM(nn.Module):
     self.mlm = MaskedLMHead(self.config)
 
   def __call__(self, input_ids, segment_ids=None, mask=None, *, masked_positions=None,
-               deterministic=True) -> Array:
-    """Logits ``[B, L, V]``, or ``[B, P, V]`` at ``masked_positions`` ``[B, P]``."""
-    hidden, _ = self.bert(input_ids, segment_ids, mask, deterministic=deterministic)
+               deterministic=True, position_ids=None, packed_segment_ids=None) -> Array:
+    """Logits ``[B, L, V]``, or ``[B, P, V]`` at ``masked_positions`` ``[B, P]``
+    (``position_ids``, ``packed_segment_ids``: see :meth:`BertEncoder.__call__`)."""
+    hidden, _ = self.bert(input_ids, segment_ids, mask, deterministic=deterministic,
+                          position_ids=position_ids, packed_segment_ids=packed_segment_ids)
     if masked_positions is not None:
       check_token_ids("BertForMaskedLM", "masked_positions", masked_positions,
                       hidden.shape[0])
@@ -189,9 +207,12 @@ class BertForSequenceClassification(nn.Module):
     self.dropout = nn.Dropout(self.config.dropout_rate)
     self.classifier = dense(self.num_labels, ("embed", "labels"), self.config)
 
-  def __call__(self, input_ids, segment_ids=None, mask=None, *, deterministic=True) -> Array:
-    """Logits ``[B, num_labels]`` (float32); for regression ``[B]``."""
-    _, pooled = self.bert(input_ids, segment_ids, mask, deterministic=deterministic)
+  def __call__(self, input_ids, segment_ids=None, mask=None, *, deterministic=True,
+               position_ids=None, packed_segment_ids=None) -> Array:
+    """Logits ``[B, num_labels]`` (float32); for regression ``[B]`` (``position_ids``,
+    ``packed_segment_ids``: see :meth:`BertEncoder.__call__`; the pooled token is row 0's)."""
+    _, pooled = self.bert(input_ids, segment_ids, mask, deterministic=deterministic,
+                          position_ids=position_ids, packed_segment_ids=packed_segment_ids)
     logits = self.classifier(self.dropout(pooled, deterministic=deterministic))
     logits = logits.astype(jnp.float32)
     return logits[:, 0] if self.num_labels == 1 else logits
@@ -206,10 +227,12 @@ class BertForQuestionAnswering(nn.Module):
     self.bert = BertEncoder(self.config)
     self.qa_outputs = dense(2, ("embed", "labels"), self.config)
 
-  def __call__(self, input_ids, segment_ids=None, mask=None, *, deterministic=True
-               ) -> tuple[Array, Array]:
-    """``start_logits``, ``end_logits``, each ``[B, L]`` float32; padding gets a large negative."""
-    hidden, _ = self.bert(input_ids, segment_ids, mask, deterministic=deterministic)
+  def __call__(self, input_ids, segment_ids=None, mask=None, *, deterministic=True,
+               position_ids=None, packed_segment_ids=None) -> tuple[Array, Array]:
+    """``start_logits``, ``end_logits``, each ``[B, L]`` float32; padding gets a large negative
+    (``position_ids``, ``packed_segment_ids``: see :meth:`BertEncoder.__call__`)."""
+    hidden, _ = self.bert(input_ids, segment_ids, mask, deterministic=deterministic,
+                          position_ids=position_ids, packed_segment_ids=packed_segment_ids)
     logits = self.qa_outputs(hidden).astype(jnp.float32)
     mask = as_mask(mask, input_ids.shape)
     logits = jnp.where(mask[..., None], logits, jnp.finfo(jnp.float32).min)

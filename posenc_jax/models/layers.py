@@ -111,10 +111,14 @@ class EncoderLayer(nn.Module):
     self.dropout = nn.Dropout(self.config.dropout_rate)
 
   def __call__(self, x: Array, terms: Sequence[Term], mask: Array | None,
-               scale: float | None, deterministic: bool = True) -> Array:
-    """Args: ``x`` ``[B, L, d]``, ``mask`` ``[B, L]`` (True = token). Returns ``[B, L, d]``."""
+               scale: float | None, deterministic: bool = True,
+               segment_ids: Array | None = None) -> Array:
+    """Args: ``x`` ``[B, L, d]``, ``mask`` ``[B, L]`` (True = token), ``segment_ids``
+    ``[B, L]`` packed sequences (attention stays within a segment) or None. Returns
+    ``[B, L, d]``."""
+    extra = {} if segment_ids is None else {"segment_ids": segment_ids}  # Linformer has none
     attend = lambda y: self.attention(y, terms, mask=mask, scale=scale,  # noqa: E731
-                                      deterministic=deterministic)
+                                      deterministic=deterministic, **extra)
     x = residual(self.config, self.attention_norm, self.dropout, attend, x, deterministic)
     return residual(self.config, self.mlp_norm, self.dropout,
                     lambda y: self.mlp(y, deterministic), x, deterministic)
@@ -142,7 +146,7 @@ class DecoderLayer(nn.Module):
 
   def __call__(self, x: Array, terms: Sequence[Term], encoded: Array | None, mask: Array | None,
                encoded_mask: Array | None, scale: float | None, decode: bool = False,
-               deterministic: bool = True) -> Array:
+               deterministic: bool = True, segment_ids: Array | None = None) -> Array:
     """One decoder layer.
 
     Args:
@@ -156,6 +160,8 @@ class DecoderLayer(nn.Module):
       scale: the scheme's content scale for the self-attention (None: ``1/sqrt(D)``).
       decode: one incremental step with the self-attention KV cache.
       deterministic: False enables dropout.
+      segment_ids: ``[B, Lt]`` packed sequences (self-attention stays within a segment)
+        or None; not with ``decode``.
 
     Returns:
       ``[B, Lt, d]``.
@@ -164,7 +170,8 @@ class DecoderLayer(nn.Module):
 
     def attend_self(y):
       return self.self_attention(y, terms, mask=mask, causal=True, scale=scale,
-                                 deterministic=deterministic, decode=decode)
+                                 deterministic=deterministic, decode=decode,
+                                 segment_ids=segment_ids)
 
     def attend_source(y):
       return self.cross_attention(y, context=encoded, mask=encoded_mask,
@@ -196,6 +203,15 @@ def check_like(owner: str, name: str, x: Array | None, shape: tuple[int, int]) -
   if x is not None and tuple(jnp.shape(x)) != tuple(shape):
     raise ValueError(f"{owner}: {name}: got shape {jnp.shape(x)}; expected [B, L] = "
                      f"{tuple(shape)}")
+
+
+def check_ids_like(owner: str, name: str, x: Array | None, shape: tuple[int, int]) -> None:
+  """:func:`check_like` for integer ids that go with the inputs (position ids, packed
+  segment ids): one ValueError line for a wrong shape or a non-integer dtype."""
+  check_like(owner, name, x, shape)
+  if x is not None and not jnp.issubdtype(jnp.result_type(x), jnp.integer):
+    raise ValueError(f"{owner}: {name}: got dtype {jnp.result_type(x)}; expected [B, L] "
+                     "integer ids")
 
 
 def as_mask(mask: Array | None, shape: tuple[int, int]) -> Array:

@@ -92,7 +92,8 @@ class CausalLM(nn.Module):
     self.decoder = Decoder(cfg, embed=self.embed, num_layers=cfg.num_layers)
 
   def decode(self, ids: Array, mask: Array | None = None, *, decode: bool = False,
-             deterministic: bool = True) -> Array:
+             deterministic: bool = True, position_ids: Array | None = None,
+             packed_segment_ids: Array | None = None) -> Array:
     """Next-token logits ``[B, L, V]`` (float32) for inputs ``ids`` ``[B, L]``.
 
     Args:
@@ -102,16 +103,23 @@ class CausalLM(nn.Module):
         of the full decode length ``L_dec``) creates it, each later call takes the next
         position (see :func:`posenc_jax.models.decoding.generate`).
       deterministic: False enables dropout (needs a ``dropout`` rng).
+      position_ids: ``[B, L]`` int position of each input (None: ``0..L-1``), e.g.
+        restarting per packed document; not with ``decode``.
+      packed_segment_ids: ``[B, L]`` int document id of each input (None: one stream per
+        row); attention stays within a document. Not with ``decode``.
 
     Raises:
       ValueError: one line naming an input of the wrong shape or dtype.
     """
-    h = self.decoder(None, None, ids, mask, decode=decode, deterministic=deterministic)
+    h = self.decoder(None, None, ids, mask, decode=decode, deterministic=deterministic,
+                     position_ids=position_ids, packed_segment_ids=packed_segment_ids)
     logits = self.embed.attend(h) if self.config.share_embeddings else self.output(h)
     return logits.astype(jnp.float32)
 
   def __call__(self, ids: Array, mask: Array | None = None, *,
-               deterministic: bool = True) -> Array:
+               deterministic: bool = True, position_ids: Array | None = None,
+               packed_segment_ids: Array | None = None) -> Array:
     """Teacher forcing: logits ``[B, L, V]`` (float32) for ``ids`` ``[B, L]`` (see
     :meth:`decode`)."""
-    return self.decode(ids, mask, deterministic=deterministic)
+    return self.decode(ids, mask, deterministic=deterministic, position_ids=position_ids,
+                       packed_segment_ids=packed_segment_ids)

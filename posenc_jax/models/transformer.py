@@ -68,8 +68,9 @@ import jax
 import jax.numpy as jnp
 
 from posenc_jax.models.config import ModelConfig, ModelConfigError, causal_variant, scheme_dims
-from posenc_jax.models.layers import (DecoderLayer, EncoderLayer, as_mask, check_like,
-                                      check_token_ids, dense, layer_norm, token_embedding)
+from posenc_jax.models.layers import (DecoderLayer, EncoderLayer, as_mask, check_ids_like,
+                                      check_like, check_token_ids, dense, layer_norm,
+                                      token_embedding)
 from posenc_jax.models.stack import layer_stack, run_stack
 from posenc_jax.schemes import build_scheme
 
@@ -161,7 +162,8 @@ class Decoder(nn.Module):
   @nn.compact
   def __call__(self, encoded: Array | None, src_mask: Array | None, tgt_ids: Array,
                tgt_mask: Array | None = None, *, decode: bool = False,
-               deterministic: bool = True) -> Array:
+               deterministic: bool = True, position_ids: Array | None = None,
+               packed_segment_ids: Array | None = None) -> Array:
     """Decoder hidden states.
 
     Args:
@@ -174,6 +176,11 @@ class Decoder(nn.Module):
       decode: use the KV cache (the first call creates it from ``tgt_ids``'s
         length; later calls each take one position).
       deterministic: False enables dropout.
+      position_ids: ``[B, Lt]`` int position of each target token (None: ``0..Lt-1``);
+        teacher forcing only (a decoding step counts positions by its cache index).
+      packed_segment_ids: ``[B, Lt]`` int packed-sequence id of each target token (None:
+        one sequence per row); self-attention stays within a sequence. Teacher forcing
+        only.
 
     Returns:
       ``[B, Lt, d]``.
@@ -194,6 +201,11 @@ class Decoder(nn.Module):
       batch, length = check_token_ids("Decoder", "tgt_ids", tgt_ids, encoded.shape[0])
       check_like("Decoder", "src_mask", src_mask, encoded.shape[:2])
     check_like("Decoder", "tgt_mask", tgt_mask, (batch, length))
+    check_ids_like("Decoder", "position_ids", position_ids, (batch, length))
+    check_ids_like("Decoder", "packed_segment_ids", packed_segment_ids, (batch, length))
+    if decode and (position_ids is not None or packed_segment_ids is not None):
+      raise ValueError("Decoder: position_ids, packed_segment_ids: cached decoding counts "
+                       "positions by step; pass them only without decode")
     position = build_scheme(causal_variant(cfg.scheme), **scheme_dims(cfg, self.num_layers),
                             name="position")
     step = decode and self._decode_length() is not None
@@ -202,7 +214,7 @@ class Decoder(nn.Module):
       if tgt_mask is not None:
         raise ValueError("tgt_mask: a decoding step takes no target mask")
       length = self._decode_length()
-    terms = position(length)
+    terms = position(length, None, position_ids)
     if decode:
       cache_index = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
     if step:
@@ -215,7 +227,7 @@ class Decoder(nn.Module):
     x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic).astype(cfg.compute_dtype)
     layers = layer_stack(DecoderLayer, cfg, self.num_layers, remat=not decode, name="layers")
     x = run_stack(layers, x, terms, encoded, tgt_mask, src_mask, terms.content_scale, decode,
-                  deterministic)
+                  deterministic, packed_segment_ids)
     if cfg.pre_ln:
       x = layer_norm(cfg, "final_norm")(x)
     return x

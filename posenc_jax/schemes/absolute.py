@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from posenc_jax.schemes.base import BOOL, Scheme
-from posenc_jax.terms import InputEmbedding, SchemeTerms
+from posenc_jax.terms import InputEmbedding, SchemeTerms, lookup_rows
 
 Array = jax.Array
 
@@ -22,14 +22,14 @@ def sinusoid(positions: Array, frequencies: Array) -> Array:
   """Interleaved sinusoid: ``p[.., 2k] = sin(pos w_k)``, ``p[.., 2k+1] = cos(pos w_k)``.
 
   Args:
-    positions: ``[N]`` (may be negative: signed offsets).
+    positions: ``[N]`` (may be negative: signed offsets), or ``[B, L]`` position ids.
     frequencies: ``[d / 2]``.
 
   Returns:
-    ``[N, d]`` float32.
+    ``[N, d]`` (``[B, L, d]``) float32.
   """
-  angles = positions.astype(jnp.float32)[:, None] * frequencies[None, :]
-  return jnp.stack([jnp.sin(angles), jnp.cos(angles)], axis=-1).reshape(positions.shape[0], -1)
+  angles = positions.astype(jnp.float32)[..., None] * frequencies
+  return jnp.stack([jnp.sin(angles), jnp.cos(angles)], axis=-1).reshape(positions.shape + (-1,))
 
 
 def sinusoid_param(module: Scheme, dim: int, learnable: bool) -> Array:
@@ -47,11 +47,13 @@ class LearnedAPE(Scheme):
   absolute_table = True
 
   @nn.compact
-  def __call__(self, length, segment_ids=None):
+  def __call__(self, length, segment_ids=None, position_ids=None):
     self.check_length(length)
+    ids = self.check_position_ids(length, position_ids, self.max_len)
     table = self.logical_param("position_embedding", nn.initializers.normal(0.02),
                                (self.max_len, self.d_model), ("abspos", "embed"))
-    return SchemeTerms(embedding=InputEmbedding(table[:length]))
+    rows = table[:length] if ids is None else lookup_rows(table, ids)  # [L, d] or [B, L, d]
+    return SchemeTerms(embedding=InputEmbedding(rows))
 
 
 class SinusoidalAPE(Scheme):
@@ -68,7 +70,9 @@ class SinusoidalAPE(Scheme):
   hyperparameters = {"learnable": BOOL}
 
   @nn.compact
-  def __call__(self, length, segment_ids=None):
+  def __call__(self, length, segment_ids=None, position_ids=None):
     self.check_length(length)
+    ids = self.check_position_ids(length, position_ids)  # any integer: no table
     freqs = sinusoid_param(self, self.d_model, self.learnable)
-    return SchemeTerms(embedding=InputEmbedding(sinusoid(jnp.arange(length), freqs)))
+    positions = jnp.arange(length) if ids is None else ids
+    return SchemeTerms(embedding=InputEmbedding(sinusoid(positions, freqs)))

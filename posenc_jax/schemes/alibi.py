@@ -79,7 +79,8 @@ class Alibi(Scheme):
   hyperparameters = {"causal": BOOL, "slopes": one_of(*SLOPE_FORMS)}
 
   @nn.compact
-  def __call__(self, length, segment_ids=None):
+  def __call__(self, length, segment_ids=None, position_ids=None):
     self.check_length(length)  # the term is built for any length
+    positions = self.toeplitz_positions(length, position_ids)
     slopes = alibi_slopes(self.num_heads, self.slopes)[None, :, None]  # [1 (layers), H, 1]
-    return SchemeTerms(terms=(Toeplitz(slopes, LinearDistance(self.causal)),))
+    return SchemeTerms(terms=(Toeplitz(slopes, LinearDistance(self.causal), **positions),))

@@ -17,6 +17,8 @@ from typing import Any, ClassVar
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from posenc_jax.cli import nearest
 from posenc_jax.terms import SchemeTerms
@@ -142,12 +144,51 @@ class Scheme(nn.Module):
           f"scheme {self.scheme_name!r}: sequence length {length} exceeds max_len={self.max_len}"
           " (the absolute position table's size)")
 
-  def __call__(self, length: int, segment_ids: Array | None = None) -> SchemeTerms:
+  def check_position_ids(self, length: int, position_ids: Array | None,
+                         bound: int | None = None) -> Array | None:
+    """``position_ids`` as int32 ``[B, L]``, or None; one :class:`SchemeConfigError` line
+    for a wrong shape or a non-integer dtype, or (concrete ids only) an id outside
+    ``[0, bound)``. Under ``jax.jit`` the ids are traced and their values unchecked: an
+    id at or past ``bound`` reads a row of zeros (the one-hot lookups find no row)."""
+    if position_ids is None:
+      return None
+    name = self.scheme_name
+    shape, dtype = jnp.shape(position_ids), jnp.result_type(position_ids)
+    if len(shape) != 2 or shape[1] != length:
+      raise SchemeConfigError(f"scheme {name!r}: position_ids has shape {shape}; expected "
+                              f"[B, L] with L = {length}")
+    if not jnp.issubdtype(dtype, jnp.integer):
+      raise SchemeConfigError(f"scheme {name!r}: position_ids has dtype {dtype}; expected "
+                              "integer positions")
+    if bound is not None and not isinstance(position_ids, jax.core.Tracer):
+      ids = np.asarray(position_ids)
+      if ids.size and (ids.min() < 0 or ids.max() >= bound):
+        raise SchemeConfigError(
+            f"scheme {name!r}: position_ids must lie in [0, {bound}), got "
+            f"[{ids.min()}, {ids.max()}] (max_len={self.max_len} positions)")
+    return jnp.asarray(position_ids, jnp.int32)
+
+  def toeplitz_positions(self, length: int, position_ids: Array | None) -> dict[str, Any]:
+    """The :class:`~posenc_jax.terms.Toeplitz` fields for per-token positions: ``{}``
+    without ids (the batch-free term, which the flash kernel runs), else the checked ids
+    ``[1 (layers), B, L]`` and ``num_positions`` ``M = max(max_len, L)``, the range
+    ``[0, M)`` the ids must lie in."""
+    num_positions = max(self.max_len, length)
+    ids = self.check_position_ids(length, position_ids, num_positions)
+    return {} if ids is None else {"position_ids": ids[None], "num_positions": num_positions}
+
+  def __call__(self, length: int, segment_ids: Array | None = None,
+               position_ids: Array | None = None) -> SchemeTerms:
     """Terms for a self-attention pass over ``length`` positions.
 
     Args:
       length: L.
       segment_ids: optional ``[B, L]`` int token types (segment schemes).
+      position_ids: optional ``[B, L]`` int position of each token (packed sequences
+        restart them per sequence); None means ``arange(L)`` in every row and gives the
+        batch-free terms. Absolute schemes read their tables' rows at the ids, relative
+        ones take offsets ``position_ids[b, j] - position_ids[b, i]``; segment schemes
+        ignore them. See :meth:`check_position_ids` for the allowed values.
 
     Returns:
       :class:`SchemeTerms` whose arrays carry a leading layer axis of size
@@ -176,10 +217,10 @@ class Composite(Scheme):
   schemes: Sequence[Scheme] = ()
 
   @nn.compact
-  def __call__(self, length, segment_ids=None):
+  def __call__(self, length, segment_ids=None, position_ids=None):
     total = SchemeTerms()
     for scheme in self.schemes:
-      total = total + scheme(length, segment_ids)
+      total = total + scheme(length, segment_ids, position_ids)
     return total
 
 
@@ -189,6 +230,7 @@ class NoPosition(Scheme):
   scheme_name = "none"
 
   @nn.compact
-  def __call__(self, length, segment_ids=None):
+  def __call__(self, length, segment_ids=None, position_ids=None):
     self.check_length(length)
+    self.check_position_ids(length, position_ids)
     return SchemeTerms()

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from posenc_jax.schemes.base import (NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, SHARING,
                                     Scheme, one_of, optional)
-from posenc_jax.terms import Factored, SchemeTerms, Toeplitz, lookup
+from posenc_jax.terms import Factored, SchemeTerms, Toeplitz, lookup, lookup_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,13 +47,14 @@ class DietRel(Scheme):
   hyperparameters = {"clip": optional(NON_NEGATIVE_INT), "sharing": one_of(*SHARING)}
 
   @nn.compact
-  def __call__(self, length, segment_ids=None):
+  def __call__(self, length, segment_ids=None, position_ids=None):
     self.check_length(length)
+    positions = self.toeplitz_positions(length, position_ids)
     clip = self.max_len - 1 if self.clip is None else self.clip
     layers, heads = self.sharing_dims(self.sharing)
     table = self.logical_param("relative_bias", nn.initializers.normal(0.02),
                                (layers, heads, 2 * clip + 1), ("layers", "heads", "relpos"))
-    return SchemeTerms(terms=(Toeplitz(table, ClippedOffsets(clip)),))
+    return SchemeTerms(terms=(Toeplitz(table, ClippedOffsets(clip), **positions),))
 
 
 class DietAbs(Scheme):
@@ -79,8 +80,9 @@ class DietAbs(Scheme):
                      "content_scale": optional(POSITIVE_FLOAT)}
 
   @nn.compact
-  def __call__(self, length, segment_ids=None):
+  def __call__(self, length, segment_ids=None, position_ids=None):
     self.check_length(length)
+    ids = self.check_position_ids(length, position_ids, self.max_len)
     rank = self.head_dim if self.rank is None else self.rank
     layers, heads = self.sharing_dims(self.sharing)
     shape = (layers, self.max_len, heads, rank)
@@ -88,5 +90,9 @@ class DietAbs(Scheme):
     init = nn.initializers.normal(0.02)
     p_q = self.logical_param("p_query", init, shape, axes)
     p_k = self.logical_param("p_key", init, shape, axes)
-    return SchemeTerms(terms=(Factored(p_q[:, :length], p_k[:, :length]),),
+    if ids is None:
+      u, v = p_q[:, :length], p_k[:, :length]  # [layers, L, heads, rank]
+    else:  # rows at the ids: [layers, B, L, heads, rank]
+      u, v = lookup_rows(p_q, ids, axis=1), lookup_rows(p_k, ids, axis=1)
+    return SchemeTerms(terms=(Factored(u, v),),
                        content_scale=self.content_scale)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import flax.linen as nn
 
 from posenc_jax.schemes.base import POSITIVE_INT, SHARING, Scheme, one_of, optional
-from posenc_jax.terms import Factored, SchemeTerms
+from posenc_jax.terms import Factored, SchemeTerms, lookup_rows
 
 
 class DietAbsLin(Scheme):
@@ -49,12 +49,13 @@ class DietAbsLin(Scheme):
                      "sharing": one_of(*SHARING)}
 
   @nn.compact
-  def __call__(self, length, segment_ids=None):
+  def __call__(self, length, segment_ids=None, position_ids=None):
     """One :class:`Factored` term.
 
     Its ``u`` is ``[layers, L, heads, d_p]`` and its ``v`` ``[layers, k, heads, d_p]``.
     """
     self.check_length(length)
+    ids = self.check_position_ids(length, position_ids, self.max_len)
     rank = self.head_dim if self.rank is None else self.rank
     layers, heads = self.sharing_dims(self.sharing)
     init = nn.initializers.normal(0.02)
@@ -62,4 +63,7 @@ class DietAbsLin(Scheme):
                              ("layers", "abspos", "heads", "rank"))
     p_k = self.logical_param("p_key", init, (layers, self.k, heads, rank),
                              ("layers", "linformer_k", "heads", "rank"))
-    return SchemeTerms(terms=(Factored(p_q[:, :length], p_k),))
+    u = p_q[:, :length] if ids is None else lookup_rows(p_q, ids, axis=1)
+    # With ids u is [layers, B, L, heads, d_p]; v keeps the projected keys' k rows (the
+    # batch broadcasts over them).
+    return SchemeTerms(terms=(Factored(u, p_k if ids is None else p_k[:, None]),))

@@ -184,8 +184,12 @@ class Rope(Scheme):
     return 0.1 * math.log(self.factor) + 1.0
 
   @nn.compact
-  def __call__(self, length, segment_ids=None):
+  def __call__(self, length, segment_ids=None, position_ids=None):
+    """Angles ``[1 (layers), L, R/2]``, or ``[1, B, L, R/2]`` at ``position_ids`` (any
+    integers: RoPE has no table)."""
     self.check_length(length)
-    angles = jnp.arange(length, dtype=jnp.float32)[:, None] * self.frequencies()[None, :]
+    ids = self.check_position_ids(length, position_ids)
+    positions = jnp.arange(length) if ids is None else ids
+    angles = positions.astype(jnp.float32)[..., None] * self.frequencies()
     return SchemeTerms(terms=(Rotation(angles[None], angles[None], self.layout,
                                        self.attention_scaling()),))

@@ -38,7 +38,8 @@ class SegmentInput(Scheme):
   hyperparameters = {"num_segments": POSITIVE_INT}
 
   @nn.compact
-  def __call__(self, length, segment_ids=None):
+  def __call__(self, length, segment_ids=None, position_ids=None):
+    del position_ids  # segments carry no positions
     one_hot = _one_hot_segments(self, length, segment_ids, self.num_segments)
     table = self.logical_param("segment_embedding", nn.initializers.normal(0.02),
                                (self.num_segments, self.d_model), ("segments", "embed"))
@@ -62,7 +63,8 @@ class SegmentPerHead(Scheme):
   hyperparameters = {"num_segments": POSITIVE_INT, "sharing": one_of(*SHARING)}
 
   @nn.compact
-  def __call__(self, length, segment_ids=None):
+  def __call__(self, length, segment_ids=None, position_ids=None):
+    del position_ids  # segments carry no positions
     one_hot = _one_hot_segments(self, length, segment_ids, self.num_segments)
     layers, heads = self.sharing_dims(self.sharing)
     n = self.num_segments

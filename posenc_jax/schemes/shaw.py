@@ -29,15 +29,17 @@ class ShawRPE(Scheme):
   hyperparameters = {"clip": NON_NEGATIVE_INT, "value": BOOL, "sharing": one_of("none", "layer")}
 
   @nn.compact
-  def __call__(self, length, segment_ids=None):
+  def __call__(self, length, segment_ids=None, position_ids=None):
     self.check_length(length)
+    ids = self.check_position_ids(length, position_ids)  # offsets are clipped: any integer
     layers, _ = self.sharing_dims(self.sharing)
     shape = (layers, 2 * self.clip + 1, self.head_dim)
     axes = ("layers", "relpos", "kv")
     init = nn.initializers.normal(0.02)
     key_table = self.logical_param("key_table", init, shape, axes)
     value_table = self.logical_param("value_table", init, shape, axes) if self.value else None
-    return SchemeTerms(terms=(QueryRelative(key_table, value_table, clip=self.clip),))
+    return SchemeTerms(terms=(QueryRelative(key_table, value_table, clip=self.clip,
+                                            position_ids=None if ids is None else ids[None]),))
 
 
 class SinusoidalRPE(Scheme):
@@ -63,9 +65,11 @@ class SinusoidalRPE(Scheme):
   hyperparameters = {"learnable": BOOL, "clip": NON_NEGATIVE_INT, "value": BOOL}
 
   @nn.compact
-  def __call__(self, length, segment_ids=None):
+  def __call__(self, length, segment_ids=None, position_ids=None):
     self.check_length(length)
+    ids = self.check_position_ids(length, position_ids)
     freqs = sinusoid_param(self, self.head_dim, self.learnable)
     table = sinusoid(jnp.arange(-self.clip, self.clip + 1), freqs)[None]  # [1, 2 clip + 1, D]
     return SchemeTerms(terms=(QueryRelative(table, table if self.value else None,
-                                            clip=self.clip),))
+                                            clip=self.clip,
+                                            position_ids=None if ids is None else ids[None]),))

@@ -167,10 +167,11 @@ class T5Bias(Scheme):
     return bucket_problem(values["num_buckets"], values["max_distance"], values["bidirectional"])
 
   @nn.compact
-  def __call__(self, length, segment_ids=None):
+  def __call__(self, length, segment_ids=None, position_ids=None):
     self.check_length(length)
+    positions = self.toeplitz_positions(length, position_ids)
     layers, heads = self.sharing_dims(self.sharing)
     table = self.logical_param("relative_bias", nn.initializers.normal(0.02),
                                (layers, heads, self.num_buckets), ("layers", "heads", "buckets"))
     offset_fn = BucketedOffsets(self.max_distance, self.bidirectional)
-    return SchemeTerms(terms=(Toeplitz(table, offset_fn),))
+    return SchemeTerms(terms=(Toeplitz(table, offset_fn, **positions),))

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 
 from posenc_jax.schemes.base import BOOL, POSITIVE_INT, Scheme
 from posenc_jax.schemes.t5 import BucketedOffsets, bucket_problem
-from posenc_jax.terms import Factored, QKShift, SchemeTerms, Toeplitz
+from posenc_jax.terms import Factored, QKShift, SchemeTerms, Toeplitz, lookup_rows
 
 Array = jax.Array
 
@@ -68,9 +68,13 @@ class UntiedPositions(nn.Module):
     p = self.norm(p)
     return self.query(p), self.key(p)
 
-  def positions(self, length: int) -> tuple[Array, Array]:
-    """``LN(p_i) U_Q`` and ``LN(p_i) U_K`` for ``i < length``, each ``[L, H, D]``."""
-    return self(self.position_embedding[:length])
+  def positions(self, length: int, position_ids: Array | None = None
+                ) -> tuple[Array, Array]:
+    """``LN(p_i) U_Q`` and ``LN(p_i) U_K`` for ``i < length``, each ``[L, H, D]``; at
+    ``position_ids`` ``[B, L]`` (rows read by :func:`lookup_rows`), each ``[B, L, H, D]``."""
+    if position_ids is None:
+      return self(self.position_embedding[:length])
+    return self(lookup_rows(self.position_embedding, position_ids))
 
 
 class Tupe(Scheme):
@@ -112,12 +116,15 @@ class Tupe(Scheme):
     return bucket_problem(values["num_buckets"], values["max_distance"], bidirectional=True)
 
   @nn.compact
-  def __call__(self, length, segment_ids=None):
+  def __call__(self, length, segment_ids=None, position_ids=None):
+    """With ``position_ids`` the [CLS] reset applies to every token at position 0 (each
+    packed sequence's first token), and the relative part is a dense per-example bias."""
     self.check_length(length)
+    ids = self.check_position_ids(length, position_ids, self.max_len)
     scale = 1.0 / math.sqrt(2 * self.head_dim)
     untied = UntiedPositions(self.num_heads, self.head_dim, self.d_model, self.max_len,
                              name="positions")
-    u, v = untied.positions(length)
+    u, v = untied.positions(length, ids)  # [L, H, D] or [B, L, H, D]
     u = u * scale
     terms = []
     if self.untie_cls:
@@ -128,8 +135,10 @@ class Tupe(Scheme):
       if self.cls_buckets:  # [CLS]-to-others and others-to-[CLS] buckets, [2, H]
         theta = theta + self.logical_param("cls_relative_bias", nn.initializers.normal(0.02),
                                            (2, self.num_heads), ("cls", "heads"))
-      first = (jnp.arange(length) == 0).astype(u.dtype)[:, None]  # e0, [L, 1]
+      positions = jnp.arange(length) if ids is None else ids
+      first = (positions == 0).astype(u.dtype)[..., None]  # e0, [L, 1] or [B, L, 1]
       u_extra = jnp.stack([theta[0] * first, theta[1] * (1 - first)], axis=-1)
+      u_extra = jnp.broadcast_to(u_extra, u.shape[:-1] + (2,))
       v_extra = jnp.broadcast_to(jnp.stack([jnp.ones_like(first), first], axis=-1),
                                  u_extra.shape)
       u = jnp.concatenate([u * (1 - first)[..., None], u_extra], axis=-1)
@@ -139,7 +148,8 @@ class Tupe(Scheme):
       table = self.logical_param("relative_bias", nn.initializers.normal(0.02),
                                  (self.num_heads, self.num_buckets), ("heads", "buckets"))
       terms.append(Toeplitz(table[None], BucketedOffsets(self.max_distance, bidirectional=True),
-                            zero_first=self.untie_cls))
+                            zero_first=self.untie_cls,
+                            **self.toeplitz_positions(length, position_ids)))
     return SchemeTerms(terms=tuple(terms), content_scale=scale)
 
 
@@ -158,10 +168,11 @@ class BertAd(Scheme):
   absolute_table = True
 
   @nn.compact
-  def __call__(self, length, segment_ids=None):
+  def __call__(self, length, segment_ids=None, position_ids=None):
     self.check_length(length)
+    ids = self.check_position_ids(length, position_ids, self.max_len)
     untied = UntiedPositions(self.num_heads, self.head_dim, self.d_model, self.max_len,
                              name="positions")
-    q_shift, k_shift = untied.positions(length)
+    q_shift, k_shift = untied.positions(length, ids)
     return SchemeTerms(terms=(QKShift(q_shift[None], k_shift[None]),),
                        content_scale=1.0 / math.sqrt(4 * self.head_dim))

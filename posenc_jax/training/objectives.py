@@ -5,12 +5,13 @@ exactly) and summed metric numerators over one batch.
 
 MLM batch (``[B, L]`` each): ``input_ids``, ``segment_ids``, ``mask`` (1 at
 real tokens), ``mlm_targets`` (original id at masked positions),
-``mlm_weights`` (1 at masked positions). With ``max_predictions`` ``P`` (BERT's
-``max_predictions_per_seq``; the trainer's default is the most ``mask_rate``
-masks in a row) the vocabulary projection runs only at the ``P`` positions of
-each row that carry weight (padded with weight-0 positions), not at all
-``L``: the same loss and gradients when no row has more than ``P`` (the
-trainer checks every batch).
+``mlm_weights`` (1 at masked positions); optionally ``position_ids`` and
+``packed_segment_ids`` (packed sequences, passed to the model). With
+``max_predictions`` ``P`` (BERT's ``max_predictions_per_seq``; the trainer's
+default is the most ``mask_rate`` masks in a row) the vocabulary projection
+runs only at the ``P`` positions of each row that carry weight (padded with
+weight-0 positions), not at all ``L``: the same loss and gradients when no row
+has more than ``P`` (the trainer checks every batch).
 
 Translation batch: ``inputs`` ``[B, Ls]``, ``targets`` ``[B, Lt]`` (0 is
 padding; the decoder input is ``targets`` shifted right by one).
@@ -68,6 +69,16 @@ def weighted_cross_entropy(logits: Array, targets: Array, weights: Array,
   return jnp.sum(loss * weights), jnp.sum(weights), jnp.sum(correct * weights)
 
 
+# Optional [B, L] int32 batch features a packing pipeline adds: the position of each token
+# (restarting per packed sequence) and the packed sequence it belongs to.
+PACKING_FEATURES = ("position_ids", "packed_segment_ids")
+
+
+def packing_inputs(batch: dict[str, Array]) -> dict[str, Array]:
+  """The model keyword arguments of :data:`PACKING_FEATURES` present in ``batch``."""
+  return {name: batch[name] for name in PACKING_FEATURES if name in batch}
+
+
 def masked_positions(weights: Array, max_predictions: int) -> Array:
   """``[B, P]`` int32 positions of each row's ``P`` largest ``weights`` ``[B, L]`` (the
   masked positions first, in order, then weight-0 ones)."""
@@ -94,7 +105,8 @@ def mlm_objective(model: nn.Module, params: Any, batch: dict[str, Array], rng: A
     targets, weights = _at(targets, positions), _at(weights, positions)
   logits = model.apply({"params": params}, batch["input_ids"], batch["segment_ids"],
                        batch["mask"], masked_positions=positions, deterministic=deterministic,
-                       rngs=None if deterministic else {"dropout": rng})
+                       rngs=None if deterministic else {"dropout": rng},
+                       **packing_inputs(batch))
   loss, weight, correct = weighted_cross_entropy(logits, targets, weights, label_smoothing)
   return loss, {"loss": loss, "weight": weight, "correct": correct}
 
@@ -116,11 +128,14 @@ def lm_objective(model: nn.Module, params: Any, batch: dict[str, Array], rng: Ar
                  label_smoothing: float = 0.0) -> tuple[Array, dict[str, Array]]:
   """Next-token prediction: the logits at ``shift_right(targets)`` predict ``targets``;
   padding (0) weighs 0. Padding only ends a row, so causal attention keeps it from every
-  real position and no key mask is needed."""
+  real position and no key mask is needed. ``position_ids`` and ``packed_segment_ids``, when
+  in the batch, describe the prediction slots (slot ``t`` reads target ``t - 1`` and
+  predicts target ``t``) and go to the model as they are."""
   deterministic = rng is None
   logits = model.apply({"params": params}, shift_right(batch["targets"]),
                        deterministic=deterministic,
-                       rngs=None if deterministic else {"dropout": rng})
+                       rngs=None if deterministic else {"dropout": rng},
+                       **packing_inputs(batch))
   loss, weight, correct = weighted_cross_entropy(logits, batch["targets"],
                                                  batch["targets"] > 0, label_smoothing)
   return loss, {"loss": loss, "weight": weight, "correct": correct}
