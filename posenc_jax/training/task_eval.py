@@ -8,10 +8,18 @@
 * Span prediction (SQuAD, XQuAD, MLQA, TyDiQA): start/end logits of every
   window of the split, mapped back to answer text and scored with SQuAD's
   (or MLQA's) F1/EM.
+
+Multi-process jobs (TPU pods, multi-node GPU): every process reads the same
+evaluation batches (the whole split, not a host shard), hands its rows of each
+batch to the model, sharded over the mesh like training batches, and gets
+every row's output back (``process_allgather``). The examples, their order,
+the padding rows and the metric computation are then those of one process, so
+the metrics are identical.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -19,21 +27,66 @@ import flax.linen as nn
 import jax
 import ml_collections
 import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding
 
 from posenc_jax.models.decoding import translate
 
 
+def batch_sharding_of(params: Any) -> NamedSharding:
+  """The batch sharding (rows over ``data``) of the mesh ``params`` live on."""
+  from posenc_jax.training import mesh as mesh_lib  # noqa: PLC0415
+
+  for leaf in jax.tree.leaves(params):
+    if isinstance(getattr(leaf, "sharding", None), NamedSharding):
+      return mesh_lib.batch_sharding(leaf.sharding.mesh)
+  raise ValueError("multi-process evaluation needs parameters placed on a mesh")
+
+
+def _rows_multiple(sharding: NamedSharding) -> int:
+  """How many shards the first (row) axis is split into."""
+  axes = sharding.spec[0] if len(sharding.spec) else None
+  axes = () if axes is None else axes if isinstance(axes, tuple) else (axes,)
+  return math.prod(sharding.mesh.shape[a] for a in axes)
+
+
+def apply_on_all_processes(run, params: Any, inputs: dict[str, np.ndarray],
+                           sharding: NamedSharding | None) -> Any:
+  """``run(params, inputs)`` with host numpy ``inputs`` that every process holds in full
+  (the same rows on each): single-process (or ``sharding`` None), as is; multi-process,
+  the rows (zero-padded to a multiple of the shards) sharded by ``sharding`` so each
+  device computes its rows, and the outputs gathered to every process as numpy, the
+  padding rows dropped. The result is the whole batch's, in row order, on every process."""
+  if sharding is None or jax.process_count() == 1:
+    return jax.tree.map(np.asarray, run(params, inputs))
+  rows = len(next(iter(inputs.values())))
+  multiple = _rows_multiple(sharding)
+  padded = -(-rows // multiple) * multiple
+  arrays = {}
+  for key, value in inputs.items():
+    value = np.asarray(value)
+    if padded > rows:
+      value = np.concatenate([value, np.zeros((padded - rows,) + value.shape[1:], value.dtype)])
+    arrays[key] = jax.make_array_from_callback(value.shape, sharding,
+                                               lambda index, v=value: v[index])
+  outputs = multihost_utils.process_allgather(run(params, arrays), tiled=True)
+  return jax.tree.map(lambda x: np.asarray(x)[:rows], outputs)
+
+
 def decode_batches(model: nn.Module, params: Any, batches: Iterable[dict[str, np.ndarray]],
-                   decode: ml_collections.ConfigDict, eos_id: int = 1
+                   decode: ml_collections.ConfigDict, eos_id: int = 1,
+                   sharding: NamedSharding | None = None
                    ) -> tuple[list[np.ndarray], list[np.ndarray]]:
-  """(predicted ids, reference ids) per example, cut at EOS; ``translate``'s best beam."""
+  """(predicted ids, reference ids) per example, cut at EOS; ``translate``'s best beam.
+  Multi-process: every process passes the same ``batches`` and gets every example
+  (:func:`apply_on_all_processes` with ``sharding``)."""
   predictions, references = [], []
-  run = jax.jit(lambda p, src: translate(model, p, src, src > 0,
-                                         max_decode_len=decode.max_decode_len,
-                                         beam_size=decode.beam_size, alpha=decode.alpha,
-                                         eos_id=eos_id)[0][:, 0])
+  run = jax.jit(lambda p, b: translate(model, p, b["inputs"], b["inputs"] > 0,
+                                       max_decode_len=decode.max_decode_len,
+                                       beam_size=decode.beam_size, alpha=decode.alpha,
+                                       eos_id=eos_id)[0][:, 0])
   for batch in batches:
-    tokens = np.asarray(run(params, batch["inputs"]))
+    tokens = apply_on_all_processes(run, params, {"inputs": batch["inputs"]}, sharding)
     for row, ref in zip(tokens, batch["targets"]):
       predictions.append(_cut(row, eos_id))
       references.append(_cut(np.asarray(ref), eos_id))
@@ -41,13 +94,16 @@ def decode_batches(model: nn.Module, params: Any, batches: Iterable[dict[str, np
 
 
 def predict_batches(model: nn.Module, params: Any, batches: Iterable[dict[str, np.ndarray]],
-                    objective: str) -> tuple[list, list]:
-  """(predictions, labels) over all real rows: class ids, or floats for regression."""
+                    objective: str, sharding: NamedSharding | None = None) -> tuple[list, list]:
+  """(predictions, labels) over all real rows: class ids, or floats for regression.
+  Multi-process: every process passes the same ``batches`` and gets every example
+  (:func:`apply_on_all_processes` with ``sharding``)."""
   run = jax.jit(lambda p, b: model.apply({"params": p}, b["input_ids"], b["segment_ids"],
                                          b["mask"]))
   predictions, labels = [], []
   for batch in batches:
-    out = np.asarray(run(params, batch))
+    inputs = {k: batch[k] for k in ("input_ids", "segment_ids", "mask")}
+    out = apply_on_all_processes(run, params, inputs, sharding)
     out = out if objective == "regression" else out.argmax(-1)
     keep = np.asarray(batch.get("weight", np.ones(len(out)))) > 0
     predictions.extend(out[keep].tolist())
@@ -56,8 +112,11 @@ def predict_batches(model: nn.Module, params: Any, batches: Iterable[dict[str, n
 
 
 def span_metrics(model: nn.Module, params: Any, task_name: str, split: str, seq_len: int,
-                 batch_size: int, max_batches: int | None = None) -> dict[str, float]:
-  """SQuAD-style F1/EM (``task_f1``, ``task_exact_match``) of the model on a QA task's split."""
+                 batch_size: int, max_batches: int | None = None,
+                 sharding: NamedSharding | None = None) -> dict[str, float]:
+  """SQuAD-style F1/EM (``task_f1``, ``task_exact_match``) of the model on a QA task's split.
+  Multi-process: every process reads the whole split and gets every window's logits
+  (:func:`apply_on_all_processes` with ``sharding``), then post-processes as one would."""
   import seqio  # noqa: PLC0415
 
   from posenc_jax.data import xtreme_qa  # noqa: PLC0415
@@ -72,7 +131,8 @@ def span_metrics(model: nn.Module, params: Any, task_name: str, split: str, seq_
   features: dict[str, list[np.ndarray]] = {}
   starts, ends = [], []
   for batch in ds.as_numpy_iterator():
-    start, end = run(params, {k: batch[k] for k in ("input_ids", "segment_ids", "mask")})
+    start, end = apply_on_all_processes(
+        run, params, {k: batch[k] for k in ("input_ids", "segment_ids", "mask")}, sharding)
     starts.append(np.asarray(start))
     ends.append(np.asarray(end))
     for key in ("example_id", "context", "token_offsets", "max_context"):
