@@ -105,6 +105,7 @@ MODEL_SPECS = {"num_decoder_layers": "configs/translate.py:transformer_base,t5",
                "attention": "configs/pretrain.py:bert_tiny,bert"}
 TRAIN_FIELDS = {
     "async_checkpointing": ("False", False), "batch_size": ("16", 16),
+    "cache_data": ("false", "false"), "data_sharding": ("stream", "stream"),
     "checkpoint_every": ("70", 70), "compilation_cache_dir": ("/tmp/xla", "/tmp/xla"),
     "eval_every": ("70", 70), "eval_steps": ("3", 3), "grad_accum_steps": ("2", 2),
     "head": ("mlm", "mlm"), "keep_checkpoints": ("2", 2), "label_smoothing": ("0.1", 0.1),

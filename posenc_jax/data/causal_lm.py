@@ -20,8 +20,9 @@ a line.
 
 ``lm_dataset(task, split, seq_len, batch_size, seed, ...)`` is what the training loop calls:
 the task's packed examples through :func:`posenc_jax.data.preprocessors.packed_stream`
-(shuffled in blocks each epoch, epochs concatenated, sharded over hosts, resumed exactly at a
-step, as the masked-LM pipeline), batched as ``{"targets": int32 [batch_size, L]}``.
+(shuffled in blocks each epoch, epochs concatenated, sharded over hosts at the stream or at
+the source, resumed exactly at a step or from a saved iterator, as the masked-LM pipeline),
+batched as ``{"targets": int32 [batch_size, L]}``.
 
 Other text-line corpora: ``register_causal_lm(name, split_to_files, vocabulary)``.
 """
@@ -68,23 +69,33 @@ register_causal_lm(
     seqio.get_mixture_or_task("wordnet_glosses").output_features["text"].vocabulary)
 
 
-def packed_epoch(task_name: str, split: str, seq_len: int) -> tf.data.Dataset:
-  """One epoch of a causal-LM task's packed examples ``{"targets": [L]}``, in source order."""
+def packed_epoch(task_name: str, split: str, seq_len: int, shard_id: int = 0,
+                 num_shards: int = 1) -> tf.data.Dataset:
+  """One epoch of a causal-LM task's packed examples ``{"targets": [L]}`` (of the split, or
+  of host ``shard_id``'s part of it), in source order."""
   task = seqio.get_mixture_or_task(task_name)
   return task.get_dataset({FEATURE: seq_len}, split=split, shuffle=False, num_epochs=1,
-                          use_cached=False)
+                          use_cached=False,
+                          shard_info=preprocessors.shard_info(shard_id, num_shards))
+
+
+def epoch_length(task_name: str, split: str, seq_len: int, shard_id: int = 0,
+                 num_shards: int = 1) -> int:
+  """``N``: packed examples per epoch (one pass over the split or the host's part; cached
+  per process)."""
+  return _epoch_length(task_name, split, seq_len, shard_id, num_shards)
 
 
 @functools.lru_cache(maxsize=None)
-def epoch_length(task_name: str, split: str, seq_len: int) -> int:
-  """``N``: packed examples per epoch (one pass over the split; cached per process)."""
-  return preprocessors.count(packed_epoch(task_name, split, seq_len))
+def _epoch_length(*args) -> int:
+  return preprocessors.count(packed_epoch(*args))
 
 
 def lm_dataset(task_name: str, split: str, seq_len: int, batch_size: int, seed: int,
                shard_id: int = 0, num_shards: int = 1, repeat: bool = True,
                shuffle: bool | None = None, start_step: int = 0, shuffle_block: int = 16_384,
-               drop_remainder: bool = True, cache: bool = True) -> tf.data.Dataset:
+               drop_remainder: bool = True, cache: bool | str = True,
+               sharding: str = "stream") -> tf.data.Dataset:
   """Batches of a causal-LM task: ``{"targets": int32 [batch_size, L]}``.
 
   Args:
@@ -93,13 +104,17 @@ def lm_dataset(task_name: str, split: str, seq_len: int, batch_size: int, seed: 
     seq_len: ``L``, tokens per sequence.
     batch_size: sequences per batch on this host.
     seed: the seed of shuffling.
-    shard_id, num_shards, repeat, shuffle, start_step, shuffle_block, drop_remainder, cache:
-      as :func:`posenc_jax.data.preprocessors.mlm_dataset`'s (the same order, shards and
-      resume).
+    shard_id, num_shards, repeat, shuffle, start_step, shuffle_block, drop_remainder, cache,
+      sharding: as :func:`posenc_jax.data.preprocessors.mlm_dataset`'s (the same order,
+      shards, cache decision and resume).
   """
+  preprocessors.check_shard(shard_id, num_shards, sharding)
+  part = (shard_id, num_shards) if sharding == "source" else (0, 1)
   ds = preprocessors.packed_stream(
-      packed_epoch(task_name, split, seq_len), lambda: epoch_length(task_name, split, seq_len),
+      packed_epoch(task_name, split, seq_len, *part),
+      lambda: epoch_length(task_name, split, seq_len, *part),
       batch_size, seed, shard_id=shard_id, num_shards=num_shards, repeat=repeat,
-      shuffle=shuffle, start_step=start_step, shuffle_block=shuffle_block, cache=cache)
+      shuffle=shuffle, start_step=start_step, shuffle_block=shuffle_block,
+      cache=preprocessors.resolve_cache(cache, task_name, split, part[1]), sharding=sharding)
   ds = ds.map(lambda e, i, x: x).batch(batch_size, drop_remainder=drop_remainder or repeat)
   return ds.prefetch(tf.data.AUTOTUNE)

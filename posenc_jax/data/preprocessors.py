@@ -21,26 +21,52 @@ The pipeline, one epoch at a time (epoch ``e`` = 0, 1, ...):
    permuted by ``stateless_shuffle`` with a seed from ``(seed, e, block)``;
 4. the epochs are concatenated (``repeat``) into one global stream; element ``i`` of epoch
    ``e`` has the global stream position ``e * N + i`` (``N`` sequences per epoch);
-5. ``ds.shard(num_shards, shard_id)`` on that stream: host ``k`` keeps positions
-   ``k, k + num_shards, ...``, so hosts are disjoint, and the union of their step-``s``
-   batches is exactly the step-``s`` batch of one host with ``num_shards * batch_size``;
+5. ``sharding="stream"``: ``ds.shard(num_shards, shard_id)`` on that stream: host ``k``
+   keeps positions ``k, k + num_shards, ...``, so hosts are disjoint, and the union of their
+   step-``s`` batches is exactly the step-``s`` batch of one host with
+   ``num_shards * batch_size``; but every host reads, packs and shuffles the whole stream;
 6. ``bert_mask`` with the stateless seed ``(seed, e)`` folded with ``i``: a sequence's masks
    depend only on the seed, its epoch and its place in the epoch, never on the host or on
    where reading started;
 7. ``batch(batch_size)``.
 
+``sharding="source"`` (what the trainer uses, ``config.data_sharding``) moves the host split
+to step 1: host ``k`` asks seqio for its part of the split,
+``shard_info=seqio.ShardInfo(k, num_shards)`` (whole files when the split has at least
+``num_shards`` files, else every ``num_shards``-th line before tokenisation), and packs,
+shuffles and masks only that, so ``N`` hosts each do ``1/N`` of the work. Its own stream
+(epochs of its own length ``N_k``) replaces steps 4-5, and with ``num_shards > 1`` the
+shuffle and mask seeds are also folded with ``k`` (hosts do not repeat each other's random
+numbers). Hosts stay disjoint and together cover the split each epoch; the union of their
+batches is no longer one host's batch. With one host both modes are the same pipeline.
+
+``cache`` (step 2) is a bool, or ``"auto"``: cache when the host's share of the split's
+source is under ``CACHE_AUTO_MAX_BYTES`` (:func:`auto_cache`), so a large corpus streams from
+its files every epoch with a host-memory footprint independent of its size.
+
 Steps 3-5 (and the resume below) are :func:`packed_stream`'s, which the causal-LM pipeline
 (:func:`posenc_jax.data.causal_lm.lm_dataset`) shares.
 
 Everything is a function of the arguments, so the same call gives the same batches.
-Resuming at step ``s``: ``mlm_dataset(..., start_step=s)`` gives what the uninterrupted
-dataset gives from its step ``s`` on. It starts at epoch ``s * batch_size * num_shards // N``
-(counting ``N`` costs one pass over the split, done once per process and task) and skips the
-remainder before masking, so skipped sequences are only packed, never masked or batched.
-(``mlm_dataset(...).skip(s)`` gives the same batches too, but masks and batches every
-skipped sequence.) Saving the ``tf.data`` iterator with ``tf.train.Checkpoint(iterator=it)``
-also works, but its state holds buffered elements (the in-memory cache included) and ties a
-checkpoint to the pipeline's structure; ``start_step`` needs nothing but the step number.
+Resuming at step ``s``, two ways:
+
+* the iterator's state: ``tf.train.Checkpoint(iterator=it)`` written after ``s`` batches and
+  read into a fresh iterator of the same call continues with exactly batch ``s``, at a cost
+  independent of ``s`` (every op here, seqio's file reading and tokenising included, saves
+  its position). The state holds the elements buffered at that moment: the shuffle block
+  being filled (up to ``shuffle_block * L * 8`` bytes: 16 MB at the defaults and
+  ``L = 128``), the packing loop's carry and current chunk of ``lines_per_chunk`` lines,
+  seqio's file-reading buffers, the prefetched batches, and, with ``cache`` on, the cached
+  part of the epoch (``N * L * 8`` bytes once filled: 21 MB for WordNet's train split at
+  ``L = 128``). The trainer saves it in every checkpoint
+  (:mod:`posenc_jax.training.checkpoint`).
+* ``mlm_dataset(..., start_step=s)`` (the fallback: checkpoints without an iterator state,
+  or another number of hosts) gives what the uninterrupted dataset gives from its step
+  ``s`` on. It starts at epoch ``s * batch_size * num_shards // N`` (``stream``; ``source``:
+  ``s * batch_size // N_k``; counting ``N`` costs one pass over the split, done once per
+  process and task) and skips the remainder before masking, so skipped sequences are only
+  packed, never masked or batched, but reading and packing them costs time proportional to
+  the position in the epoch.
 """
 
 import functools
@@ -49,10 +75,16 @@ from collections.abc import Callable
 import seqio
 import tensorflow as tf
 
-from posenc_jax.data import tasks as _tasks  # noqa: F401  (registers the tasks)
+from posenc_jax.data import tasks as _tasks  # registers the tasks; source sizes
 from posenc_jax.data.vocab import CLS_ID, MASK_ID, NUM_RESERVED, SEP_ID
 
 MLM_FEATURES = ("input_ids", "segment_ids", "mask", "mlm_targets", "mlm_weights")
+SHARDINGS = ("stream", "source")
+# ``cache="auto"`` caches a packed epoch whose host share of source files (bytes as stored)
+# is under this. The cache holds 8 bytes per token (input_ids and mask, int32): about 2x
+# plain text and 6x gzipped text (WordNet: 3.3 MB of gzip -> 21 MB at L = 128), so at most
+# about 1.6 GB of host memory.
+CACHE_AUTO_MAX_BYTES = 256 * 2**20
 
 
 def pack_lines(dataset: tf.data.Dataset, seq_len: int, feature: str = "text",
@@ -154,10 +186,28 @@ def bert_mask(example: dict, seed: tf.Tensor, vocab_size: int, mask_rate: float 
   }
 
 
-def packed_epoch(task_name: str, split: str, seq_len: int, feature: str = "text"):
-  """One epoch of ``pack_lines`` over a task's split, in source order (no masking)."""
+def shard_info(shard_id: int = 0, num_shards: int = 1) -> seqio.ShardInfo | None:
+  """seqio's ``ShardInfo`` of host ``shard_id`` of ``num_shards`` (None for one host: the
+  whole split, exactly as without sharding)."""
+  check_shard(shard_id, num_shards)
+  return seqio.ShardInfo(shard_id, num_shards) if num_shards > 1 else None
+
+
+def check_shard(shard_id: int, num_shards: int, sharding: str = "stream") -> None:
+  """One-line ``ValueError`` for a shard outside ``[0, num_shards)`` or an unknown mode."""
+  if sharding not in SHARDINGS:
+    raise ValueError(f"sharding: got {sharding!r}; allowed: {', '.join(SHARDINGS)}")
+  if not 0 <= shard_id < num_shards:
+    raise ValueError(f"shard_id: got {shard_id}; allowed: 0 <= shard_id < num_shards={num_shards}")
+
+
+def packed_epoch(task_name: str, split: str, seq_len: int, feature: str = "text",
+                 shard_id: int = 0, num_shards: int = 1):
+  """One epoch of ``pack_lines`` over a task's split (or host ``shard_id``'s part of it,
+  module docstring), in source order (no masking)."""
   task = seqio.get_mixture_or_task(task_name)
-  lines = task.get_dataset(None, split=split, shuffle=False, num_epochs=1, use_cached=False)
+  lines = task.get_dataset(None, split=split, shuffle=False, num_epochs=1, use_cached=False,
+                           shard_info=shard_info(shard_id, num_shards))
   return pack_lines(lines, seq_len, feature)
 
 
@@ -166,35 +216,73 @@ def count(dataset: tf.data.Dataset) -> int:
   return int(dataset.reduce(tf.constant(0, tf.int64), lambda n, _: n + 1).numpy())
 
 
+def epoch_length(task_name: str, split: str, seq_len: int, feature: str = "text",
+                 shard_id: int = 0, num_shards: int = 1) -> int:
+  """``N``: packed sequences per epoch (one pass over the split, or over host ``shard_id``'s
+  part of it; cached per process)."""
+  return _epoch_length(task_name, split, seq_len, feature, shard_id, num_shards)
+
+
 @functools.lru_cache(maxsize=None)
-def epoch_length(task_name: str, split: str, seq_len: int, feature: str = "text") -> int:
-  """``N``: packed sequences per epoch (one pass over the split; cached per process)."""
-  return count(packed_epoch(task_name, split, seq_len, feature))
+def _epoch_length(*args) -> int:
+  return count(packed_epoch(*args))
+
+
+def auto_cache(task_name: str, split: str, num_shards: int = 1,
+               max_bytes: int = CACHE_AUTO_MAX_BYTES) -> bool:
+  """``cache="auto"``'s decision: True when a host's share of the split's source
+  (:func:`posenc_jax.data.tasks.source_bytes` divided by ``num_shards``) is known and under
+  ``max_bytes``; an unknown size streams."""
+  size = _tasks.source_bytes(seqio.get_mixture_or_task(task_name), split)
+  return size is not None and size / num_shards < max_bytes
+
+
+def resolve_cache(cache: bool | str, task_name: str, split: str, num_shards: int) -> bool:
+  """``cache`` as a bool (``"auto"``: :func:`auto_cache`); one-line ``ValueError`` otherwise."""
+  if cache == "auto":
+    return auto_cache(task_name, split, num_shards)
+  if not isinstance(cache, bool):
+    raise ValueError(f"cache: got {cache!r}; allowed: true, false or 'auto'")
+  return cache
+
+
+def root_seed(seed: int, shard_id: int = 0, num_shards: int = 1,
+              sharding: str = "stream") -> tf.Tensor:
+  """The stateless seed (int64 ``[2]``) the shuffle (folded with 0) and mask (folded with 1)
+  seeds derive from: ``[seed, 0]``, or for ``source`` sharding over several hosts that seed
+  folded with 2 and the host (module docstring)."""
+  base = tf.constant([seed, 0], tf.int64)
+  if sharding == "source" and num_shards > 1:
+    fold = tf.random.experimental.stateless_fold_in
+    base = fold(fold(base, 2), shard_id)
+  return base
 
 
 def packed_stream(packed: tf.data.Dataset, epoch_size: Callable[[], int], batch_size: int,
                   seed: int, *, shard_id: int = 0, num_shards: int = 1, repeat: bool = True,
                   shuffle: bool | None = None, start_step: int = 0, shuffle_block: int = 16_384,
-                  cache: bool = True) -> tf.data.Dataset:
+                  cache: bool = True, sharding: str = "stream") -> tf.data.Dataset:
   """Steps 3-5 of the module docstring: this host's share of the stream of epochs.
 
   Args:
-    packed: one epoch of fixed-length examples (dicts of ``[L]`` tensors), in source order.
-    epoch_size: returns ``N``, the examples of an epoch (called only to resume).
+    packed: one epoch of fixed-length examples (dicts of ``[L]`` tensors), in source order:
+      the whole split (``stream``) or this host's part of it (``source``).
+    epoch_size: returns ``N`` (``source``: ``N_k``), the examples of ``packed`` (called only
+      to resume from ``start_step``).
     batch_size: examples per batch on this host (to turn ``start_step`` into positions).
     seed: the seed of shuffling.
-    shard_id, num_shards, repeat, shuffle, start_step, shuffle_block, cache: as
-      :func:`mlm_dataset`'s.
+    shard_id, num_shards, repeat, shuffle, start_step, shuffle_block, cache, sharding: as
+      :func:`mlm_dataset`'s (``cache`` a bool here).
 
   Returns:
     ``(e, i, x)`` elements: example ``x`` at position ``i`` of epoch ``e``.
   """
-  if not 0 <= shard_id < num_shards:
-    raise ValueError(f"shard_id: got {shard_id}; allowed: 0 <= shard_id < num_shards={num_shards}")
+  check_shard(shard_id, num_shards, sharding)
   shuffle = repeat if shuffle is None else shuffle
   if cache:
     packed = packed.cache()
-  shuffle_base = tf.random.experimental.stateless_fold_in(tf.constant([seed, 0], tf.int64), 0)
+  shuffle_base = tf.random.experimental.stateless_fold_in(
+      root_seed(seed, shard_id, num_shards, sharding), 0)
 
   def epoch(e):
     """(e, position in epoch, example) for every packed sequence of epoch ``e``."""
@@ -209,20 +297,23 @@ def packed_stream(packed: tf.data.Dataset, epoch_size: Callable[[], int], batch_
       ds = ds.batch(shuffle_block).enumerate().map(permute).unbatch()
     return ds.enumerate().map(lambda i, x: (e, i, x))
 
-  skip = start_step * batch_size * num_shards            # global stream positions
+  hosts = num_shards if sharding == "stream" else 1    # streams sharded after packing
+  skip = start_step * batch_size * hosts                # positions in the packed stream
   first_epoch = 0
   if repeat and skip:
     first_epoch, skip = divmod(skip, epoch_size())
   epochs = (tf.data.Dataset.counter(first_epoch) if repeat
             else tf.data.Dataset.range(1))
-  return epochs.flat_map(epoch).skip(skip).shard(num_shards, shard_id)
+  stream = epochs.flat_map(epoch).skip(skip)
+  return stream.shard(num_shards, shard_id) if hosts > 1 else stream
 
 
 def mlm_dataset(task_name: str, split: str, seq_len: int, batch_size: int, seed: int,
                 shard_id: int = 0, num_shards: int = 1, repeat: bool = True,
                 shuffle: bool | None = None, start_step: int = 0, feature: str = "text",
                 shuffle_block: int = 16_384, drop_remainder: bool = True,
-                cache: bool = True, mask_rate: float = 0.15) -> tf.data.Dataset:
+                cache: bool | str = True, mask_rate: float = 0.15,
+                sharding: str = "stream") -> tf.data.Dataset:
   """Batches of masked-LM examples of a seqio task (module docstring: order, seeds, resume).
 
   Args:
@@ -231,8 +322,7 @@ def mlm_dataset(task_name: str, split: str, seq_len: int, batch_size: int, seed:
     seq_len: ``L``, tokens per sequence, [CLS] included.
     batch_size: sequences per batch on this host.
     seed: the seed of shuffling and masking.
-    shard_id, num_shards: this host's shard of the global stream (``jax.process_index()``,
-      ``jax.process_count()``).
+    shard_id, num_shards: this host (``jax.process_index()``, ``jax.process_count()``).
     repeat: endless epochs (each shuffled and masked anew) if True, else one epoch.
     shuffle: block-shuffle each epoch; default ``repeat`` (train shuffled, eval in order).
     start_step: batches of this host to skip (resume after ``start_step`` steps).
@@ -242,19 +332,26 @@ def mlm_dataset(task_name: str, split: str, seq_len: int, batch_size: int, seed:
       static.
     cache: keep the packed epoch in memory after its first pass, so later epochs skip
       tokenising and packing (``N * L * 8`` bytes: 21 MB for WordNet's train split at
-      ``L = 128``); False for corpora that do not fit.
+      ``L = 128``); False for corpora that do not fit; ``"auto"``: :func:`auto_cache`.
     mask_rate: fraction of maskable tokens selected for prediction (:func:`bert_mask`).
+    sharding: ``"stream"`` (every host packs the global stream and keeps its positions) or
+      ``"source"`` (every host reads and packs only its part of the split); module
+      docstring.
 
   Returns:
     ``tf.data.Dataset`` of dicts of ``[batch_size, L]`` tensors (``MLM_FEATURES``).
   """
   task = seqio.get_mixture_or_task(task_name)
   vocab_size = task.output_features[feature].vocabulary.vocab_size
-  ds = packed_stream(packed_epoch(task_name, split, seq_len, feature),
-                     lambda: epoch_length(task_name, split, seq_len, feature), batch_size, seed,
-                     shard_id=shard_id, num_shards=num_shards, repeat=repeat, shuffle=shuffle,
-                     start_step=start_step, shuffle_block=shuffle_block, cache=cache)
-  mask_base = tf.random.experimental.stateless_fold_in(tf.constant([seed, 0], tf.int64), 1)
+  check_shard(shard_id, num_shards, sharding)
+  part = (shard_id, num_shards) if sharding == "source" else (0, 1)
+  ds = packed_stream(packed_epoch(task_name, split, seq_len, feature, *part),
+                     lambda: epoch_length(task_name, split, seq_len, feature, *part),
+                     batch_size, seed, shard_id=shard_id, num_shards=num_shards, repeat=repeat,
+                     shuffle=shuffle, start_step=start_step, shuffle_block=shuffle_block,
+                     cache=resolve_cache(cache, task_name, split, part[1]), sharding=sharding)
+  mask_base = tf.random.experimental.stateless_fold_in(
+      root_seed(seed, shard_id, num_shards, sharding), 1)
 
   def corrupt(e, i, x):
     seed_e = tf.random.experimental.stateless_fold_in(mask_base, e)

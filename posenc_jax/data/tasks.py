@@ -42,11 +42,34 @@ def register(name: str, **task_kwargs) -> seqio.Task:
   return seqio.TaskRegistry.get(name)
 
 
-def _line_reader(compression: str):
-  """``read_file_fn`` for ``seqio.FileDataSource``: file name tensor -> its text lines."""
+def _line_reader(compression: str, counter: tf.Variable | None = None):
+  """``read_file_fn`` for ``seqio.FileDataSource``: file name tensor -> its text lines
+  (each line read adds 1 to ``counter`` if given)."""
   def read(filename: tf.Tensor) -> tf.data.Dataset:
-    return tf.data.TextLineDataset(filename, compression_type=compression)
+    lines = tf.data.TextLineDataset(filename, compression_type=compression)
+    if counter is None:
+      return lines
+
+    def counted(line):
+      with tf.control_dependencies([counter.assign_add(1)]):
+        return tf.identity(line)
+    return lines.map(counted)
   return read
+
+
+def source_bytes(task: seqio.Task, split: str) -> int | None:
+  """The stored size of a task split's source: the total bytes of its files
+  (``FileDataSource``: ``register_text_lines`` tasks, seqio's TFRecord/text sources) or the
+  TFDS split's ``num_bytes`` (``TfdsDataSource``); None when unknown."""
+  source = task.source
+  try:
+    if isinstance(source, seqio.TfdsDataSource):
+      return int(source.tfds_dataset.builder.info.splits[split].num_bytes) or None
+    if isinstance(source, seqio.FileDataSource):
+      return sum(tf.io.gfile.stat(path).length for path in source.list_shards(split))
+  except Exception:  # noqa: BLE001 - any unreadable metadata: size unknown
+    return None
+  return None
 
 
 def _line_to_feature(feature: str):
@@ -57,25 +80,34 @@ def _line_to_feature(feature: str):
   return fn
 
 
-def register_text_lines(name: str, split_to_files: Mapping[str, str | os.PathLike],
+def register_text_lines(name: str, split_to_files: Mapping[str, str | os.PathLike | Sequence],
                         vocabulary: seqio.Vocabulary, feature: str = "text",
-                        add_eos: bool = False, postprocessors: Sequence = ()) -> seqio.Task:
+                        add_eos: bool = False, postprocessors: Sequence = (),
+                        read_counter: tf.Variable | None = None) -> seqio.Task:
   """Registers a task whose examples are the lines of text files.
 
-  Either all files are gzip (names ending in ``.gz``) or none is.
+  A split is one file, a glob pattern, or a list of files (source sharding hands whole files
+  to hosts when a split has at least as many files as hosts). Either all files are gzip
+  (names ending in ``.gz``) or none is. ``read_counter`` (an int64 ``tf.Variable``) counts
+  the lines read, for the input benchmark and tests (:mod:`posenc_jax.data.bench`); it is
+  state outside the pipeline, so saving an iterator that is reading a file through it needs
+  ``tf.data.Options().experimental_external_state_policy`` ``IGNORE`` (the count is not
+  saved).
 
   Each example is ``{feature: int32 [n]}``, the line tokenised by ``vocabulary`` (the raw
   string is kept as ``<feature>_pretokenized``), then passed through ``postprocessors``
   (seqio preprocessors, e.g. packing).
   """
-  files = {split: str(path) for split, path in split_to_files.items()}
-  gzipped = {path.endswith(".gz") for path in files.values()}
+  files = {split: ([str(p) for p in path] if isinstance(path, (list, tuple)) else str(path))
+           for split, path in split_to_files.items()}
+  gzipped = {p.endswith(".gz") for path in files.values()
+             for p in (path if isinstance(path, list) else [path])}
   if len(gzipped) != 1:
     raise ValueError(f"task {name!r}: mix of gzip and plain files {files}")
+  reader = _line_reader("GZIP" if gzipped.pop() else "", read_counter)
   return register(
       name,
-      source=seqio.FileDataSource(read_file_fn=_line_reader("GZIP" if gzipped.pop() else ""),
-                                  split_to_filepattern=files),
+      source=seqio.FileDataSource(read_file_fn=reader, split_to_filepattern=files),
       preprocessors=[_line_to_feature(feature), seqio.preprocessors.tokenize, *postprocessors],
       output_features={feature: seqio.Feature(vocabulary, add_eos=add_eos, dtype=tf.int32)},
       metric_fns=[],

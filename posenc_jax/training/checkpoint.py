@@ -16,10 +16,19 @@ afresh instead of colliding with it; read-only readers (analysis,
 ``--init_checkpoint``) use :func:`restore_params` and leave the folder as is.
 A save that fails in the background stops the run at the next step
 (:meth:`Checkpointer.check`).
+
+A third item, ``input``, holds each process's input-iterator state (a ``tf.data`` iterator
+checkpoint, :class:`posenc_jax.training.input_pipeline.InputIterator`) in
+``input/process_<k>-of-<n>/``, written when the step is saved (before training goes on),
+inside the step's temporary directory, so it is atomic with the step. Resuming reads it back
+(:meth:`Checkpointer.restore_input`) at a cost independent of the step; a checkpoint without
+it (older runs, data hooks without state, another number of processes) resumes by the step
+number instead.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from typing import Any
@@ -142,8 +151,48 @@ def _move_tree(source: epath.Path, target: epath.Path) -> None:
   source.rmtree()
 
 
+def _input_folder(directory: epath.Path) -> epath.Path:
+  """This process's folder inside the ``input`` item's directory."""
+  return directory / f"process_{jax.process_index()}-of-{jax.process_count()}"
+
+
+class InputStateHandler(ocp.CheckpointHandler):
+  """The ``input`` item: each process writes (and reads) its own iterator's state in
+  ``process_<k>-of-<n>/iterator*`` (the iterator's ``save_state(prefix)`` /
+  ``restore_state(prefix)``)."""
+
+  def save(self, directory: epath.Path, args: InputSave) -> None:
+    folder = _input_folder(directory)
+    folder.mkdir(parents=True, exist_ok=True)
+    args.iterator.save_state(os.fspath(folder / "iterator"))
+
+  def restore(self, directory: epath.Path, args: InputRestore) -> None:
+    folder = _input_folder(directory)
+    if not (folder / "iterator.index").exists():
+      raise FileNotFoundError(f"no input state for process {jax.process_index()} of "
+                              f"{jax.process_count()} in {directory}")
+    args.iterator.restore_state(os.fspath(folder / "iterator"))
+
+
+@ocp.args.register_with_handler(InputStateHandler, for_save=True)
+@dataclasses.dataclass
+class InputSave(ocp.args.CheckpointArgs):
+  """An iterator with ``save_state(prefix)``."""
+
+  iterator: Any
+
+
+@ocp.args.register_with_handler(InputStateHandler, for_restore=True)
+@dataclasses.dataclass
+class InputRestore(ocp.args.CheckpointArgs):
+  """An iterator with ``restore_state(prefix)``, restored in place."""
+
+  iterator: Any
+
+
 class Checkpointer:
-  """Saves and restores ``(state, data_state)`` under ``<workdir>/checkpoints``.
+  """Saves and restores ``(state, data_state)`` (and the input iterator's state) under
+  ``<workdir>/checkpoints``.
 
   Args:
     workdir: the run's directory.
@@ -173,7 +222,7 @@ class Checkpointer:
         save_interval_steps=save_interval_steps, max_to_keep=max_to_keep,
         enable_async_checkpointing=async_save, cleanup_tmp_directories=True, create=True)
     self.manager = ocp.CheckpointManager(self.directory, options=options,
-                                         item_names=("state", "data"))
+                                         item_names=("state", "data", "input"))
     self.last_saved: int | None = None
 
   def check(self) -> None:
@@ -195,17 +244,20 @@ class Checkpointer:
           + (f"the newest complete checkpoint is step {newest}" if newest is not None
              else "no complete checkpoint is left there")) from None
 
-  def save(self, step: int, state: Any, data_state: dict[str, Any], *, force: bool = False
-           ) -> bool:
-    """Saves if the interval says so (or ``force``), with the state's fingerprints; returns
-    whether it saved."""
+  def save(self, step: int, state: Any, data_state: dict[str, Any], *, force: bool = False,
+           input_iterator: Any = None) -> bool:
+    """Saves if the interval says so (or ``force``), with the state's fingerprints and, when
+    ``input_iterator`` has a ``save_state(prefix)``, its state (taken before this returns);
+    returns whether it saved."""
     self.check()
     if not (force or self.manager.should_save(step)):
       return False
     data = dict(data_state) | {"fingerprints": fingerprints(state)}
+    items = dict(state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data))
+    if callable(getattr(input_iterator, "save_state", None)):
+      items["input"] = InputSave(input_iterator)
     try:
-      saved = self.manager.save(step, args=ocp.args.Composite(
-          state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data)), force=True)
+      saved = self.manager.save(step, args=ocp.args.Composite(**items), force=True)
     except Exception as e:  # noqa: BLE001 - a failed write stops the run with one line
       raise CheckpointError(f"checkpoints: saving step {step} to {self.directory} failed "
                             f"({first_line(e)})") from None
@@ -235,6 +287,22 @@ class Checkpointer:
       logging.warning("checkpoint %d is damaged (%s): moved to %s; trying an older one", step,
                       problem, moved)
     return None
+
+  def restore_input(self, step: int, iterator: Any) -> bool:
+    """Restores ``iterator`` (with a ``restore_state(prefix)``) to its state saved at ``step``;
+    False (with one logged line) when the step holds none for this process or it does not
+    restore, so the caller resumes by the step number."""
+    if not callable(getattr(iterator, "restore_state", None)):
+      return False
+    if not (epath.Path(self.directory) / str(step) / "input").exists():
+      return False
+    try:
+      self.manager.restore(step, args=ocp.args.Composite(input=InputRestore(iterator)))
+    except Exception as e:  # noqa: BLE001 - any failure falls back to the step number
+      logging.warning("checkpoint %d: the input state does not restore (%s); resuming the "
+                      "data by the step number", step, first_line(e))
+      return False
+    return True
 
   def _quarantine(self, step: int) -> str:
     """Moves step ``step`` out of the checkpoint folder (process 0; all processes wait)."""

@@ -46,6 +46,13 @@ def base_train_config() -> ml_collections.ConfigDict:
   # Compiled steps persist here and are reused by the next start with the same program
   # (None: the user's cache dir, see compilation_cache_dir(); "": off).
   config.compilation_cache_dir = ml_collections.config_dict.placeholder(str)
+  # Pre-training input (mlm, lm): "source": each host reads, packs and masks only its part of
+  # the split; "stream": every host packs the whole stream and keeps its positions (the union
+  # of the hosts' batches is one host's batch). One host: the same batches either way.
+  config.data_sharding = "source"
+  # Keep the packed training epoch in host memory: "auto" (when a host's share of the
+  # split's source files is under 256 MiB), "true" or "false".
+  config.cache_data = "auto"
   config.profile_steps = 0  # trace this many steps after warm-up into <workdir>/tensorboard
   config.mesh = ml_collections.ConfigDict(dict(shape=(-1, 1), axes=("data", "model"),
                                                rules=()))
@@ -88,6 +95,22 @@ def compilation_cache_dir(config: ml_collections.ConfigDict) -> str | None:
   return path or None
 
 
+CACHE_DATA = ("auto", "true", "false")
+DATA_SHARDINGS = ("source", "stream")  # posenc_jax.data.preprocessors.SHARDINGS
+
+
+def cache_data(config: ml_collections.ConfigDict) -> bool | str:
+  """``config.cache_data`` (``"auto"``, ``"true"``, ``"false"``, any case; a bool in a
+  config built without the default) as the input pipeline's ``cache``: ``"auto"``, True or
+  False."""
+  value = config.get("cache_data", "auto")
+  if isinstance(value, bool):
+    return value
+  if isinstance(value, str) and value.lower() in CACHE_DATA:
+    return {"true": True, "false": False}.get(value.lower(), "auto")
+  _fail("cache_data", value, ", ".join(CACHE_DATA))
+
+
 def most_masked(config: ml_collections.ConfigDict) -> int:
   """The most positions ``mask_rate`` masks in a row of ``seq_len`` ([CLS] is never masked)."""
   return math.ceil(config.mask_rate * (config.seq_len - 1))
@@ -127,6 +150,10 @@ def validate_train_config(config: ml_collections.ConfigDict) -> None:
   cache = config.get("compilation_cache_dir")
   if not (cache is None or isinstance(cache, str)):
     _fail("compilation_cache_dir", cache, "a directory, '' (off) or None (the user cache dir)")
+  sharding = config.get("data_sharding", "stream")  # configs without the field: the old way
+  if sharding not in DATA_SHARDINGS:
+    _fail("data_sharding", sharding, "'source' or 'stream'")
+  cache_data(config)
   if not isinstance(config.async_checkpointing, bool):
     _fail("async_checkpointing", config.async_checkpointing, "true or false")
   if not (isinstance(config.mask_rate, (int, float)) and 0 < config.mask_rate <= 1):

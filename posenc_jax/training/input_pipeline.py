@@ -1,19 +1,56 @@
 """Host-local batches for the trainer from seqio tasks (TensorFlow stays in here).
 
-Every host reads its own shard of the global stream, and a run resumed at
-step ``s`` starts from exactly the batch an uninterrupted run would see at
-step ``s`` (the pipelines are deterministic in the seed and the step).
+Every host reads its own shard of the data (pre-training: of the source or of the global
+stream, ``config.data_sharding``), and a run resumed at step ``s`` starts from exactly the
+batch an uninterrupted run would see at step ``s``: pre-training batches come as an
+:class:`InputIterator`, whose ``tf.data`` state the checkpoints hold (resuming costs the
+same at any step); without that state the pipelines, deterministic in the seed and the
+step, are rebuilt at ``start_step``.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 
 import ml_collections
 import numpy as np
 
 from posenc_jax.models.config import model_config
-from posenc_jax.training.config import TrainConfigError
+from posenc_jax.training.config import TrainConfigError, cache_data
+
+
+class InputIterator:
+  """Numpy batches of a ``tf.data`` pipeline whose position can be saved and restored.
+
+  ``save_state(prefix)`` writes the iterator's state (``tf.train.Checkpoint(iterator=...)``: files
+  ``<prefix>.index`` and ``<prefix>.data-*``) after the batches taken so far;
+  ``restore_state(prefix)`` on a fresh iterator of the same pipeline continues from there, at a
+  cost independent of the position (:mod:`posenc_jax.data.preprocessors`: what the state
+  holds, and its size).
+  """
+
+  def __init__(self, dataset):
+    self._iterator = iter(dataset)
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> dict[str, np.ndarray]:
+    import tensorflow as tf  # noqa: PLC0415
+
+    return tf.nest.map_structure(lambda t: t.numpy(), next(self._iterator))
+
+  def _checkpoint(self):
+    import tensorflow as tf  # noqa: PLC0415
+
+    return tf.train.Checkpoint(iterator=self._iterator)
+
+  def save_state(self, prefix: str) -> None:
+    self._checkpoint().write(prefix)
+
+  def restore_state(self, prefix: str) -> None:
+    self._checkpoint().read(prefix).assert_consumed()
 
 
 def _task(name: str):
@@ -73,9 +110,22 @@ FINETUNE_FEATURES = {"classification": ("label",), "regression": ("label",),
                      "span": ("start_positions", "end_positions")}
 
 
+@functools.lru_cache(maxsize=None)
+def _split_examples(task_name: str, split: str, length: int) -> int:
+  """``N``: examples of a fine-tuning task's split (one pass; cached per process)."""
+  import seqio  # noqa: PLC0415
+
+  from posenc_jax.data.preprocessors import count  # noqa: PLC0415
+  task = seqio.get_mixture_or_task(task_name)
+  return count(task.get_dataset({"input_ids": length, "segment_ids": length, "mask": length},
+                                split=split, shuffle=False, num_epochs=1))
+
+
 def _finetune(config, split, start_step, shard_id, num_shards):
   """Task examples with fixed-length BERT inputs. Training: endless and shuffled, skipped to
-  ``start_step``. Evaluation: one pass, the last batch padded with ``weight`` 0 rows."""
+  ``start_step``. Evaluation: one pass, the last batch padded with ``weight`` 0 rows (with
+  several hosts, each host's shard is first padded to ``ceil(N / num_shards)`` rows, so every
+  host has the same number of batches)."""
   import seqio  # noqa: PLC0415
   import tensorflow as tf  # noqa: PLC0415
 
@@ -92,6 +142,14 @@ def _finetune(config, split, start_step, shard_id, num_shards):
   local = config.batch_size // num_shards
   if train:
     return ds.batch(local, drop_remainder=True).skip(start_step)
+  if num_shards > 1:
+    # Every host takes ceil(N / num_shards) rows, its shard then ``weight`` 0 rows, so all
+    # hosts run the same number of evaluation steps (a step is a collective over hosts).
+    total = _split_examples(task.name, split, length)
+    blank = tf.data.Dataset.from_tensors(
+        {k: tf.zeros([length if d is None else d for d in spec.shape], spec.dtype)
+         for k, spec in ds.element_spec.items()}).repeat()
+    ds = ds.concatenate(blank).take(-(-total // num_shards))
 
   def pad_rows(batch):
     missing = local - tf.shape(batch["weight"])[0]
@@ -105,7 +163,11 @@ def make_batches(config: ml_collections.ConfigDict, split: str, start_step: int,
   """Endless training batches from ``start_step``, or the evaluation batches (``eval_steps``
   of them for pre-training, causal LM and translation, the whole split for fine-tuning).
 
-  Each batch is this host's ``batch_size / num_shards`` rows (numpy).
+  Each batch is this host's ``batch_size / num_shards`` rows (numpy). Pre-training's
+  training batches are an :class:`InputIterator` (its state saved with checkpoints),
+  sharded as ``config.data_sharding`` says and cached as ``config.cache_data`` says;
+  evaluation batches always come from the global stream (``eval_steps`` of them, the same
+  on every host count), uncached.
   """
   if config.objective == "translation":
     ds = _translation(config, split, start_step, shard_id, num_shards)
@@ -118,13 +180,16 @@ def make_batches(config: ml_collections.ConfigDict, split: str, start_step: int,
 
     train = split == "train"
     stream = dict(shard_id=shard_id, num_shards=num_shards, repeat=train,
-                  start_step=start_step if train else 0, cache=train)
+                  start_step=start_step if train else 0,
+                  cache=cache_data(config) if train else False,
+                  sharding=config.get("data_sharding", "stream") if train else "stream")
     local = config.batch_size // num_shards
     if config.objective == "lm":
       ds = lm_dataset(config.task, split, config.seq_len, local, config.seed, **stream)
     else:
       ds = mlm_dataset(config.task, split, config.seq_len, local, config.seed,
                        mask_rate=config.mask_rate, **stream)
-    if not train:
-      ds = ds.take(config.eval_steps)
+    if train:
+      return InputIterator(ds)
+    ds = ds.take(config.eval_steps)
   return ds.as_numpy_iterator()

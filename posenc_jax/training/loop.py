@@ -296,34 +296,56 @@ def evaluate(eval_step, params, batches: Iterator, sharding,
   return scalars
 
 
-def task_evaluation(config, model, params, data, host) -> dict[str, float]:
-  """The task's own metrics on the validation split (single-process runs for now).
+def task_evaluation(config, model, params, data, sharding=None) -> dict[str, float]:
+  """The task's own metrics on the validation split.
 
   Translation: beam search on ``config.decode.eval_batches`` batches (BLEU for
   WMT). Classification and regression: predictions on the whole split, scored
   by the task's ``metric_fns`` (MCC, F1, Pearson/Spearman, accuracy). Span
   prediction: SQuAD/MLQA F1 and EM of the answers decoded from the logits.
+
+  Every process reads the same batches (``data(..., shard_id=0, num_shards=1)``,
+  not its host shard); in multi-process jobs each hands its rows to the model
+  (``sharding``: the batch sharding, by default that of ``params``' mesh) and
+  gets every example's prediction back, so the metrics are those of one process.
   """
   if config.objective not in ("translation", "classification", "regression", "span"):
     return {}
-  if jax.process_count() > 1:
-    logging.warning("task-metric evaluation runs in single-process jobs only; skipped")
-    return {}
   from posenc_jax.training import task_eval  # noqa: PLC0415
+  if jax.process_count() > 1 and sharding is None:
+    sharding = task_eval.batch_sharding_of(params)
+  whole = dict(shard_id=0, num_shards=1)  # the same examples, in order, on every process
   task = config.get("eval_task") or config.task
   if config.objective == "span":
     return task_eval.span_metrics(model, params, task, config.get("eval_split") or "validation",
-                                  config.seq_len, config.batch_size, config.get("eval_batches"))
+                                  config.seq_len, config.batch_size, config.get("eval_batches"),
+                                  sharding=sharding)
   if config.objective == "translation":
     decode = config.get("decode")
     if not decode or not decode.eval_batches:
       return {}
-    batches = itertools.islice(data(config, "validation", 0, **host), decode.eval_batches)
-    predictions, references = task_eval.decode_batches(model, params, batches, decode)
+    batches = itertools.islice(data(config, "validation", 0, **whole), decode.eval_batches)
+    predictions, references = task_eval.decode_batches(model, params, batches, decode,
+                                                       sharding=sharding)
   else:
     predictions, references = task_eval.predict_batches(
-        model, params, data(config, "validation", 0, **host), config.objective)
+        model, params, data(config, "validation", 0, **whole), config.objective,
+        sharding=sharding)
   return task_eval.task_metrics(task, predictions, references)
+
+
+def _train_batches(data: Callable[..., Iterator], config: ml_collections.ConfigDict,
+                   start_step: int, host: dict[str, int], checkpointer: Checkpointer) -> Iterator:
+  """The training batches from ``start_step``: the pipeline built at step 0 with the input
+  state of checkpoint ``start_step`` restored into it (a cost independent of the step), or,
+  when there is none (or the iterator has no state), the pipeline rebuilt at ``start_step``
+  by the step number."""
+  if start_step:
+    batches = data(config, "train", 0, **host)
+    if checkpointer.restore_input(start_step, batches):
+      logging.info("input pipeline restored from its state at step %d", start_step)
+      return batches
+  return data(config, "train", start_step, **host)
 
 
 def train(config: ml_collections.ConfigDict, workdir: str,
@@ -336,7 +358,9 @@ def train(config: ml_collections.ConfigDict, workdir: str,
       ``configs/lm.py``).
     workdir: checkpoints, ``metrics.jsonl`` and TensorBoard events go here.
     data: ``data(config, split, start_step, shard_id, num_shards)`` -> iterator of
-      host-local numpy batches; None uses :mod:`posenc_jax.training.input_pipeline`.
+      host-local numpy batches; None uses :mod:`posenc_jax.training.input_pipeline`. A
+      training iterator with ``save_state(prefix)`` and ``restore_state(prefix)``
+      (``InputIterator``) has its state saved with every checkpoint and restored on resume.
     init_params: maps the fresh parameters to the starting ones (fine-tuning from a
       pre-trained model); not applied when resuming from a checkpoint.
 
@@ -379,7 +403,7 @@ def train(config: ml_collections.ConfigDict, workdir: str,
   elif init_params is not None:
     params = init_params(jax.device_get(state.params))  # on the host, then placed
     state = state.replace(params=jax.device_put(params, state_shardings.params))
-  train_batches = data(config, "train", start_step, **host)
+  train_batches = _train_batches(data, config, start_step, host, checkpointer)
 
   step_fn = jax.jit(make_train_step(model, config, schedule),
                     in_shardings=(state_shardings, batch_sharding, mesh_lib.replicated(mesh)),
@@ -441,17 +465,18 @@ def train(config: ml_collections.ConfigDict, workdir: str,
             scalars |= evaluate(eval_fn, state.params,
                                 data(config, "validation", 0, **host), batch_sharding,
                                 perplexity=config.objective == "lm")
-            scalars |= task_evaluation(config, model, state.params, data, host)
+            scalars |= task_evaluation(config, model, state.params, data, batch_sharding)
             best.update(step, scalars, state.params)
           writer.write(step, scalars)
           history.append({"step": step, **scalars})
           say(console_line(step, config.total_steps, scalars), flush=True)
         if save_now:
-          checkpointer.save(step, state, {"step": step}, force=True)
+          checkpointer.save(step, state, {"step": step}, force=True,
+                            input_iterator=train_batches)
   if stop.signum is not None and step < config.total_steps:
     _check_finite(all_finite, step, None, checkpointer)
     if checkpointer.last_saved != step:
-      checkpointer.save(step, state, {"step": step}, force=True)
+      checkpointer.save(step, state, {"step": step}, force=True, input_iterator=train_batches)
     checkpointer.close()
     best.close()
     writer.close()

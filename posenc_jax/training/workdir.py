@@ -25,7 +25,7 @@ from posenc_jax.training.config import TrainConfigError
 CONFIG_FILE = "config.json"
 RESUMABLE = ("total_steps", "log_every", "eval_every", "eval_steps", "checkpoint_every",
              "keep_checkpoints", "async_checkpointing", "mesh", "decode", "sweep",
-             "compilation_cache_dir", "profile_steps", "model.route",
+             "compilation_cache_dir", "profile_steps", "model.route", "cache_data",
              "model.attention_precision")
 
 
@@ -50,9 +50,15 @@ def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
   return {prefix[:-1]: data}
 
 
+# Fields newer than some workdirs, and the value a run without the field used.
+ADDED = {"data_sharding": "stream"}
+
+
 def differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-  """``field: saved -> current`` for every field outside :data:`RESUMABLE` that differs."""
+  """``field: saved -> current`` for every field outside :data:`RESUMABLE` that differs (a
+  field of :data:`ADDED` missing from ``saved`` has its value there)."""
   old, new = _flatten(saved), _flatten(current)
+  old |= {f: v for f, v in ADDED.items() if f in new and f not in old}
   diffs = []
   for field in sorted(set(old) | set(new)):
     if any(field == r or field.startswith(r + ".") for r in RESUMABLE):
