@@ -106,6 +106,7 @@ MODEL_SPECS = {"num_decoder_layers": "configs/translate.py:transformer_base,t5",
 TRAIN_FIELDS = {
     "async_checkpointing": ("False", False), "batch_size": ("16", 16),
     "cache_data": ("false", "false"), "data_sharding": ("stream", "stream"),
+    "packed_segments": ("True", True),
     "checkpoint_every": ("70", 70), "compilation_cache_dir": ("/tmp/xla", "/tmp/xla"),
     "eval_every": ("70", 70), "eval_steps": ("3", 3), "grad_accum_steps": ("2", 2),
     "head": ("mlm", "mlm"), "keep_checkpoints": ("2", 2), "label_smoothing": ("0.1", 0.1),
@@ -179,7 +180,7 @@ def test_the_lm_config_has_the_pretraining_fields_and_takes_overrides():
   """``configs/lm.py`` has the pre-training config's fields; each override (but those naming
   the objective and MLM's own) reaches the validated config, and model overrides the LM."""
   assert set(_leaves(get_config("lm", "bert_tiny,rope"))) == set(TRAIN_FIELDS)
-  fixed = {"objective", "head", "task", "max_predictions_per_seq"}
+  fixed = {"objective", "head", "task", "max_predictions_per_seq", "packed_segments"}
   config = _parsed("configs/lm.py:bert_tiny,rope", "--config.model.num_layers=3",
                    "--config.model.scheme.name=alibi",
                    *(f"--config.{f}={text}" for f, (text, _) in TRAIN_FIELDS.items()
@@ -193,3 +194,14 @@ def test_the_lm_config_has_the_pretraining_fields_and_takes_overrides():
   model = build_model(config.model, config.head)
   assert model.config.num_layers == 3 and model.config.scheme["name"] == "alibi"
   assert type(model).__name__ == "CausalLM"
+
+
+def test_packed_segments_are_the_masked_lm_pipelines():
+  from posenc_jax.training.config import TrainConfigError  # noqa: PLC0415
+
+  config = get_config("lm", "bert_tiny,alibi")
+  config.packed_segments = True
+  with pytest.raises(TrainConfigError) as e:
+    validate_train_config(config)
+  assert str(e.value).startswith("packed_segments: got True; allowed: false for objective "
+                                 "'lm'") and "\n" not in str(e.value)

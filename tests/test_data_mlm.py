@@ -64,6 +64,44 @@ def test_packing_an_exact_multiple_pads_nothing():
   assert out[-1]["mask"].tolist() == [1, 1, 0, 0]
 
 
+@pytest.mark.parametrize("lines_per_chunk", [1, 1024])
+def test_packed_segments_restart_positions_at_every_line(lines_per_chunk):
+  """With ``segments``: the same tokens; per row, 1, 2, ... per piece of a line ([CLS] in the
+  first piece, each [SEP] in its line's) and positions counting from 0 in each piece, both 0
+  at padding. Worked example: lines [10 11 12] [13 14] [15] at L = 5."""
+  lines = [[10, 11, 12], [13, 14], [15]]
+  out = list(pp.pack_lines(_lines_dataset(lines), 5, lines_per_chunk=lines_per_chunk,
+                           segments=True).as_numpy_iterator())
+  plain = list(pp.pack_lines(_lines_dataset(lines), 5).as_numpy_iterator())
+  assert [ex["input_ids"].tolist() for ex in out] == [ex["input_ids"].tolist() for ex in plain]
+  assert [ex["input_ids"].tolist() for ex in out] == [[CLS_ID, 10, 11, 12, SEP_ID],
+                                                      [CLS_ID, 13, 14, SEP_ID, 15],
+                                                      [CLS_ID, SEP_ID, 0, 0, 0]]
+  assert [ex["packed_segment_ids"].tolist() for ex in out] == [[1, 1, 1, 1, 1],
+                                                               [1, 1, 1, 1, 2],
+                                                               [1, 1, 0, 0, 0]]
+  assert [ex["position_ids"].tolist() for ex in out] == [[0, 1, 2, 3, 4],
+                                                         [0, 1, 2, 3, 0],
+                                                         [0, 1, 0, 0, 0]]
+  assert all(ex["position_ids"].dtype == ex["packed_segment_ids"].dtype == np.int32
+             for ex in out)
+
+
+def test_mlm_dataset_with_segments_adds_them_and_changes_nothing_else():
+  """``segments=True`` batches equal the default's in every MLM feature (same seed), and a
+  new piece starts after every [SEP] of the row."""
+  plain, segmented = (_take(pp.mlm_dataset(TASK, SPLIT, L, 4, seed=2, segments=s), 2)
+                      for s in (False, True))
+  for a, b in zip(plain, segmented):
+    assert set(b) == set(a) | set(pp.SEGMENT_FEATURES)
+    assert all(np.array_equal(a[k], b[k]) for k in a)
+    original = np.where(b["mlm_weights"] > 0, b["mlm_targets"], b["input_ids"])
+    after_sep = np.pad(original[:, :-1] == SEP_ID, ((0, 0), (1, 0)))
+    real = b["mask"] > 0
+    assert np.array_equal(b["position_ids"][real] == 0, (after_sep | (np.arange(L) == 0))[real])
+    assert (np.diff(b["packed_segment_ids"], axis=1)[real[:, 1:]] >= 0).all()
+
+
 def test_packing_rejects_a_length_below_two():
   with pytest.raises(ValueError, match="seq_len"):
     pp.pack_lines(_lines_dataset([[10]]), 1)

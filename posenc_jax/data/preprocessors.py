@@ -10,6 +10,13 @@ gives numpy):
     mlm_targets   int32    the original id at selected positions, 0 elsewhere
     mlm_weights   float32  1 at selected positions, 0 elsewhere
 
+and with ``segments=True`` (each line its own packed segment, as T5 packs; the default
+lets attention cross the lines, RoBERTa's FULL-SENTENCES):
+
+    packed_segment_ids  int32  1, 2, ... per piece of a line in the row ([CLS] in the
+                               first, each [SEP] in its line's), 0 at padding
+    position_ids        int32  the place in the piece, from 0 (0 at padding)
+
 The pipeline, one epoch at a time (epoch ``e`` = 0, 1, ...):
 
 1. the task's tokenised lines in source order (``seqio`` ``get_dataset``, no shuffle);
@@ -79,6 +86,7 @@ from posenc_jax.data import tasks as _tasks  # registers the tasks; source sizes
 from posenc_jax.data.vocab import CLS_ID, MASK_ID, NUM_RESERVED, SEP_ID
 
 MLM_FEATURES = ("input_ids", "segment_ids", "mask", "mlm_targets", "mlm_weights")
+SEGMENT_FEATURES = ("position_ids", "packed_segment_ids")  # packed segments (pack_lines)
 SHARDINGS = ("stream", "source")
 # ``cache="auto"`` caches a packed epoch whose host share of source files (bytes as stored)
 # is under this. The cache holds 8 bytes per token (input_ids and mask, int32): about 2x
@@ -89,7 +97,7 @@ CACHE_AUTO_MAX_BYTES = 256 * 2**20
 
 def pack_lines(dataset: tf.data.Dataset, seq_len: int, feature: str = "text",
                lines_per_chunk: int = 1024, *, separator: int = SEP_ID,
-               start: int | None = CLS_ID) -> tf.data.Dataset:
+               start: int | None = CLS_ID, segments: bool = False) -> tf.data.Dataset:
   """Full-sentence packing of tokenised lines into sequences of exactly ``seq_len`` tokens.
 
   Args:
@@ -101,12 +109,17 @@ def pack_lines(dataset: tf.data.Dataset, seq_len: int, feature: str = "text",
       output does not depend on it).
     separator: the id after every line (masked-LM: [SEP]; causal LM: EOS).
     start: the id every sequence begins with (masked-LM: [CLS]), or None for none.
+    segments: also give each sequence's packed segments (below).
 
   Returns:
     ``{"input_ids": int32 [L], "mask": int32 [L]}``: ``input_ids[0]`` is ``start``, then the
     next ``L - 1`` tokens of ``line_1 [SEP] line_2 [SEP] ...`` (without a ``start``: the next
     ``L``); the last sequence is padded with 0 where ``mask`` is 0 (every other sequence has
-    ``mask`` all ones).
+    ``mask`` all ones). With ``segments``, also ``packed_segment_ids`` int32 ``[L]``: 1, 2,
+    ... for the pieces of lines in the sequence, in order (``start`` in the first piece, each
+    line's separator in its line's piece; 0 at padding), and ``position_ids`` int32 ``[L]``:
+    each token's place in its piece, counted from 0 (0 at padding). The tokens are the same
+    with or without ``segments``.
   """
   head = [] if start is None else [start]
   if seq_len < len(head) + 1:
@@ -114,30 +127,63 @@ def pack_lines(dataset: tf.data.Dataset, seq_len: int, feature: str = "text",
     raise ValueError(f"seq_len: got {seq_len}; allowed: at least {len(head) + 1}" +
                      (f" ({what})" if head else ""))
   body = seq_len - len(head)
-  lines = dataset.map(lambda ex: tf.concat([tf.cast(ex[feature], tf.int32), [separator]], 0))
+  width = 2 if segments else 1  # columns of the stream: token ids (and line numbers)
+
+  def line(number, ex):
+    """``[n + 1, width]``: the line's tokens and separator (and its number, from 1)."""
+    tokens = tf.concat([tf.cast(ex[feature], tf.int32), [separator]], 0)
+    columns = [tokens] + [tf.fill(tf.shape(tokens), tf.cast(number % 2**30, tf.int32) + 1)
+                          ] * segments
+    return tf.stack(columns, axis=1)
+
+  lines = dataset.enumerate().map(line)
   chunks = lines.ragged_batch(lines_per_chunk).map(lambda r: (r.flat_values, False))
   # One empty final chunk flagged ``True`` flushes the remainder as a padded sequence.
-  chunks = chunks.concatenate(tf.data.Dataset.from_tensors((tf.zeros([0], tf.int32), True)))
+  chunks = chunks.concatenate(
+      tf.data.Dataset.from_tensors((tf.zeros([0, width], tf.int32), True)))
 
   def step(carry, chunk):
     tokens, last = chunk
-    stream = tf.concat([carry, tokens], 0)
-    n = tf.size(stream) // body
-    full = tf.reshape(stream[:n * body], [n, body])
+    stream = tf.concat([carry, tokens], 0)                        # [n, width]
+    size = tf.shape(stream)[0]
+    n = size // body
+    full = tf.reshape(stream[:n * body], [n, body, width])
     rest = stream[n * body:]
-    flush = tf.cast(last & (tf.size(rest) > 0), tf.int32)       # 0 or 1 padded sequence
-    padded = tf.pad(rest, [[0, body - tf.size(rest)]])[None, :flush * body]
-    padded = tf.reshape(padded, [flush, body])
+    left = size - n * body
+    flush = tf.cast(last & (left > 0), tf.int32)                  # 0 or 1 padded sequence
+    padded = tf.pad(rest, [[0, body - left], [0, 0]])[None, :flush * body]
+    padded = tf.reshape(padded, [flush, body, width])
     ids = tf.concat([full, padded], 0)
-    mask = tf.concat([tf.ones_like(full),
-                      tf.cast(tf.range(body)[None, :] < tf.size(rest), tf.int32)[:flush]], 0)
+    mask = tf.concat([tf.ones([n, body], tf.int32),
+                      tf.cast(tf.range(body)[None, :] < left, tf.int32)[:flush]], 0)
     return rest, (ids, mask)
 
-  packed = chunks.scan(tf.zeros([0], tf.int32), step).unbatch()
-  return packed.map(lambda ids, mask: {
-      "input_ids": tf.ensure_shape(tf.concat([tf.constant(head, tf.int32), ids], 0), [seq_len]),
-      "mask": tf.ensure_shape(tf.concat([tf.ones([len(head)], tf.int32), mask], 0), [seq_len]),
-  })
+  def sequence(ids, mask):
+    """``[body, width]`` ids and ``[body]`` mask -> the output dict, ``start`` prepended (in
+    the first piece)."""
+    if head:
+      ids = tf.concat([tf.concat([tf.constant(head, tf.int32), ids[0, 1:]], 0)[None], ids], 0)
+      mask = tf.concat([[1], mask], 0)
+    out = {"input_ids": tf.ensure_shape(ids[:, 0], [seq_len]),
+           "mask": tf.ensure_shape(mask, [seq_len])}
+    if segments:
+      out |= _pieces(ids[:, 1], mask)
+    return out
+
+  packed = chunks.scan(tf.zeros([0, width], tf.int32), step).unbatch()
+  return packed.map(sequence)
+
+
+def _pieces(lines: tf.Tensor, mask: tf.Tensor) -> dict[str, tf.Tensor]:
+  """``packed_segment_ids`` (1, 2, ... per run of equal line numbers) and ``position_ids``
+  (the place in the run) of one packed sequence, both 0 where ``mask`` is 0: ``[L]`` each."""
+  length = tf.shape(lines)[0]
+  starts = tf.concat([[True], lines[1:] != lines[:-1]], 0)
+  run = tf.cumsum(tf.cast(starts, tf.int32)) - 1
+  index = tf.range(length)
+  first = tf.math.unsorted_segment_min(index, run, length)
+  return {"packed_segment_ids": (run + 1) * mask,
+          "position_ids": (index - tf.gather(first, run)) * mask}
 
 
 def bert_mask(example: dict, seed: tf.Tensor, vocab_size: int, mask_rate: float = 0.15,
@@ -157,7 +203,7 @@ def bert_mask(example: dict, seed: tf.Tensor, vocab_size: int, mask_rate: float 
 
   Returns:
     ``{"input_ids", "segment_ids", "mask", "mlm_targets", "mlm_weights"}``, each ``[L]``
-    (module docstring).
+    (module docstring), and ``example``'s ``SEGMENT_FEATURES`` as they are.
   """
   ids, mask = example["input_ids"], example["mask"]
   length = tf.shape(ids)[0]
@@ -183,7 +229,7 @@ def bert_mask(example: dict, seed: tf.Tensor, vocab_size: int, mask_rate: float 
       "mask": mask,
       "mlm_targets": tf.where(selected, ids, 0),
       "mlm_weights": tf.cast(selected, tf.float32),
-  }
+  } | {k: example[k] for k in SEGMENT_FEATURES if k in example}
 
 
 def shard_info(shard_id: int = 0, num_shards: int = 1) -> seqio.ShardInfo | None:
@@ -202,13 +248,13 @@ def check_shard(shard_id: int, num_shards: int, sharding: str = "stream") -> Non
 
 
 def packed_epoch(task_name: str, split: str, seq_len: int, feature: str = "text",
-                 shard_id: int = 0, num_shards: int = 1):
+                 shard_id: int = 0, num_shards: int = 1, segments: bool = False):
   """One epoch of ``pack_lines`` over a task's split (or host ``shard_id``'s part of it,
-  module docstring), in source order (no masking)."""
+  module docstring), in source order (no masking); ``segments`` as ``pack_lines``'s."""
   task = seqio.get_mixture_or_task(task_name)
   lines = task.get_dataset(None, split=split, shuffle=False, num_epochs=1, use_cached=False,
                            shard_info=shard_info(shard_id, num_shards))
-  return pack_lines(lines, seq_len, feature)
+  return pack_lines(lines, seq_len, feature, segments=segments)
 
 
 def count(dataset: tf.data.Dataset) -> int:
@@ -313,7 +359,7 @@ def mlm_dataset(task_name: str, split: str, seq_len: int, batch_size: int, seed:
                 shuffle: bool | None = None, start_step: int = 0, feature: str = "text",
                 shuffle_block: int = 16_384, drop_remainder: bool = True,
                 cache: bool | str = True, mask_rate: float = 0.15,
-                sharding: str = "stream") -> tf.data.Dataset:
+                sharding: str = "stream", segments: bool = False) -> tf.data.Dataset:
   """Batches of masked-LM examples of a seqio task (module docstring: order, seeds, resume).
 
   Args:
@@ -337,15 +383,20 @@ def mlm_dataset(task_name: str, split: str, seq_len: int, batch_size: int, seed:
     sharding: ``"stream"`` (every host packs the global stream and keeps its positions) or
       ``"source"`` (every host reads and packs only its part of the split); module
       docstring.
+    segments: each line is its own packed segment: the batches also hold
+      ``position_ids`` (restarting at 0 in every piece of a line) and
+      ``packed_segment_ids`` (:func:`pack_lines`), which the model uses to keep attention
+      within a piece and positions per piece; tokens, masks and targets are unchanged.
 
   Returns:
-    ``tf.data.Dataset`` of dicts of ``[batch_size, L]`` tensors (``MLM_FEATURES``).
+    ``tf.data.Dataset`` of dicts of ``[batch_size, L]`` tensors (``MLM_FEATURES``, and with
+    ``segments`` ``SEGMENT_FEATURES``).
   """
   task = seqio.get_mixture_or_task(task_name)
   vocab_size = task.output_features[feature].vocabulary.vocab_size
   check_shard(shard_id, num_shards, sharding)
   part = (shard_id, num_shards) if sharding == "source" else (0, 1)
-  ds = packed_stream(packed_epoch(task_name, split, seq_len, feature, *part),
+  ds = packed_stream(packed_epoch(task_name, split, seq_len, feature, *part, segments),
                      lambda: epoch_length(task_name, split, seq_len, feature, *part),
                      batch_size, seed, shard_id=shard_id, num_shards=num_shards, repeat=repeat,
                      shuffle=shuffle, start_step=start_step, shuffle_block=shuffle_block,

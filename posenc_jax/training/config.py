@@ -53,6 +53,10 @@ def base_train_config() -> ml_collections.ConfigDict:
   # Keep the packed training epoch in host memory: "auto" (when a host's share of the
   # split's source files is under 256 MiB), "true" or "false".
   config.cache_data = "auto"
+  # Masked-LM packing: False lets attention cross the packed lines with positions 0..L-1
+  # (RoBERTa's FULL-SENTENCES, the papers' setup); True makes each line its own packed
+  # segment (attention within it, positions restarting at 0), as T5 packs.
+  config.packed_segments = False
   config.profile_steps = 0  # trace this many steps after warm-up into <workdir>/tensorboard
   config.mesh = ml_collections.ConfigDict(dict(shape=(-1, 1), axes=("data", "model"),
                                                rules=()))
@@ -154,6 +158,12 @@ def validate_train_config(config: ml_collections.ConfigDict) -> None:
   if sharding not in DATA_SHARDINGS:
     _fail("data_sharding", sharding, "'source' or 'stream'")
   cache_data(config)
+  segments = config.get("packed_segments", False)
+  if not isinstance(segments, bool):
+    _fail("packed_segments", segments, "true or false")
+  if segments and config.objective != "mlm":
+    _fail("packed_segments", segments, f"false for objective {config.objective!r} (packed "
+          "segments are the masked-LM pipeline's)")
   if not isinstance(config.async_checkpointing, bool):
     _fail("async_checkpointing", config.async_checkpointing, "true or false")
   if not (isinstance(config.mask_rate, (int, float)) and 0 < config.mask_rate <= 1):

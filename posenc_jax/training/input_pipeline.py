@@ -188,7 +188,8 @@ def make_batches(config: ml_collections.ConfigDict, split: str, start_step: int,
       ds = lm_dataset(config.task, split, config.seq_len, local, config.seed, **stream)
     else:
       ds = mlm_dataset(config.task, split, config.seq_len, local, config.seed,
-                       mask_rate=config.mask_rate, **stream)
+                       mask_rate=config.mask_rate,
+                       segments=config.get("packed_segments", False), **stream)
     if train:
       return InputIterator(ds)
     ds = ds.take(config.eval_steps)

@@ -51,7 +51,7 @@ def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
 
 
 # Fields newer than some workdirs, and the value a run without the field used.
-ADDED = {"data_sharding": "stream"}
+ADDED = {"data_sharding": "stream", "packed_segments": False}
 
 
 def differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
