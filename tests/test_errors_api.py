@@ -120,7 +120,8 @@ CASES = [
                  r"\(Rotation\): k_angles \[5, 4\] has 5 positions, but k has 6",
                  id="rope-positions"),
     pytest.param(lambda: attend_with(QKShift(ones(LQ, H, D), ones(LK, 2, D))), ValueError,
-                 r"\(QKShift\): k_shift is \[6, 2, 8\]; expected \[L, H, D\] = \[6, 4, 8\] from k",
+                 r"\(QKShift\): k_shift is \[6, 2, 8\]; expected \[L, H, D\] = \[6, 4, 8\] "
+                 r"\(or \[B\|1, L, H, D\]\) from k",
                  id="qk-shift"),
     # attend: the other arguments.
     pytest.param(lambda: attend_with(mask=ones(B, LQ, dtype=bool)), ValueError,
