@@ -15,7 +15,10 @@
   positional route), else in the Pallas kernel without a bias. Terms that are
   dense by nature (Shaw's query-dependent term, per-example biases) are
   added, with any Toeplitz term materialised, as the ``bias`` of
-  :func:`jax.nn.dot_product_attention`.
+  :func:`jax.nn.dot_product_attention`. Where measurements say so
+  (:mod:`posenc_jax.route_table`, per device kind, dtype and length), a batch-free
+  Toeplitz or factored term is materialised once per call as such a bias instead: on an
+  H100 cuDNN with a ``[1, H, L, L]`` bias can beat the kernel at short lengths.
 * ``route="auto"`` (the default) picks per device, from the benchmark
   (``python -m posenc_jax.bench --route``): on GPU and TPU the fused route;
   on CPU the reference route (at short lengths a batch-free term
@@ -52,12 +55,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from posenc_jax import route_table
 from posenc_jax.cli import nearest
 from posenc_jax.kernels import relative_flash, relative_flash_attention
 from posenc_jax.kernels.dropout import dropout_multipliers, dropout_seed
 from posenc_jax.kernels.relative_flash import PRECISIONS, dot_precision
 from posenc_jax.schemes.base import is_finite_number, is_int
-from posenc_jax.terms import SchemeTerms, Term, toeplitz_bias
+from posenc_jax.terms import Factored, SchemeTerms, Term, Toeplitz, toeplitz_bias
 
 Array = jax.Array
 Route = Literal["auto", "reference", "fused"]
@@ -228,10 +232,28 @@ def cudnn_unsupported(q_shape: Sequence[int], k_shape: Sequence[int], dtype, *,
   return None
 
 
+def _materialise(term: Term, q: Array, k_len: int) -> bool:
+  """Whether :mod:`posenc_jax.route_table` has ``term``, if a batch-free Toeplitz or
+  factored term, materialised as a bias at ``q`` ``[B, Lq, H, D]``'s shape."""
+  if isinstance(term, Toeplitz) and term.position_ids is None and term.q_offset is None:
+    form, rank = "toeplitz", 0
+  elif isinstance(term, Factored) and all(x.ndim == 3 or x.shape[0] == 1
+                                          for x in (term.u, term.v)):
+    form, rank = "factored", term.u.shape[-1]
+  else:
+    return False
+  return route_table.materialise(form, dtype=jnp.dtype(q.dtype).name,
+                                 length=math.sqrt(q.shape[1] * k_len), head_dim=q.shape[-1],
+                                 rank=rank)
+
+
 def _fused(q, k, v, terms, mask, causal, scale, *, implementation, backend=None,
            segment_ids=None, precision="float32", dropout_rate=0.0, seed=None):
   """The fused route (module docstring); ``backend`` None reads the default backend.
 
+  A batch-free Toeplitz or factored term that :mod:`posenc_jax.route_table` says is cheaper
+  materialised at this device, dtype and shape is a dense term instead (not with dropout
+  or packed segments, which need the kernel).
   Toeplitz terms without dense ones go to the Pallas kernel (gather tiles,
   Triton, on GPU and CPU; roll tiles, Mosaic, on TPU). Bias-free attention
   goes to cuDNN on GPU where it fits, to splash attention on TPU where it
@@ -244,6 +266,10 @@ def _fused(q, k, v, terms, mask, causal, scale, *, implementation, backend=None,
   backend = jax.default_backend() if backend is None else backend
   q_parts, k_parts, dense, toeplitz = [q], [k], [], []
   for term in terms:
+    # Dropout and packed segments need the kernel (cuDNN draws its own mask, takes no ids).
+    if seed is None and segment_ids is None and _materialise(term, q, k.shape[1]):
+      dense.append(term.logits(q, scale))
+      continue
     part = term.fused(q, scale)
     if part.bias is not None:
       dense.append(part.bias)

@@ -7,6 +7,7 @@
       [--batch 8] [--dtype float32|bfloat16] [--repeats 1] [--json out.json]
   python -m posenc_jax.bench --attention [--batch 8] [--length 128] [--heads 12]
       [--head_dim 64] [--causal] [--dtype float32|bfloat16] [--repeats 10] [--json out.json]
+      [--rank R] [--route_table routes.json]
 
 For every scheme preset (``posenc_jax.presets.SCHEMES``) it builds the
 masked-LM BERT of the given size, compiles a training step (forward,
@@ -29,7 +30,13 @@ offset bias ``[H, 2L - 1]`` (and again with attention dropout 0.1), the Pallas
 kernel without a bias, cuDNN (``jax.nn.dot_product_attention``) without a bias
 and with the bias materialised as ``[1, H, L, L]``, and the materialised XLA
 reference route (:func:`posenc_jax.attend` ``route="reference"``) without and
-with that bias. Each row has the forward pass and the forward+backward pass
+with that bias. ``--rank R`` adds two rows for a batch-free factored term ``u.v`` of
+rank ``R`` (DIET-ABS's ``d_p``) on the fused route: folded into q/k (``D + R`` wide) and
+materialised as a ``[1, H, L, L]`` bias. ``--route_table FILE`` adds this run's
+comparisons (the Toeplitz kernel against the materialised bias, and with ``--rank``
+folding against materialising) to a table of :mod:`posenc_jax.route_table`, which
+``attend``'s fused route reads from ``$POSENC_JAX_ROUTE_TABLE`` to pick the faster
+way per device kind, dtype and length. Each row has the forward pass and the forward+backward pass
 (output and the gradients of q, k, v and the bias, the cotangent a fixed random
 ``[B, L, H, D]``): milliseconds per call (median of ``--repeats`` timed runs after
 a compiling warm-up, each run enough back-to-back calls to last about 20 ms, so a
@@ -73,14 +80,14 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from posenc_jax import cli
+from posenc_jax import cli, route_table
 from posenc_jax.attention import ROUTES, attend, cudnn_unsupported
 from posenc_jax.kernels import relative_flash_attention
 from posenc_jax.kernels.dropout import dropout_seed
 from posenc_jax.models import BertForMaskedLM, model_config
 from posenc_jax.models.config import DTYPES
 from posenc_jax.presets import SCHEMES, preset_config
-from posenc_jax.terms import Bias, toeplitz_bias
+from posenc_jax.terms import Bias, Factored, toeplitz_bias
 from posenc_jax.training.metrics import peak_flops, train_flops_per_step
 from posenc_jax.training.objectives import weighted_cross_entropy
 
@@ -201,10 +208,13 @@ class Kernel(NamedTuple):
   Attributes:
     name: the row's name.
     family: ``pallas`` (:func:`posenc_jax.kernels.relative_flash_attention`), ``cudnn``
-      (:func:`jax.nn.dot_product_attention`) or ``xla`` (:func:`posenc_jax.attend`'s
-      materialised ``reference`` route).
-    bias: adds the Toeplitz bias: Pallas as the offset vector ``[H, 2L - 1]``, the others
-      materialised as ``[1, H, L, L]``.
+      (:func:`jax.nn.dot_product_attention`), ``xla`` (:func:`posenc_jax.attend`'s
+      materialised ``reference`` route) or ``fused`` (``attend``'s fused route with a
+      batch-free :class:`~posenc_jax.terms.Factored` term of rank ``--rank``, in the way
+      :func:`posenc_jax.route_table.forced` sets: ``bias`` False folds it into q/k, True
+      materialises it).
+    bias: adds the Toeplitz bias: Pallas as the offset vector ``[H, 2L - 1]``, cuDNN and
+      XLA materialised as ``[1, H, L, L]``; ``fused``: see above.
     dropout: attention-dropout rate (Pallas only).
   """
 
@@ -215,6 +225,8 @@ class Kernel(NamedTuple):
 
   @property
   def bias_text(self) -> str:
+    if self.family == "fused":
+      return "factored u.v, " + ("materialised [1, H, L, L]" if self.bias else "folded: D+R wide")
     text = ("offsets [H, 2L-1]" if self.family == "pallas" else "materialised [1, H, L, L]"
             ) if self.bias else "none"
     return f"{text}, dropout {self.dropout}" if self.dropout else text
@@ -228,6 +240,11 @@ ATTENTION_KERNELS = (
     Kernel("cudnn bias", "cudnn", bias=True),
     Kernel("xla no bias", "xla", bias=False),
     Kernel("xla bias", "xla", bias=True),
+)
+# With --rank: a factored term on the fused route, folded and materialised.
+FACTORED_KERNELS = (
+    Kernel("fused factored folded", "fused", bias=False),
+    Kernel("fused factored materialised", "fused", bias=True),
 )
 # What the ratios divide by: the first of these that runs on the device.
 RATIO_BASELINES = ("cudnn no bias", "xla no bias", "pallas no bias")
@@ -257,7 +274,8 @@ def attention_kernel(kernel: Kernel, q: jax.Array, *, causal: bool, seed: jax.Ar
   and dtype) and the float32 offset bias ``[H, 2L - 1]`` (a kernel without a bias ignores
   it; materialised ones expand it with :func:`posenc_jax.terms.toeplitz_bias` inside
   ``f``, so the backward pass carries its gradient back to the vector, as in training) and
-  returns ``[B, L, H, D]``. ``reason`` is why the kernel cannot run on this backend
+  returns ``[B, L, H, D]``; for the ``fused`` family the fourth argument is instead the
+  factored term's ``(u, v)``, each ``[L, H, R]``. ``reason`` is why the kernel cannot run on this backend
   (:func:`posenc_jax.attention.cudnn_unsupported` for cuDNN), else None. ``seed``: the
   ``[1, 1]`` int32 dropout seed.
   """
@@ -267,6 +285,11 @@ def attention_kernel(kernel: Kernel, q: jax.Array, *, causal: bool, seed: jax.Ar
     return (lambda q, k, v, ob: relative_flash_attention(
         q, k, v, ob if kernel.bias else None, causal=causal, dropout_rate=kernel.dropout,
         dropout_seed=seed if kernel.dropout else None)), None
+  if kernel.family == "fused":
+    def factored(q, k, v, uv):
+      with route_table.forced(factored=kernel.bias):  # at trace time
+        return attend(q, k, v, [Factored(*uv)], causal=causal, route="fused")
+    return factored, None
   if kernel.family == "cudnn":
     reason = cudnn_unsupported(q.shape, q.shape, q.dtype, has_bias=kernel.bias)
     return (lambda q, k, v, ob: jax.nn.dot_product_attention(
@@ -355,11 +378,15 @@ def attention_table(args) -> dict:
   ob = 0.1 * jax.random.normal(keys[4], (args.heads, 2 * args.length - 1), jnp.float32)
   seed = dropout_seed(keys[5])
 
+  uv = tuple(0.1 * jax.random.normal(key, (args.length, args.heads, args.rank or 1))
+             for key in jax.random.split(keys[5]))
+  kernels = ATTENTION_KERNELS + (FACTORED_KERNELS if args.rank else ())
+
   def prepare(kernel):
     f, reason = attention_kernel(kernel, q, causal=args.causal, seed=seed)
     if reason:
       return {mode: AttentionStep(None, reason=reason) for mode in MODES}
-    return attention_steps(f, (q, k, v, ob, do))
+    return attention_steps(f, (q, k, v, uv if kernel.family == "fused" else ob, do))
 
   prepared, baseline, passed_over = {}, None, []
   for name in RATIO_BASELINES:
@@ -384,7 +411,7 @@ def attention_table(args) -> dict:
   print("| " + " | ".join(["kernel", "bias", *titles]) + " |")
   print("|" + "|".join([":--", ":--"] + ["--:"] * len(titles)) + "|", flush=True)
   rows = []
-  for kernel in ATTENTION_KERNELS:
+  for kernel in kernels:
     name = kernel.name
     steps = prepared[name] if name in prepared else prepare(kernel)
     row = {"kernel": name, "bias": kernel.bias_text}
@@ -410,15 +437,31 @@ def attention_table(args) -> dict:
     print("| " + " | ".join([name, kernel.bias_text, *_cells(row)]) + " |", flush=True)
   return {"mode": "attention", "device": device.device_kind, "backend": jax.default_backend(),
           "batch": args.batch, "length": args.length, "heads": args.heads,
-          "head_dim": args.head_dim, "dtype": args.dtype, "causal": args.causal,
-          "repeats": args.repeats, "ratio_to": baseline, "ratio_note": passed_over,
+          "head_dim": args.head_dim, "rank": args.rank or 0, "dtype": args.dtype,
+          "causal": args.causal, "repeats": args.repeats, "ratio_to": baseline, "ratio_note": passed_over,
           "flops": flops, "rows": rows}
+
+
+def add_route_points(path: str, document: dict) -> None:
+  """Adds the route comparisons of an ``--attention`` run to the table file ``path``,
+  printing one line per form (the point and the way it picks, or why there is none)."""
+  found, missing = route_table.points_from_attention(document)
+  route_table.write(path, found)
+  for point in found:
+    way = "materialised" if point.materialise else "default"
+    print(f"route table {path}: {point.form} at L={point.length}"
+          f"{f' rank {point.rank}' if point.rank else ''} on {point.device} {point.dtype}: "
+          f"default {point.default_ms:.3f} ms, materialised {point.materialised_ms:.3f} ms "
+          f"-> {way}")
+  for line in missing:
+    print(f"route table {path}: {line}")
 
 
 # Flags of one mode only, with their defaults: given in the other mode, they are an error.
 MODEL_FLAGS = {"size": ("tiny",), "schemes": DEFAULT_SCHEMES, "baseline": BASELINE,
                "route": "auto"}
-ATTENTION_FLAGS = {"heads": 12, "head_dim": 64, "causal": False}
+ATTENTION_FLAGS = {"heads": 12, "head_dim": 64, "causal": False, "rank": 0,
+                   "route_table": None}
 
 
 def compile_table(args) -> list[dict]:
@@ -472,6 +515,12 @@ def main(argv=None):
                       help="--attention: head dim D (default 64)")
   parser.add_argument("--causal", action="store_true", default=None,
                       help="--attention: causal attention (FLOPs halved)")
+  parser.add_argument("--rank", type=cli.positive_int, default=None,
+                      help="--attention: also time a factored term of this rank on the fused "
+                      "route, folded into q/k and materialised")
+  parser.add_argument("--route_table", default=None,
+                      help="--attention: add this run's route comparisons to this "
+                      "posenc_jax.route_table file (created if missing)")
   parser.add_argument("--dtype", type=cli.one_of(DTYPES), default="float32",
                       help=f"compute dtype: {', '.join(DTYPES)}")
   parser.add_argument("--repeats", type=cli.positive_int, default=None,
@@ -503,11 +552,16 @@ def main(argv=None):
     args.schemes = (BASELINE,)
   for flag, default in {**unused, **used, "repeats": 1 if args.compile else 10}.items():
     setattr(args, flag, default if getattr(args, flag) is None else getattr(args, flag))
-  if args.json is not None:
-    try:  # before anything compiles, so no timing is lost to a bad path
-      cli.check_output_file("--json", args.json)
-    except cli.OutputPathError as e:
-      parser.error(str(e))
+  for flag in ("json", "route_table"):
+    if getattr(args, flag) is not None:
+      try:  # before anything compiles, so no timing is lost to a bad path
+        cli.check_output_file(f"--{flag}", getattr(args, flag))
+        if flag == "route_table":  # a file to add to: it must be a table already
+          route_table.read(args.route_table)
+      except cli.OutputPathError as e:
+        parser.error(str(e))
+      except ValueError as e:
+        parser.error(f"--{flag}: {e}")
   if args.attention or args.compile:
     document = attention_table(args) if args.attention else {
         "device": jax.devices()[0].device_kind, "batch": args.batch, "length": args.length,
@@ -515,6 +569,8 @@ def main(argv=None):
     if args.json:
       with open(args.json, "w") as f:
         json.dump(document, f, indent=2)
+    if args.attention and args.route_table:
+      add_route_points(args.route_table, document)
     return document["rows"]
   args.size = args.size[0]
   dims = dict(batch=args.batch, length=args.length, dtype=args.dtype, route=args.route)

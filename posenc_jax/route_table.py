@@ -1,0 +1,268 @@
+"""Measured crossovers of the fused route: when a batch-free term is cheaper materialised.
+
+The fused route (:func:`posenc_jax.attend`) can run two term forms two ways:
+
+* ``toeplitz`` (DIET-REL, T5, ALiBi, TUPE-R's relative part): the Pallas kernel builds
+  each tile from the ``[H, Lq+Lk-1]`` offset vector (the default), or the term is
+  materialised once per call as ``[1, H, Lq, Lk]`` and given to
+  :func:`jax.nn.dot_product_attention` as a bias (cuDNN where it fits).
+* ``factored`` (DIET-ABS, TUPE-A, per-head segments) of rank ``r``: folded into q/k, so
+  every ``q.k`` is ``D + r`` wide (the default), or materialised as a ``[1, H, Lq, Lk]``
+  bias with ``q.k`` ``D`` wide.
+
+Which is faster depends on the device, the length and the rank: on an H100 a
+materialised bias for cuDNN can beat the kernel at short lengths, never at long ones
+(``../shared/gpu/RESULTS-2026-11-23.md``). So the choice is read from measurements,
+not a rule. A point is one ``python -m posenc_jax.bench --attention`` run: forward+backward
+milliseconds of both ways at one shape, on one device kind and dtype. For a call the
+route takes the way that was faster at the nearest point of its device kind, dtype and
+form (nearest in ``log2`` length, and for factored terms in ``log2`` folded width ``D +
+r``); with no point it keeps the default. Only batch-free terms qualify (per-example
+terms, position ids and decoding steps stay as they are), and only without attention
+dropout or packed segments (which the kernel takes and cuDNN does not).
+
+Points come from the packaged ``route_table.json`` (measured figures only; empty until
+a device has been measured with this code), overlaid by the file that
+``$POSENC_JAX_ROUTE_TABLE`` names (a point of the same device, dtype, form and shape
+replaces the packaged one). Fill that file on your device with::
+
+  POSENC_JAX_ROUTE_TABLE=~/routes.json  # in the environment of training too
+  python -m posenc_jax.bench --attention --dtype bfloat16 --batch 32 --length 512 \\
+      --rank 128 --route_table ~/routes.json
+  python -m posenc_jax.bench --attention --dtype bfloat16 --batch 1 --length 16384 \\
+      --rank 128 --route_table ~/routes.json
+
+:func:`forced` overrides the table inside a ``with`` block (the bench times both ways
+with it; tests use it to run each way on any device).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import pathlib
+import threading
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any, NamedTuple
+
+import jax
+
+FORMS = ("toeplitz", "factored")
+FORMAT = 1
+ENV = "POSENC_JAX_ROUTE_TABLE"
+PACKAGED = pathlib.Path(__file__).with_name("route_table.json")
+# The --attention rows a point compares, per form: (default way, materialised ways in order
+# of preference: the first that ran is the one the route would take).
+BENCH_ROWS = {"toeplitz": ("pallas toeplitz", ("cudnn bias", "xla bias")),
+              "factored": ("fused factored folded", ("fused factored materialised",))}
+
+
+class Point(NamedTuple):
+  """One measured shape: forward+backward ms of the default way and of the materialised one.
+
+  ``rank`` is 0 for Toeplitz terms. ``source`` says where the figures come from.
+  """
+
+  device: str
+  dtype: str
+  form: str
+  batch: int
+  length: int
+  heads: int
+  head_dim: int
+  rank: int
+  default_ms: float
+  materialised_ms: float
+  source: str = ""
+
+  @property
+  def key(self) -> tuple:
+    return self[:8]
+
+  @property
+  def materialise(self) -> bool:
+    return self.materialised_ms < self.default_ms
+
+
+_POSITIVE_INTS = ("batch", "length", "heads", "head_dim")
+
+
+def parse_point(entry: Any, where: str) -> Point:
+  """A :class:`Point` from its JSON object; one ValueError line naming ``where`` and the
+  field otherwise."""
+  if not isinstance(entry, Mapping):
+    raise ValueError(f"{where}: got {type(entry).__name__}; expected an object")
+  missing = [f for f in Point._fields[:-1] if f not in entry]
+  unknown = sorted(set(entry) - set(Point._fields))
+  if missing or unknown:
+    raise ValueError(f"{where}: {'missing ' + ', '.join(missing) if missing else ''}"
+                     f"{'; ' if missing and unknown else ''}"
+                     f"{'unknown field ' + ', '.join(unknown) if unknown else ''}")
+  for field in ("device", "dtype", "source"):
+    if not isinstance(entry.get(field, ""), str):
+      raise ValueError(f"{where}.{field}: got {entry[field]!r}; expected a string")
+  if entry["form"] not in FORMS:
+    raise ValueError(f"{where}.form: got {entry['form']!r}; allowed: {', '.join(FORMS)}")
+  for field in (*_POSITIVE_INTS, "rank"):
+    value = entry[field]
+    if not isinstance(value, int) or isinstance(value, bool) or value < (field != "rank"):
+      raise ValueError(f"{where}.{field}: got {value!r}; expected a "
+                       f"{'positive' if field != 'rank' else 'non-negative'} integer")
+  for field in ("default_ms", "materialised_ms"):
+    value = entry[field]
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not (
+        math.isfinite(value) and value > 0):
+      raise ValueError(f"{where}.{field}: got {value!r}; expected a positive number of ms")
+  return Point(**entry)
+
+
+def read(path: str | os.PathLike) -> list[Point]:
+  """The points of a table file (``{"format": 1, "points": [...]}``); a missing file has
+  none. A malformed one is one ValueError line naming the file and the field."""
+  path = pathlib.Path(path).expanduser()
+  if not path.exists():
+    return []
+  try:
+    document = json.loads(path.read_text())
+  except (OSError, json.JSONDecodeError) as e:
+    raise ValueError(f"route table {path}: not readable JSON ({e})") from None
+  if not isinstance(document, Mapping) or document.get("format") != FORMAT:
+    raise ValueError(f"route table {path}: expected an object with \"format\": {FORMAT}")
+  entries = document.get("points")
+  if not isinstance(entries, list):
+    raise ValueError(f"route table {path}: points: expected a list")
+  return [parse_point(entry, f"route table {path}: points[{i}]")
+          for i, entry in enumerate(entries)]
+
+
+def merged(points: Iterable[Point], overlay: Iterable[Point]) -> list[Point]:
+  """``points`` with each point of ``overlay`` replacing the one of the same key (device,
+  dtype, form and shape) or added."""
+  table = {p.key: p for p in points}
+  table.update((p.key, p) for p in overlay)
+  return list(table.values())
+
+
+def write(path: str | os.PathLike, points: Iterable[Point]) -> list[Point]:
+  """Adds ``points`` to the table file at ``path`` (created if missing; same keys
+  replaced), written atomically; returns the file's points."""
+  path = pathlib.Path(path).expanduser()
+  table = merged(read(path), points)
+  document = {"format": FORMAT, "points": [p._asdict() for p in sorted(table)]}
+  temporary = path.with_name(path.name + ".tmp")
+  temporary.write_text(json.dumps(document, indent=2) + "\n")
+  os.replace(temporary, path)
+  return table
+
+
+_LOADED: dict[tuple, list[Point]] = {}
+
+
+def _stamp(path: pathlib.Path) -> tuple:
+  try:
+    stat = path.stat()
+    return (str(path), stat.st_mtime_ns, stat.st_size)
+  except OSError:
+    return (str(path), None, None)
+
+
+def points() -> list[Point]:
+  """The packaged points overlaid by ``$POSENC_JAX_ROUTE_TABLE``'s (re-read when either
+  file changes)."""
+  files = [PACKAGED] + ([pathlib.Path(os.environ[ENV]).expanduser()]
+                        if os.environ.get(ENV) else [])
+  stamp = tuple(_stamp(f) for f in files)
+  if stamp not in _LOADED:
+    table: list[Point] = []
+    for f in files:
+      table = merged(table, read(f))
+    _LOADED.clear()
+    _LOADED[stamp] = table
+  return _LOADED[stamp]
+
+
+_FORCED = threading.local()
+
+
+@contextlib.contextmanager
+def forced(**ways: bool | None) -> Iterator[None]:
+  """Inside the block, ``toeplitz=`` / ``factored=`` True materialises that form, False
+  keeps the default way, None (or not given) asks the table. It applies when a function is
+  traced: a function jitted (or traced) before the block keeps the way it was traced with."""
+  unknown = sorted(set(ways) - set(FORMS))
+  if unknown:
+    raise ValueError(f"route_table.forced: {', '.join(unknown)}: allowed: {', '.join(FORMS)}")
+  previous = getattr(_FORCED, "ways", {})
+  _FORCED.ways = {**previous, **ways}
+  try:
+    yield
+  finally:
+    _FORCED.ways = previous
+
+
+def device_kind() -> str:
+  """The first device's kind, e.g. ``NVIDIA H100 80GB HBM3`` (what points are keyed by)."""
+  return jax.devices()[0].device_kind
+
+
+def materialise(form: str, *, dtype: str, length: int, head_dim: int, rank: int = 0,
+                device: str | None = None, table: Iterable[Point] | None = None) -> bool:
+  """Whether the fused route materialises a batch-free ``form`` term at this shape.
+
+  Args:
+    form: ``toeplitz`` or ``factored``.
+    dtype: the compute dtype's name (``bfloat16``...).
+    length: ``sqrt(Lq Lk)``.
+    head_dim: D before folding; ``rank``: the factored term's ``r`` (0 for Toeplitz).
+    device: the device kind (None: :func:`device_kind`); ``table``: the points (None:
+      :func:`points`).
+
+  Returns:
+    :func:`forced`'s answer inside such a block, else that of the nearest point of the
+    same device, dtype and form (``log2`` length, plus ``log2`` folded width for factored
+    terms; a tie goes to the longer length), else False.
+  """
+  way = getattr(_FORCED, "ways", {}).get(form)
+  if way is not None:
+    return way
+  device = device_kind() if device is None else device
+  table = points() if table is None else table
+  same = [p for p in table if (p.device, p.dtype, p.form) == (device, dtype, form)]
+  if not same:
+    return False
+
+  def distance(p: Point) -> tuple[float, int]:
+    d = abs(math.log2(p.length / length))
+    if form == "factored":
+      d += abs(math.log2((p.head_dim + p.rank) / (head_dim + rank)))
+    return d, -p.length
+
+  return min(same, key=distance).materialise
+
+
+def points_from_attention(document: Mapping[str, Any], source: str = "") -> tuple[
+    list[Point], list[str]]:
+  """The points one ``bench --attention`` JSON document measured, and for each form it
+  could not, a line saying why (a row that did not run)."""
+  rows = {row["kernel"]: row for row in document["rows"]}
+  found, missing = [], []
+  for form, (default, materialised) in BENCH_ROWS.items():
+    if form == "factored" and not document.get("rank"):
+      continue
+    ran = lambda name: name in rows and rows[name].get("fwd_bwd_ms") is not None  # noqa: E731
+    way = next((name for name in materialised if ran(name)), None)
+    if not ran(default) or way is None:
+      why = [f"{name}: {rows[name].get('fwd_bwd_na') if name in rows else 'not timed'}"
+             for name in (default, *materialised) if not ran(name)]
+      missing.append(f"{form}: no point ({'; '.join(why)})")
+      continue
+    found.append(Point(device=document["device"], dtype=document["dtype"], form=form,
+                       batch=document["batch"], length=document["length"],
+                       heads=document["heads"], head_dim=document["head_dim"],
+                       rank=document.get("rank", 0) if form == "factored" else 0,
+                       default_ms=rows[default]["fwd_bwd_ms"],
+                       materialised_ms=rows[way]["fwd_bwd_ms"],
+                       source=source or f"bench --attention ({way})"))
+  return found, missing

@@ -1,0 +1,274 @@
+"""The fused route's measured crossovers (posenc_jax.route_table, issue 14).
+
+The choice rule (nearest point per device kind, dtype and form), the table file (one-line
+errors, atomic merge), each way's equality with the reference route (values and
+gradients), where it applies (batch-free terms, no dropout or packed segments), the bench
+writing a point that ``attend`` then follows, and the training step lowering for CUDA with
+the materialised bias on cuDNN.
+"""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from posenc_jax import Factored, attend, route_table
+from posenc_jax.route_table import Point
+from tests.conftest import SCHEME_CONFIGS, init_scheme, padding_mask, qkv
+from tests.test_accelerator_lowering import (CUDNN, TRITON, _train_config,  # noqa: F401
+                                             lowered_train_step, on_platform)
+from tests.test_attention import TOL, _intermediate_shapes, assert_grads_close
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def point(length, default_ms, materialised_ms, form="toeplitz", rank=0, device="H100",
+          dtype="bfloat16", head_dim=64):
+  return Point(device=device, dtype=dtype, form=form, batch=8, length=length, heads=12,
+               head_dim=head_dim, rank=rank, default_ms=default_ms,
+               materialised_ms=materialised_ms, source="test")
+
+
+# Materialised wins at 512, the kernel at 4096 and 16384 (as measured on the H100 in
+# RESULTS-2026-11-23 at 512 and 16384).
+TABLE = [point(512, 1.61, 1.01), point(4096, 10.0, 12.0), point(16384, 34.7, 43.5),
+         point(512, 1.0, 2.0, device="A100"), point(512, 1.0, 0.5, dtype="float32"),
+         point(512, 2.0, 1.0, form="factored", rank=128),
+         point(512, 1.0, 2.0, form="factored", rank=8)]
+
+
+@pytest.mark.parametrize("length, want", [(128, True), (512, True), (1024, True),
+                                          (1500, False), (2048, False), (4096, False),
+                                          (100_000, False)])
+def test_nearest_measured_length_decides(length, want):
+  """log2 distance: 1024 is 1 from 512 and 2 from 4096; 1500 is nearer 4096."""
+  assert route_table.materialise("toeplitz", dtype="bfloat16", length=length, head_dim=64,
+                                 device="H100", table=TABLE) is want
+
+
+def test_a_tie_goes_to_the_longer_length():
+  table = [point(512, 2.0, 1.0), point(2048, 1.0, 2.0)]
+  assert not route_table.materialise("toeplitz", dtype="bfloat16", length=1024, head_dim=64,
+                                     device="H100", table=table)
+
+
+def test_device_dtype_and_form_select_their_own_points():
+  ask = lambda **kw: route_table.materialise(  # noqa: E731
+      **{"form": "toeplitz", "dtype": "bfloat16", "length": 512, "head_dim": 64,
+         "device": "H100", "table": TABLE, **kw})
+  assert ask() and not ask(device="A100") and ask(dtype="float32")
+  assert not ask(device="TPU v5 lite") and not ask(dtype="float16")  # no point: default way
+  assert not route_table.materialise("toeplitz", dtype="bfloat16", length=512, head_dim=64,
+                                     device="H100", table=[])
+
+
+@pytest.mark.parametrize("rank, want", [(128, True), (96, True), (8, False), (16, False)])
+def test_factored_points_are_nearest_in_folded_width(rank, want):
+  """Widths 64 + rank: 160 is nearer 192 than 72; 80 nearer 72."""
+  assert route_table.materialise("factored", dtype="bfloat16", length=512, head_dim=64,
+                                 rank=rank, device="H100", table=TABLE) is want
+
+
+def test_forced_overrides_the_table_and_nests():
+  args = dict(dtype="bfloat16", length=512, head_dim=64, device="H100", table=TABLE)
+  with route_table.forced(toeplitz=False):
+    assert not route_table.materialise("toeplitz", **args)
+    with route_table.forced(factored=True):
+      assert not route_table.materialise("toeplitz", **args)
+      assert route_table.materialise("factored", **args, rank=8)
+    assert not route_table.materialise("factored", **args, rank=8)
+  assert route_table.materialise("toeplitz", **args)
+  with pytest.raises(ValueError, match="route_table.forced: toeplits: allowed: toeplitz"):
+    with route_table.forced(toeplits=True):
+      pass
+
+
+def test_the_packaged_table_is_valid_and_measured():
+  points = route_table.read(route_table.PACKAGED)
+  assert all(p.source for p in points)  # every figure says where it was measured
+  assert len({p.key for p in points}) == len(points)
+
+
+def test_write_merges_by_key_atomically(tmp_path):
+  path = tmp_path / "routes.json"
+  route_table.write(path, [point(512, 1.0, 2.0), point(1024, 1.0, 2.0)])
+  table = route_table.write(path, [point(512, 3.0, 2.0), point(512, 1.0, 2.0, device="A100")])
+  assert sorted(table) == sorted(route_table.read(path)) and len(table) == 3
+  assert next(p for p in table if p.key == point(512, 0, 0).key).default_ms == 3.0
+  assert [p.name for p in tmp_path.iterdir()] == ["routes.json"]
+
+
+def _table_file(tmp_path, entry=None, document=None):
+  path = tmp_path / "routes.json"
+  if document is None:
+    document = {"format": 1, "points": [{**point(512, 1.0, 2.0)._asdict(), **(entry or {})}]}
+  path.write_text(document if isinstance(document, str) else json.dumps(document))
+  return path
+
+
+@pytest.mark.parametrize("entry, document, message", [
+    (None, "{not json", "not readable JSON"),
+    (None, {"points": []}, 'expected an object with "format": 1'),
+    (None, {"format": 1, "points": {}}, "points: expected a list"),
+    ({"form": "dense"}, None, r"points\[0\].form: got 'dense'; allowed: toeplitz, factored"),
+    ({"length": 0}, None, r"points\[0\].length: got 0; expected a positive integer"),
+    ({"rank": -1}, None, r"points\[0\].rank: got -1; expected a non-negative integer"),
+    ({"batch": True}, None, r"points\[0\].batch: got True"),
+    ({"default_ms": float("nan")}, None, r"points\[0\].default_ms: got nan"),
+    ({"materialised_ms": "1"}, None, r"points\[0\].materialised_ms: got '1'"),
+    ({"device": 3}, None, r"points\[0\].device: got 3; expected a string"),
+    ({"lenght": 3}, None, r"points\[0\]: unknown field lenght"),
+])
+def test_a_malformed_table_is_one_line(tmp_path, entry, document, message):
+  path = _table_file(tmp_path, entry, document)
+  with pytest.raises(ValueError, match=message) as info:
+    route_table.read(path)
+  assert "\n" not in str(info.value) and str(path) in str(info.value)
+
+
+def test_a_missing_field_is_named(tmp_path):
+  entry = point(512, 1.0, 2.0)._asdict()
+  del entry["heads"]
+  path = _table_file(tmp_path, document={"format": 1, "points": [entry]})
+  with pytest.raises(ValueError, match=r"points\[0\]: missing heads$"):
+    route_table.read(path)
+
+
+def test_the_environment_file_overlays_the_packaged_table(tmp_path, monkeypatch):
+  path = tmp_path / "routes.json"
+  monkeypatch.setenv(route_table.ENV, str(path))
+  ask = lambda: route_table.materialise("toeplitz", dtype="float32", length=16,  # noqa: E731
+                                        head_dim=8, device="cpu")
+  assert not ask()  # no file yet: no point
+  route_table.write(path, [point(16, 2.0, 1.0, device="cpu", dtype="float32", head_dim=8)])
+  assert ask()  # re-read when the file changes
+  route_table.write(path, [point(16, 1.0, 2.0, device="cpu", dtype="float32", head_dim=8)])
+  assert not ask()
+
+
+# Each way equals the reference route; the kernel is gone where the table materialises.
+
+TOEPLITZ = ["diet_rel", "t5", "alibi", "tupe_r"]
+FACTORED = ["diet_abs", "diet_abs_share", "tupe_a"]
+
+
+def _pallas_calls(f, *args) -> int:
+  return str(jax.make_jaxpr(f)(*args)).count("pallas_call")
+
+
+@pytest.mark.parametrize("name", TOEPLITZ + FACTORED)
+@pytest.mark.parametrize("causal", [False, True])
+def test_materialised_way_equals_the_reference(name, causal):
+  form = "toeplitz" if name in TOEPLITZ else "factored"
+  _, _, st = init_scheme(SCHEME_CONFIGS[name])
+  q, k, v = qkv()
+  terms = st.for_layer(1)
+
+  def loss(route):
+    def f(q, k, v, terms):
+      out = attend(q, k, v, terms, mask=padding_mask(), causal=causal, scale=st.content_scale,
+                   route=route)
+      return jnp.sum(jnp.sin(out))
+    return jax.value_and_grad(f, argnums=(0, 1, 2, 3))
+
+  want, want_grads = loss("reference")(q, k, v, terms)
+  with route_table.forced(**{form: True}):
+    got, got_grads = loss("fused")(q, k, v, terms)
+    assert _pallas_calls(loss("fused"), q, k, v, terms) == 0
+  with route_table.forced(**{form: False}):
+    assert _pallas_calls(loss("fused"), q, k, v, terms) >= 2  # forward and backward kernels
+  np.testing.assert_allclose(got, want, **TOL)
+  assert_grads_close(got_grads, want_grads)
+
+
+def test_factored_materialised_keeps_the_head_dim():
+  """Folded, q and k are D + r wide (8 + 5, padded to 16); materialised, D wide beside an
+  ``[1, H, L, L]`` bias."""
+  q, k, v = qkv()
+  u, w = (jax.random.normal(key, (q.shape[1], 4, 5)) for key in jax.random.split(jax.random.key(3)))
+
+  def shapes():  # a new function each time: JAX caches traces by function
+    f = lambda q: attend(q, k, v, [Factored(u, w)], route="fused")  # noqa: E731
+    return set(_intermediate_shapes(jax.make_jaxpr(f)(q).jaxpr))
+
+  with route_table.forced(factored=False):
+    assert (2, 10, 4, 16) in shapes() and (1, 4, 10, 10) not in shapes()
+  with route_table.forced(factored=True):
+    assert (2, 10, 4, 16) not in shapes() and (1, 4, 10, 10) in shapes()
+
+
+def test_not_with_dropout_packed_segments_or_per_example_terms():
+  """The kernel draws the dropout mask and takes segment ids; a per-example factored term
+  has no batch-free bias to share. The table is not asked there."""
+  _, _, st = init_scheme(SCHEME_CONFIGS["diet_rel"])
+  q, k, v = qkv()
+  terms = st.for_layer(0)
+  segments = jnp.array([[0] * 5 + [1] * 5, [0] * 10])
+  with route_table.forced(toeplitz=True, factored=True):
+    assert _pallas_calls(lambda q: attend(q, k, v, terms, route="fused", dropout_rate=0.1,
+                                          dropout_rng=jax.random.key(0)), q) == 1
+    assert _pallas_calls(lambda q: attend(q, k, v, terms, route="fused",
+                                          segment_ids=segments), q) == 1
+    u = jax.random.normal(jax.random.key(4), q.shape[:3] + (3,))  # [B, L, H, r]
+    assert _pallas_calls(lambda q: attend(q, k, v, [Factored(u, u)], route="fused"), q) == 1
+
+
+def test_the_bench_writes_a_point_that_attend_follows(tmp_path, monkeypatch):
+  """On CPU the Pallas kernel interprets, so the materialised bias wins: the bench records
+  that, and with the file in the environment the fused route materialises."""
+  path = tmp_path / "routes.json"
+  proc = subprocess.run(
+      [sys.executable, "-m", "posenc_jax.bench", "--attention", "--batch", "1", "--length", "32",
+       "--heads", "2", "--head_dim", "16", "--repeats", "1", "--rank", "8",
+       "--route_table", str(path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  points = {p.form: p for p in route_table.read(path)}
+  assert set(points) == {"toeplitz", "factored"}
+  for form, p in points.items():
+    assert (p.device, p.dtype, p.length, p.heads, p.head_dim) == ("cpu", "float32", 32, 2, 16)
+    assert p.rank == (8 if form == "factored" else 0)
+    way = "materialised" if p.materialise else "default"
+    assert (f"route table {path}: {form} at L=32{' rank 8' if p.rank else ''} on cpu float32: "
+            f"default {p.default_ms:.3f} ms, materialised {p.materialised_ms:.3f} ms -> {way}"
+            ) in proc.stdout
+  assert points["toeplitz"].source == "bench --attention (xla bias)"  # cuDNN: n/a on CPU
+  _, _, st = init_scheme(SCHEME_CONFIGS["diet_rel"], length=32, num_heads=2, head_dim=16)
+  q = jnp.ones((1, 32, 2, 16))
+  u = jnp.ones((32, 2, 8))
+  fused = lambda terms: _pallas_calls(  # noqa: E731
+      lambda q: attend(q, q, q, terms, route="fused"), q)
+  assert fused(st.for_layer(0)) == fused([Factored(u, u)]) == 1  # no table: the kernel
+  monkeypatch.setenv(route_table.ENV, str(path))
+  assert fused(st.for_layer(0)) == (0 if points["toeplitz"].materialise else 1)
+  assert fused([Factored(u, u)]) == (0 if points["factored"].materialise else 1)
+
+
+def test_a_bad_route_table_file_stops_the_bench_before_any_work(tmp_path):
+  path = _table_file(tmp_path, {"form": "dense"})
+  proc = subprocess.run([sys.executable, "-m", "posenc_jax.bench", "--attention",
+                         "--route_table", str(path)], cwd=ROOT, capture_output=True, text=True,
+                        timeout=120)
+  assert proc.returncode == 2 and proc.stdout == ""
+  assert proc.stderr.strip().splitlines() == [
+      f"bench: --route_table: route table {path}: points[0].form: got 'dense'; allowed: "
+      "toeplitz, factored"]
+  proc = subprocess.run([sys.executable, "-m", "posenc_jax.bench", "--route_table", str(path)],
+                        cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 2 and "--route_table: only with --attention" in proc.stderr
+
+
+@pytest.mark.parametrize("preset, form", [("diet_rel", "toeplitz"), ("alibi", "toeplitz"),
+                                          ("diet_abs", "factored"), ("tupe_a", "factored")])
+def test_gpu_training_step_puts_the_materialised_bias_on_cudnn(on_platform, preset, form):  # noqa: F811
+  """bf16 with a padding mask, lowered for CUDA: materialised, the term is a bias of
+  cuDNN's (its gradient from cuDNN's backward pass) and no Triton kernel is left."""
+  on_platform("gpu")
+  config = _train_config(f"bert_tiny,{preset}", attention_dropout_rate=0.0)
+  with route_table.forced(**{form: True}):
+    text = lowered_train_step(config, "cuda")
+  assert text.count(CUDNN) >= 2 and TRITON not in text
