@@ -247,14 +247,16 @@ class Checkpointer:
   def save(self, step: int, state: Any, data_state: dict[str, Any], *, force: bool = False,
            input_iterator: Any = None) -> bool:
     """Saves if the interval says so (or ``force``), with the state's fingerprints and, when
-    ``input_iterator`` has a ``save_state(prefix)``, its state (taken before this returns);
-    returns whether it saved."""
+    ``input_iterator`` has a ``save_state(prefix)`` (and is not known to be
+    ``checkpointable`` False), its state (taken before this returns); returns whether it
+    saved."""
     self.check()
     if not (force or self.manager.should_save(step)):
       return False
     data = dict(data_state) | {"fingerprints": fingerprints(state)}
     items = dict(state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data))
-    if callable(getattr(input_iterator, "save_state", None)):
+    if (callable(getattr(input_iterator, "save_state", None))
+        and getattr(input_iterator, "checkpointable", True)):
       items["input"] = InputSave(input_iterator)
     try:
       saved = self.manager.save(step, args=ocp.args.Composite(**items), force=True)

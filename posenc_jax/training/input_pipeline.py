@@ -2,15 +2,17 @@
 
 Every host reads its own shard of the data (pre-training: of the source or of the global
 stream, ``config.data_sharding``), and a run resumed at step ``s`` starts from exactly the
-batch an uninterrupted run would see at step ``s``: pre-training batches come as an
-:class:`InputIterator`, whose ``tf.data`` state the checkpoints hold (resuming costs the
-same at any step); without that state the pipelines, deterministic in the seed and the
-step, are rebuilt at ``start_step``.
+batch an uninterrupted run would see at step ``s``: training batches (pre-training, causal
+LM, translation, fine-tuning) come as an :class:`InputIterator`, whose ``tf.data`` state the
+checkpoints hold (resuming costs the same at any step); without that state (old
+checkpoints, another host count, a source with Python state) the pipelines, deterministic
+in the seed and the step, are rebuilt at ``start_step``.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Iterator
 
 import ml_collections
@@ -28,10 +30,16 @@ class InputIterator:
   ``restore_state(prefix)`` on a fresh iterator of the same pipeline continues from there, at a
   cost independent of the position (:mod:`posenc_jax.data.preprocessors`: what the state
   holds, and its size).
+
+  A pipeline holding Python state (``tf.py_function``, ``from_generator``: e.g. some TFDS
+  builders, or ``tfds.testing.mock_data``) cannot be saved: the first ``save_state`` finds
+  out, writes nothing, logs one line and sets ``checkpointable`` False, so checkpoints
+  leave the input out and a resume rebuilds the pipeline at the step.
   """
 
   def __init__(self, dataset):
     self._iterator = iter(dataset)
+    self.checkpointable = True
 
   def __iter__(self):
     return self
@@ -47,7 +55,17 @@ class InputIterator:
     return tf.train.Checkpoint(iterator=self._iterator)
 
   def save_state(self, prefix: str) -> None:
-    self._checkpoint().write(prefix)
+    import tensorflow as tf  # noqa: PLC0415
+
+    if not self.checkpointable:
+      return
+    try:
+      self._checkpoint().write(prefix)
+    except tf.errors.FailedPreconditionError as e:  # a stateful op: nothing was written
+      self.checkpointable = False
+      logging.warning("the input pipeline cannot save its position (%s); a resume rebuilds "
+                      "it at the step, a cost that grows with the step",
+                      str(e).strip().splitlines()[0])
 
   def restore_state(self, prefix: str) -> None:
     self._checkpoint().read(prefix).assert_consumed()
@@ -163,12 +181,13 @@ def make_batches(config: ml_collections.ConfigDict, split: str, start_step: int,
   """Endless training batches from ``start_step``, or the evaluation batches (``eval_steps``
   of them for pre-training, causal LM and translation, the whole split for fine-tuning).
 
-  Each batch is this host's ``batch_size / num_shards`` rows (numpy). Pre-training's
-  training batches are an :class:`InputIterator` (its state saved with checkpoints),
-  sharded as ``config.data_sharding`` says and cached as ``config.cache_data`` says;
-  evaluation batches always come from the global stream (``eval_steps`` of them, the same
-  on every host count), uncached.
+  Each batch is this host's ``batch_size / num_shards`` rows (numpy). Training batches
+  are an :class:`InputIterator` (its state saved with checkpoints); pre-training's are
+  sharded as ``config.data_sharding`` says and cached as ``config.cache_data`` says, and
+  its evaluation batches always come from the global stream (``eval_steps`` of them, the
+  same on every host count), uncached.
   """
+  train = split == "train"
   if config.objective == "translation":
     ds = _translation(config, split, start_step, shard_id, num_shards)
   elif config.objective in FINETUNE_FEATURES:
@@ -178,7 +197,6 @@ def make_batches(config: ml_collections.ConfigDict, split: str, start_step: int,
     from posenc_jax.data.causal_lm import lm_dataset  # noqa: PLC0415
     from posenc_jax.data.preprocessors import mlm_dataset  # noqa: PLC0415
 
-    train = split == "train"
     stream = dict(shard_id=shard_id, num_shards=num_shards, repeat=train,
                   start_step=start_step if train else 0,
                   cache=cache_data(config) if train else False,
@@ -190,7 +208,6 @@ def make_batches(config: ml_collections.ConfigDict, split: str, start_step: int,
       ds = mlm_dataset(config.task, split, config.seq_len, local, config.seed,
                        mask_rate=config.mask_rate,
                        segments=config.get("packed_segments", False), **stream)
-    if train:
-      return InputIterator(ds)
-    ds = ds.take(config.eval_steps)
-  return ds.as_numpy_iterator()
+    if not train:
+      ds = ds.take(config.eval_steps)
+  return InputIterator(ds) if train else ds.as_numpy_iterator()
