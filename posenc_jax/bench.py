@@ -378,8 +378,8 @@ def attention_table(args) -> dict:
   ob = 0.1 * jax.random.normal(keys[4], (args.heads, 2 * args.length - 1), jnp.float32)
   seed = dropout_seed(keys[5])
 
-  uv = tuple(0.1 * jax.random.normal(key, (args.length, args.heads, args.rank or 1))
-             for key in jax.random.split(keys[5]))
+  uv = tuple(0.1 * jax.random.normal(key, (args.length, args.heads, args.rank))
+             for key in jax.random.split(keys[5])) if args.rank else None
   kernels = ATTENTION_KERNELS + (FACTORED_KERNELS if args.rank else ())
 
   def prepare(kernel):

@@ -68,13 +68,18 @@ def _tfds_example(ex):
                            answer_start=[ex["context"].index(a) for a in ex["answers"]]))
 
 
+def examples_dataset(examples):
+  """``examples`` (dicts of id, question, context, answers) as a TFDS SQuAD-format dataset."""
+  return tf.data.Dataset.from_generator(lambda: (_tfds_example(ex) for ex in examples),
+                                        output_signature=SIGNATURE)
+
+
 def fixed_mock(calls):
   """``mock_data`` serving ``EXAMPLES`` from every builder; appends what was read to calls."""
   def as_dataset(self, split, decoders=None, read_config=None, **kwargs):
     del decoders, read_config, kwargs
     calls.append((self.name, self.builder_config.name, str(self.version), str(split)))
-    return tf.data.Dataset.from_generator(lambda: (_tfds_example(ex) for ex in EXAMPLES),
-                                          output_signature=SIGNATURE)
+    return examples_dataset(EXAMPLES)
   return tfds.testing.mock_data(as_dataset_fn=as_dataset, policy=tfds.testing.MockPolicy.USE_CODE)
 
 

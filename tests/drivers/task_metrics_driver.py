@@ -41,7 +41,6 @@ if ARGS.coordinator:
 import flax.linen as nn  # noqa: E402
 import ml_collections  # noqa: E402
 import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
 
 import posenc_jax.tasks  # noqa: E402, F401 - registers the tasks
 from posenc_jax.data import xtreme_qa  # noqa: E402
@@ -50,6 +49,7 @@ from posenc_jax.presets import preset_config  # noqa: E402
 from posenc_jax.training import loop, task_eval  # noqa: E402
 from posenc_jax.training import mesh as mesh_lib  # noqa: E402
 from tests import tfds_mock  # noqa: E402
+from tests.test_data_xtreme_qa import EXAMPLES, examples_dataset  # noqa: E402
 
 BATCH, LENGTH, QA_LENGTH = 4, 16, 128
 RECORDED: dict = {}
@@ -111,33 +111,18 @@ def translation_data(config, split, start_step, shard_id=0, num_shards=1, refere
     yield {"inputs": inputs[rows], "targets": targets[rows]}
 
 
-EIFFEL = ("The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, "
-          "France. It is named after the engineer Gustave Eiffel, whose company designed and "
-          "built the tower from 1887 to 1889. " * 4
-          + "The tower is 330 metres (1,083 ft) tall, the tallest structure in Paris.")
-QA_EXAMPLES = [
-    dict(id="eiffel-height", question="How tall is the tower?", context=EIFFEL,
-         answers=["330 metres (1,083 ft)"]),
-    dict(id="es-gato", question="¿Dónde duerme el gato?",
-         context="El gato negro duerme en la casa de María, cerca del río.",
-         answers=["en la casa de María", "la casa de María"]),
-    dict(id="de-bern", question="Was ist die Hauptstadt der Schweiz?",
-         context="Die Hauptstadt der Schweiz ist Bern, nicht Zürich.", answers=["Bern"]),
-]
-QA_SIGNATURE = dict(
-    id=tf.TensorSpec([], tf.string), title=tf.TensorSpec([], tf.string),
-    context=tf.TensorSpec([], tf.string), question=tf.TensorSpec([], tf.string),
-    answers=dict(text=tf.TensorSpec([None], tf.string),
-                 answer_start=tf.TensorSpec([None], tf.int32)))
+# The XTREME tests' examples, the first with a shorter context (repeated: an odd number of
+# windows at QA_LENGTH).
+QA_EXAMPLES = [dict(EXAMPLES[0], context=(
+    "The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, "
+    "France. It is named after the engineer Gustave Eiffel, whose company designed and "
+    "built the tower from 1887 to 1889. " * 4
+    + "The tower is 330 metres (1,083 ft) tall, the tallest structure in Paris."))] + EXAMPLES[1:]
 
 
 def qa_dataset(self, split, decoders=None, read_config=None, **kwargs):
   del self, split, decoders, read_config, kwargs
-  return tf.data.Dataset.from_generator(
-      lambda: (dict(id=ex["id"], title="", context=ex["context"], question=ex["question"],
-                    answers=dict(text=ex["answers"],
-                                 answer_start=[ex["context"].index(a) for a in ex["answers"]]))
-               for ex in QA_EXAMPLES), output_signature=QA_SIGNATURE)
+  return examples_dataset(QA_EXAMPLES)
 
 
 def config(objective, task, **model):
