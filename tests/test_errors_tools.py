@@ -236,9 +236,13 @@ def results(request, tmp_path_factory):
               if item.module is request.module and hasattr(item, "callspec")
               and "index" in item.callspec.params]
 
+  # Made here, in one thread: pytest's tmp_path_factory creates its base directory on first use
+  # and two threads doing so at once collide (FileExistsError).
+  case_places = {index: _places(tmp_path_factory.mktemp(f"case{index}")) for index in selected}
+
   def run(index):
     tool, argv, _, _ = CASES[index]
-    places = _places(tmp_path_factory.mktemp(f"case{index}"))
+    places = case_places[index]
     before = _listing(places)
     command = [tool] if tool.endswith(".py") else ["-m", f"posenc_jax.{tool}"]
     proc = subprocess.run([sys.executable, *command, *(a.format(**places) for a in argv)],
