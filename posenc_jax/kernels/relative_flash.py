@@ -79,11 +79,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plt
 
+from posenc_jax.kernels import hopper_flash
 from posenc_jax.kernels.dropout import dropout_multiplier
 
 Array = jax.Array
 
-_NEG = -1e30  # finite "minus infinity" for masked logits (avoids inf - inf)
+_NEG = hopper_flash._NEG  # finite "minus infinity" for masked logits (avoids inf - inf)
 _Q_PAD, _K_PAD = -2, -1  # segment ids of padded query rows / masked keys: never equal
 
 
@@ -336,6 +337,7 @@ class _Config:
   q_len: int  # Lq_p
   k_len: int  # Lk_p
   interpret: bool
+  forward: str = "tiles"  # "tiles" (this module's forward kernel) or "hopper"
 
   @property
   def compiler_params(self):
@@ -641,6 +643,11 @@ def _specs(cfg, *, over_queries: bool) -> _Specs:
 
 
 def _forward(cfg, q, k, v, ob, qseg, kseg, seed):
+  if cfg.forward == "hopper":
+    return hopper_flash.forward(
+        q, k, v, ob, qseg, kseg, seed, block_k=cfg.blocks.block_k, scale=cfg.scale,
+        causal=cfg.causal, zero_first=cfg.zero_first, has_bias=cfg.has_bias,
+        dropout_rate=cfg.dropout_rate, interpret=cfg.interpret)
   b, h = q.shape[:2]
   specs = _specs(cfg, over_queries=True)
   return pl.pallas_call(
@@ -738,6 +745,7 @@ def relative_flash_attention(
     precision: str = "float32",
     dropout_rate: float = 0.0,
     dropout_seed: Array | None = None,
+    forward: str = "tiles",
     interpret: bool | None = None,
 ) -> Array:
   """Flash attention with a Toeplitz bias ``offset_bias[h, j - i + Lq - 1]`` built in the kernel.
@@ -774,6 +782,10 @@ def relative_flash_attention(
       the backward pass and equal to the reference route's.
     dropout_seed: int32 seed (any shape of one element; :func:`dropout_seed` draws one
       from a PRNG key); needed when ``dropout_rate > 0``.
+    forward: the forward pass's kernel: ``"tiles"`` (the ``tiles`` kernel) or ``"hopper"``
+      (:mod:`posenc_jax.kernels.hopper_flash`: Mosaic GPU, warpgroup MMA, for Hopper GPUs;
+      16-bit inputs, head dims multiples of 64, 64-row query blocks). The backward pass is
+      the ``tiles`` kernels' either way.
     interpret: Pallas interpret mode; None picks it on the CPU backend.
 
   Returns:
@@ -805,11 +817,21 @@ def relative_flash_attention(
   seed = (jnp.zeros((1, 1), jnp.int32) if dropout_seed is None
           else jnp.reshape(dropout_seed, (1, 1)).astype(jnp.int32))
 
+  if forward not in ("tiles", "hopper"):
+    raise ValueError(f"forward: got {forward!r}; allowed: tiles, hopper")
+  if forward == "hopper" and not hopper_flash.fits(
+      dtype=q.dtype, block_q=blocks.block_q, block_k=blocks.block_k, qk_dim=blocks.qk_dim,
+      v_dim=blocks.v_dim):
+    raise ValueError(f"forward: 'hopper' takes bfloat16/float16 q, k, v, head dims padded to "
+                     f"multiples of 64 and {hopper_flash.BLOCK_Q}-row query blocks, key blocks "
+                     f"of {' or '.join(map(str, hopper_flash.BLOCK_KS))}; got {q.dtype}, "
+                     f"head dims {blocks.qk_dim}/{blocks.v_dim}, blocks "
+                     f"{blocks.block_q}x{blocks.block_k}")
   lq_p, lk_p = _round_up(lq, blocks.block_q), _round_up(lk, blocks.block_k)
   cfg = _Config(has_bias=offset_bias is not None, tiles=tiles, zero_first=zero_first,
                 causal=causal, scale=float(scale), precision=precision,
                 dropout_rate=float(dropout_rate), blocks=blocks,
-                q_len=lq_p, k_len=lk_p, interpret=bool(interpret))
+                q_len=lq_p, k_len=lk_p, interpret=bool(interpret), forward=forward)
   loff = cfg.offset_len
 
   def heads_major(x, length, width):

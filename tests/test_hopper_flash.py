@@ -1,0 +1,207 @@
+"""The Hopper forward (posenc_jax.kernels.hopper_flash) in Mosaic GPU's interpret mode on CPU:
+values and lse against a float32 reference and against the Triton forward, gradients through
+the Triton backward that reads its lse, dropout's mask, errors, and lowering for CUDA."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from posenc_jax.kernels import hopper_flash, relative_flash_attention
+from posenc_jax.kernels import relative_flash as rf
+from posenc_jax.kernels.dropout import dropout_seed
+from posenc_jax.terms import offsets, relative_offsets
+from tests.test_relative_flash import TRITON, _alibi, _diet, _lowered, _t5
+
+H = 2
+MOSAIC_GPU = "mosaic_gpu"
+BF16_TOL = 2e-2  # bfloat16 outputs of unit-scale attention against a float32 reference
+
+
+def _inputs(b, length, d=64, dv=None, dtype=jnp.bfloat16, seed=0):
+  ks = jax.random.split(jax.random.PRNGKey(seed), 4)
+  q, k = (jax.random.normal(key, (b, length, H, d)).astype(dtype) for key in ks[:2])
+  v = jax.random.normal(ks[2], (b, length, H, dv or d)).astype(dtype)
+  return q, k, v, jax.random.normal(ks[3], (b, length, H, dv or d))
+
+
+def _reference(q, k, v, bias, *, mask=None, segments=None, causal=False, zero_first=False):
+  """float32 softmax attention with the materialised ``bias [H, Lq, Lk]``; rows with no key
+  give zeros (the kernels' convention), and the lse ``[B, H, Lq]``."""
+  q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+  lq, lk = q.shape[1], k.shape[1]
+  if zero_first:
+    bias = bias * ((jnp.arange(lq) != 0)[:, None] & (jnp.arange(lk) != 0)[None, :])
+  s = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision="highest") / np.sqrt(q.shape[-1]) + bias
+  valid = jnp.ones((q.shape[0], 1, lq, lk), bool)
+  if mask is not None:
+    valid &= mask[:, None, None, :]
+  if segments is not None:
+    valid &= (segments[:, :, None] == segments[:, None, :])[:, None]
+  if causal:
+    valid &= jnp.arange(lk)[None, :] <= jnp.arange(lq)[:, None]
+  lse = jax.nn.logsumexp(jnp.where(valid, s, -jnp.inf), axis=-1)
+  p = jnp.where(valid, jnp.exp(s - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]), 0.0)
+  return jnp.einsum("bhqk,bkhd->bqhd", p, v, precision="highest"), lse
+
+
+CASES = {
+    # name: (length, bias of (table, rel), table size, kernel keywords)
+    "diet_rel odd length, padding": (100, lambda t, rel: _diet(t, rel, 7), 15,
+                                     dict(mask="pad")),
+    "t5 causal, cls reset, 128-row keys": (
+        192, lambda t, rel: _t5(t, rel, bidirectional=False), 16,
+        dict(causal=True, zero_first=True, block_k=128)),
+    "alibi packed segments": (128, lambda t, rel: _alibi(jnp.abs(t[:, 0]), rel, False), 1,
+                              dict(segments=True)),
+    "no bias, v 128 wide": (64, None, 0, dict(dv=128)),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_forward_matches_the_float32_reference_and_the_triton_forward(name):
+  length, bias_fn, table_size, kw = CASES[name]
+  q, k, v, _ = _inputs(2, length, dv=kw.pop("dv", None))
+  table = jax.random.normal(jax.random.PRNGKey(3), (H, max(table_size, 1)))
+  ob = None if bias_fn is None else bias_fn(table, offsets(length, length))
+  bias = 0.0 if bias_fn is None else bias_fn(table, relative_offsets(length, length))
+  mask = jnp.arange(length)[None, :] < jnp.array([[length], [length - 29]])
+  segments = jnp.broadcast_to(jnp.arange(length) * 3 // length, (2, length))
+  call = dict(causal=kw.get("causal", False), zero_first=kw.get("zero_first", False),
+              mask=mask if kw.get("mask") else None, block_q=64, block_k=kw.get("block_k", 64))
+  if kw.get("segments"):
+    call.update(q_segment_ids=segments, kv_segment_ids=segments)
+  hopper = relative_flash_attention(q, k, v, ob, forward="hopper", **call)
+  tiles = relative_flash_attention(q, k, v, ob, **call)
+  want, _ = _reference(q, k, v, bias, mask=call["mask"],
+                       segments=segments if kw.get("segments") else None,
+                       causal=call["causal"], zero_first=call["zero_first"])
+  assert hopper.dtype == jnp.bfloat16 and hopper.shape == want.shape
+  np.testing.assert_allclose(hopper.astype(jnp.float32), want, atol=BF16_TOL, rtol=BF16_TOL)
+  # Same operands and float32 accumulation: only the summation order differs.
+  np.testing.assert_allclose(hopper.astype(jnp.float32), tiles.astype(jnp.float32), atol=1e-2,
+                             rtol=0)
+  assert float(jnp.mean(jnp.abs(hopper.astype(jnp.float32) - tiles.astype(jnp.float32)))) < 1e-4
+
+
+def _padded_call(length, block_k=64, causal=False, dropout=0.0):
+  """The padded head-major arrays relative_flash gives its kernels, and its lse through the
+  Triton forward (the reference for the Hopper forward's lse)."""
+  q, k, v, _ = _inputs(1, length)
+  table = jax.random.normal(jax.random.PRNGKey(5), (H, 16))
+  ob = _t5(table, offsets(length, length), bidirectional=not causal)
+  blocks = rf.kernel_blocks(length, length, 64, 64, itemsize=2, has_bias=True, block_q=64,
+                            block_k=block_k)
+  cfg = rf._Config(has_bias=True, tiles="gather", zero_first=False, causal=causal,
+                   scale=0.125, precision="float32", dropout_rate=dropout, blocks=blocks,
+                   q_len=length, k_len=length, interpret=True)
+  head_major = [jnp.swapaxes(x, 1, 2) for x in (q, k, v)]
+  loff = cfg.offset_len
+  obp = jnp.pad(ob, ((0, 0), (0, loff - ob.shape[1])))[:, None, :]
+  qseg = jnp.zeros((1, length, 1), jnp.int32)
+  kseg = jnp.where(jnp.arange(length) < length - 9, 0, -1)[None, None, :].astype(jnp.int32)
+  seed = jnp.array([[1234]], jnp.int32)
+  args = (*head_major, obp, qseg, kseg, seed)
+  return cfg, args
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_lse_equals_the_triton_forwards(causal):
+  cfg, args = _padded_call(128, causal=causal)
+  out_t, lse_t = rf._forward(cfg, *args)
+  out_h, lse_h = rf._forward(dataclasses.replace(cfg, forward="hopper"), *args)
+  assert lse_h.shape == lse_t.shape == (1, H, 128, 1)
+  np.testing.assert_allclose(lse_h, lse_t, atol=1e-5, rtol=1e-6)
+  np.testing.assert_allclose(out_h.astype(jnp.float32), out_t.astype(jnp.float32), atol=1e-2)
+
+
+def test_gradients_through_the_triton_backward():
+  """The Triton backward reads the Hopper forward's out and lse: the gradients of q, k, v and
+  the bias table equal the all-Triton ones (float32 accumulation, bf16 operands)."""
+  length = 96
+  q, k, v, cot = _inputs(2, length)
+  table = jax.random.normal(jax.random.PRNGKey(9), (H, 15))
+  mask = jnp.arange(length)[None, :] < jnp.array([[length], [70]])
+
+  def loss(forward):
+    def f(q, k, v, table):
+      out = relative_flash_attention(q, k, v, _diet(table, offsets(length, length), 7),
+                                     mask=mask, block_q=64, block_k=64, forward=forward)
+      return jnp.sum(out.astype(jnp.float32) * cot)
+    return jax.grad(f, argnums=(0, 1, 2, 3))(q, k, v, table)
+
+  for name, got, want in zip("q k v table".split(), loss("hopper"), loss("tiles")):
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                               atol=2e-2, rtol=2e-2, err_msg=f"d{name}")
+
+
+def test_dropout_draws_the_triton_forwards_mask():
+  """Same (seed, b, h, i, j) hash in the Hopper tiles: the outputs agree, and differ from the
+  output without dropout."""
+  length = 128
+  q, k, v, _ = _inputs(1, length)
+  ob = _t5(jax.random.normal(jax.random.PRNGKey(2), (H, 16)), offsets(length, length), True)
+  seed = dropout_seed(jax.random.PRNGKey(4))
+  call = dict(block_q=64, block_k=64, dropout_rate=0.3, dropout_seed=seed)
+  hopper = relative_flash_attention(q, k, v, ob, forward="hopper", **call)
+  tiles = relative_flash_attention(q, k, v, ob, **call)
+  np.testing.assert_allclose(hopper.astype(jnp.float32), tiles.astype(jnp.float32), atol=1e-2)
+  plain = relative_flash_attention(q, k, v, ob, forward="hopper", block_q=64, block_k=64)
+  assert float(jnp.max(jnp.abs(hopper.astype(jnp.float32) - plain.astype(jnp.float32)))) > 0.1
+
+
+def test_fully_masked_rows_are_zero():
+  q, k, v, _ = _inputs(1, 64)
+  out = relative_flash_attention(q, k, v, jnp.ones((H, 127)), mask=jnp.zeros((1, 64), bool),
+                                 forward="hopper", block_q=64, block_k=64)
+  np.testing.assert_array_equal(np.asarray(out, np.float32), 0.0)
+
+
+def test_bias_tiles_hold_every_tile_of_the_toeplitz_bias():
+  """Tile ``n`` of the table is the bias of any (query block, key block) pair with
+  ``n = kj * block_k / 64 - qi + Lq / 64 - 1``, for both key block sizes."""
+  lq, lk = 192, 256
+  ob = jnp.arange(lq + lk - 1, dtype=jnp.float32)[None, None, :]
+  full = ob[0, 0][jnp.arange(lk)[None, :] - jnp.arange(lq)[:, None] + lq - 1]
+  for block_k in (64, 128):
+    tiles = hopper_flash.bias_tiles(ob, lq, lk, block_k)
+    assert tiles.shape == (1, (lk - block_k) // 64 + lq // 64, 64, block_k)
+    for qi in range(lq // 64):
+      for kj in range(lk // block_k):
+        n = kj * block_k // 64 - qi + lq // 64 - 1
+        np.testing.assert_array_equal(
+            tiles[0, n], full[qi * 64:(qi + 1) * 64, kj * block_k:(kj + 1) * block_k])
+
+
+def test_errors_are_one_line():
+  q, k, v, _ = _inputs(1, 64)
+  with pytest.raises(ValueError, match=r"^forward: got 'cudnn'; allowed: tiles, hopper$"):
+    relative_flash_attention(q, k, v, forward="cudnn")
+  f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+  with pytest.raises(ValueError, match=r"^forward: 'hopper' takes bfloat16/float16 .*float32"):
+    relative_flash_attention(*f32, forward="hopper", block_q=64)
+  with pytest.raises(ValueError, match=r"^forward: 'hopper' .*blocks 32x64$"):
+    relative_flash_attention(q, k, v, forward="hopper", block_q=32, block_k=64)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_forward_and_backward_lower_for_cuda(causal):
+  """The Hopper forward lowers to one Mosaic GPU kernel, the backward to the two Triton
+  kernels (with the T5 bias, padding mask, [CLS] reset and dropout)."""
+  length = 256
+
+  def loss(q, k, v, table):
+    ob = _t5(table, offsets(length, length), bidirectional=not causal)
+    out = relative_flash_attention(q, k, v, ob, mask=jnp.ones((2, length), bool),
+                                   causal=causal, zero_first=True, block_q=64, block_k=128,
+                                   dropout_rate=0.1, dropout_seed=jnp.array([[7]], jnp.int32),
+                                   forward="hopper", interpret=False)
+    return jnp.sum(out.astype(jnp.float32))
+
+  shapes = [jax.ShapeDtypeStruct((2, length, H, 64), jnp.bfloat16)] * 3
+  shapes.append(jax.ShapeDtypeStruct((H, 32), jnp.float32))
+  text = _lowered(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)), shapes, "cuda")
+  assert text.count(MOSAIC_GPU) >= 1 and "relative_flash_fwd_hopper" in text
+  assert text.count(TRITON) == 2  # dq (+ bias) and dk/dv
