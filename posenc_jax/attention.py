@@ -255,7 +255,8 @@ def _fused(q, k, v, terms, mask, causal, scale, *, implementation, backend=None,
   materialised at this device, dtype and shape is a dense term instead (not with dropout
   or packed segments, which need the kernel).
   Toeplitz terms without dense ones go to the Pallas kernel (gather tiles,
-  Triton, on GPU and CPU; roll tiles, Mosaic, on TPU). Bias-free attention
+  Triton, on GPU and CPU; roll tiles, Mosaic, on TPU), its forward pass to the Hopper
+  kernel (Mosaic GPU) where the route table measured that fastest. Bias-free attention
   goes to cuDNN on GPU where it fits, to splash attention on TPU where it
   fits, else to the Pallas kernel without a bias. Dense terms (with any
   Toeplitz term materialised) go to :func:`jax.nn.dot_product_attention`.
@@ -302,11 +303,18 @@ def _fused(q, k, v, terms, mask, causal, scale, *, implementation, backend=None,
 
   def kernel():
     offset_bias = sum(p.offset_bias for p in toeplitz) if toeplitz else None
+    # The Hopper forward where the route table measured it fastest (or it is forced).
+    hopper = (bool(toeplitz) and backend != "tpu"
+              and route_table.hopper_forward(dtype=jnp.dtype(q.dtype).name,
+                                             length=math.sqrt(q_len * k_len),
+                                             head_dim=head_dim)
+              and relative_flash.hopper_fits(q_len, k_len, q.shape[-1], head_dim, q.dtype))
     return relative_flash_attention(
         q, k, v, offset_bias, mask=mask, q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
         causal=causal, scale=scale, zero_first=bool(toeplitz) and toeplitz[0].zero_first,
         tiles="roll" if backend == "tpu" else "gather", precision=precision,
-        dropout_rate=dropout_rate if seed is not None else 0.0, dropout_seed=seed)
+        dropout_rate=dropout_rate if seed is not None else 0.0, dropout_seed=seed,
+        forward="hopper" if hopper else "tiles")
 
   # Packed segments: cuDNN (through dot_product_attention) has no segment ids; the kernel has.
   # Dropout: cuDNN's mask is its own; the kernel draws the reference route's.

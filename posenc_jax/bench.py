@@ -82,7 +82,7 @@ import optax
 
 from posenc_jax import cli, route_table
 from posenc_jax.attention import ROUTES, attend, cudnn_unsupported
-from posenc_jax.kernels import relative_flash_attention
+from posenc_jax.kernels import relative_flash, relative_flash_attention
 from posenc_jax.kernels.dropout import dropout_seed
 from posenc_jax.models import BertForMaskedLM, model_config
 from posenc_jax.models.config import DTYPES
@@ -216,12 +216,15 @@ class Kernel(NamedTuple):
     bias: adds the Toeplitz bias: Pallas as the offset vector ``[H, 2L - 1]``, cuDNN and
       XLA materialised as ``[1, H, L, L]``; ``fused``: see above.
     dropout: attention-dropout rate (Pallas only).
+    forward: the Pallas kernel's forward (``tiles`` or ``hopper``, as
+      :func:`~posenc_jax.kernels.relative_flash_attention`'s).
   """
 
   name: str
   family: str
   bias: bool
   dropout: float = 0.0
+  forward: str = "tiles"
 
   @property
   def bias_text(self) -> str:
@@ -229,11 +232,14 @@ class Kernel(NamedTuple):
       return "factored u.v, " + ("materialised [1, H, L, L]" if self.bias else "folded: D+R wide")
     text = ("offsets [H, 2L-1]" if self.family == "pallas" else "materialised [1, H, L, L]"
             ) if self.bias else "none"
+    if self.forward == "hopper":
+      text += ", Hopper forward"
     return f"{text}, dropout {self.dropout}" if self.dropout else text
 
 
 ATTENTION_KERNELS = (
     Kernel("pallas toeplitz", "pallas", bias=True),
+    Kernel(route_table.HOPPER_ROW, "pallas", bias=True, forward="hopper"),
     Kernel("pallas toeplitz dropout", "pallas", bias=True, dropout=ATTENTION_DROPOUT),
     Kernel("pallas no bias", "pallas", bias=False),
     Kernel("cudnn no bias", "cudnn", bias=False),
@@ -284,7 +290,8 @@ def attention_kernel(kernel: Kernel, q: jax.Array, *, causal: bool, seed: jax.Ar
   if kernel.family == "pallas":
     return (lambda q, k, v, ob: relative_flash_attention(
         q, k, v, ob if kernel.bias else None, causal=causal, dropout_rate=kernel.dropout,
-        dropout_seed=seed if kernel.dropout else None)), None
+        dropout_seed=seed if kernel.dropout else None, forward=kernel.forward)), (
+            hopper_unsupported(q) if kernel.forward == "hopper" else None)
   if kernel.family == "fused":
     def factored(q, k, v, uv):
       with route_table.forced(factored=kernel.bias):  # at trace time
@@ -297,6 +304,20 @@ def attention_kernel(kernel: Kernel, q: jax.Array, *, causal: bool, seed: jax.Ar
         implementation="cudnn")), reason
   return (lambda q, k, v, ob: attend(q, k, v, [Bias(bias(ob))] if kernel.bias else [],
                                      causal=causal, route="reference")), None
+
+
+def hopper_unsupported(q: jax.Array) -> str | None:
+  """Why the Hopper forward cannot run q/k/v shaped and typed like ``q`` here, or None: it
+  needs a GPU of compute capability 9.x (or the CPU, interpreted) and its shapes
+  (:func:`posenc_jax.kernels.relative_flash.hopper_fits`)."""
+  capability = relative_flash.gpu_compute_capability()
+  if jax.default_backend() != "cpu" and not (capability or "").startswith("9."):
+    return f"Mosaic GPU wgmma needs compute capability 9.x; this device: {capability}"
+  length, head_dim = q.shape[1], q.shape[-1]
+  if not relative_flash.hopper_fits(length, length, head_dim, head_dim, q.dtype):
+    return (f"takes bfloat16/float16 and head dims padded to multiples of 64; got {q.dtype}, "
+            f"D={head_dim}")
+  return None
 
 
 def forward_backward(f):
@@ -448,11 +469,11 @@ def add_route_points(path: str, document: dict) -> None:
   found, missing = route_table.points_from_attention(document)
   route_table.write(path, found)
   for point in found:
-    way = "materialised" if point.materialise else "default"
+    hopper = "" if point.hopper_ms is None else f", hopper {point.hopper_ms:.3f} ms"
     print(f"route table {path}: {point.form} at L={point.length}"
           f"{f' rank {point.rank}' if point.rank else ''} on {point.device} {point.dtype}: "
-          f"default {point.default_ms:.3f} ms, materialised {point.materialised_ms:.3f} ms "
-          f"-> {way}")
+          f"default {point.default_ms:.3f} ms, materialised {point.materialised_ms:.3f} ms"
+          f"{hopper} -> {point.fastest}")
   for line in missing:
     print(f"route table {path}: {line}")
 

@@ -57,12 +57,16 @@ PACKAGED = pathlib.Path(__file__).with_name("route_table.json")
 # of preference: the first that ran is the one the route would take).
 BENCH_ROWS = {"toeplitz": ("pallas toeplitz", ("cudnn bias", "xla bias")),
               "factored": ("fused factored folded", ("fused factored materialised",))}
+# The --attention row of the Toeplitz kernel with the Hopper forward (a third way, where it ran).
+HOPPER_ROW = "pallas toeplitz hopper fwd"
 
 
 class Point(NamedTuple):
   """One measured shape: forward+backward ms of the default way and of the materialised one.
 
   ``rank`` is 0 for Toeplitz terms. ``source`` says where the figures come from.
+  ``hopper_ms``: Toeplitz only, where measured: the kernel with its Hopper forward
+  (:mod:`posenc_jax.kernels.hopper_flash`), else None.
   """
 
   device: str
@@ -76,14 +80,22 @@ class Point(NamedTuple):
   default_ms: float
   materialised_ms: float
   source: str = ""
+  hopper_ms: float | None = None
 
   @property
   def key(self) -> tuple:
     return self[:8]
 
   @property
+  def fastest(self) -> str:
+    """The fastest way: ``default``, ``materialised`` or ``hopper``."""
+    ways = {"default": self.default_ms, "materialised": self.materialised_ms,
+            "hopper": self.hopper_ms}
+    return min((ms, way) for way, ms in ways.items() if ms is not None)[1]
+
+  @property
   def materialise(self) -> bool:
-    return self.materialised_ms < self.default_ms
+    return self.fastest == "materialised"
 
 
 _POSITIVE_INTS = ("batch", "length", "heads", "head_dim")
@@ -94,7 +106,7 @@ def parse_point(entry: Any, where: str) -> Point:
   field otherwise."""
   if not isinstance(entry, Mapping):
     raise ValueError(f"{where}: got {type(entry).__name__}; expected an object")
-  missing = [f for f in Point._fields[:-1] if f not in entry]
+  missing = [f for f in Point._fields if f not in entry and f not in Point._field_defaults]
   unknown = sorted(set(entry) - set(Point._fields))
   if missing or unknown:
     raise ValueError(f"{where}: {'missing ' + ', '.join(missing) if missing else ''}"
@@ -110,8 +122,13 @@ def parse_point(entry: Any, where: str) -> Point:
     if not isinstance(value, int) or isinstance(value, bool) or value < (field != "rank"):
       raise ValueError(f"{where}.{field}: got {value!r}; expected a "
                        f"{'positive' if field != 'rank' else 'non-negative'} integer")
-  for field in ("default_ms", "materialised_ms"):
-    value = entry[field]
+  if entry.get("hopper_ms") is not None and entry["form"] != "toeplitz":
+    raise ValueError(f"{where}.hopper_ms: got {entry['hopper_ms']!r} for a {entry['form']} "
+                     "term; only toeplitz terms have a Hopper way")
+  for field in ("default_ms", "materialised_ms", "hopper_ms"):
+    value = entry.get(field)
+    if field == "hopper_ms" and value is None:
+      continue
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not (
         math.isfinite(value) and value > 0):
       raise ValueError(f"{where}.{field}: got {value!r}; expected a positive number of ms")
@@ -150,7 +167,9 @@ def write(path: str | os.PathLike, points: Iterable[Point]) -> list[Point]:
   replaced), written atomically; returns the file's points."""
   path = pathlib.Path(path).expanduser()
   table = merged(read(path), points)
-  document = {"format": FORMAT, "points": [p._asdict() for p in sorted(table)]}
+  document = {"format": FORMAT, "points": [
+      {f: x for f, x in p._asdict().items() if not (f == "hopper_ms" and x is None)}
+      for p in sorted(table, key=lambda p: p.key)]}
   temporary = path.with_name(path.name + ".tmp")
   temporary.write_text(json.dumps(document, indent=2) + "\n")
   os.replace(temporary, path)
@@ -189,11 +208,14 @@ _FORCED = threading.local()
 @contextlib.contextmanager
 def forced(**ways: bool | None) -> Iterator[None]:
   """Inside the block, ``toeplitz=`` / ``factored=`` True materialises that form, False
-  keeps the default way, None (or not given) asks the table. It applies when a function is
-  traced: a function jitted (or traced) before the block keeps the way it was traced with."""
-  unknown = sorted(set(ways) - set(FORMS))
+  keeps the default way, None (or not given) asks the table; ``hopper=`` True runs the
+  Toeplitz kernel's Hopper forward where it fits, False the Triton one. It applies when a
+  function is traced: a function jitted (or traced) before the block keeps the way it was
+  traced with."""
+  allowed = (*FORMS, "hopper")
+  unknown = sorted(set(ways) - set(allowed))
   if unknown:
-    raise ValueError(f"route_table.forced: {', '.join(unknown)}: allowed: {', '.join(FORMS)}")
+    raise ValueError(f"route_table.forced: {', '.join(unknown)}: allowed: {', '.join(allowed)}")
   previous = getattr(_FORCED, "ways", {})
   _FORCED.ways = {**previous, **ways}
   try:
@@ -227,11 +249,34 @@ def materialise(form: str, *, dtype: str, length: int, head_dim: int, rank: int 
   way = getattr(_FORCED, "ways", {}).get(form)
   if way is not None:
     return way
+  point = nearest(form, dtype=dtype, length=length, head_dim=head_dim, rank=rank,
+                  device=device, table=table)
+  return point is not None and point.materialise
+
+
+def hopper_forward(*, dtype: str, length: int, head_dim: int, device: str | None = None,
+                   table: Iterable[Point] | None = None) -> bool:
+  """Whether the fused route's Toeplitz kernel runs its Hopper forward: :func:`forced`'s
+  ``hopper`` inside such a block, else whether it was the fastest way at the nearest
+  Toeplitz point (as :func:`materialise`), else False."""
+  way = getattr(_FORCED, "ways", {}).get("hopper")
+  if way is not None:
+    return way
+  point = nearest("toeplitz", dtype=dtype, length=length, head_dim=head_dim, device=device,
+                  table=table)
+  return point is not None and point.fastest == "hopper"
+
+
+def nearest(form: str, *, dtype: str, length: float, head_dim: int, rank: int = 0,
+            device: str | None = None, table: Iterable[Point] | None = None) -> Point | None:
+  """The point of this device kind, dtype and form nearest to the shape (``log2`` length,
+  plus ``log2`` folded width for factored terms; a tie goes to the longer length), or None.
+  Arguments as :func:`materialise`'s."""
   device = device_kind() if device is None else device
   table = points() if table is None else table
   same = [p for p in table if (p.device, p.dtype, p.form) == (device, dtype, form)]
   if not same:
-    return False
+    return None
 
   def distance(p: Point) -> tuple[float, int]:
     d = abs(math.log2(p.length / length))
@@ -239,7 +284,7 @@ def materialise(form: str, *, dtype: str, length: int, head_dim: int, rank: int 
       d += abs(math.log2((p.head_dim + p.rank) / (head_dim + rank)))
     return d, -p.length
 
-  return min(same, key=distance).materialise
+  return min(same, key=distance)
 
 
 def points_from_attention(document: Mapping[str, Any], source: str = "") -> tuple[
@@ -258,11 +303,12 @@ def points_from_attention(document: Mapping[str, Any], source: str = "") -> tupl
              for name in (default, *materialised) if not ran(name)]
       missing.append(f"{form}: no point ({'; '.join(why)})")
       continue
+    hopper = rows[HOPPER_ROW]["fwd_bwd_ms"] if form == "toeplitz" and ran(HOPPER_ROW) else None
     found.append(Point(device=document["device"], dtype=document["dtype"], form=form,
                        batch=document["batch"], length=document["length"],
                        heads=document["heads"], head_dim=document["head_dim"],
                        rank=document.get("rank", 0) if form == "factored" else 0,
                        default_ms=rows[default]["fwd_bwd_ms"],
-                       materialised_ms=rows[way]["fwd_bwd_ms"],
+                       materialised_ms=rows[way]["fwd_bwd_ms"], hopper_ms=hopper,
                        source=source or f"bench --attention ({way})"))
   return found, missing

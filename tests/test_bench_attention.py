@@ -18,7 +18,7 @@ import pytest
 from jax._src.cudnn import fused_attention_stablehlo
 from jax._src.pallas.triton import gpu_info
 
-from posenc_jax import bench
+from posenc_jax import bench, route_table
 from posenc_jax.kernels import relative_flash
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -26,6 +26,10 @@ SHAPE = dict(batch=1, length=32, heads=2, head_dim=16)
 ARGS = ["--attention", "--batch", "1", "--length", "32", "--heads", "2", "--head_dim", "16",
         "--repeats", "1"]
 NAMES = [kernel.name for kernel in bench.ATTENTION_KERNELS]
+# Rows that do not run in this float32 CPU run, and why.
+NOT_HERE = {"cudnn no bias": "backend cpu has no cuDNN", "cudnn bias": "backend cpu has no cuDNN",
+            route_table.HOPPER_ROW: "takes bfloat16/float16 and head dims padded to multiples "
+                                    "of 64; got float32, D=16"}
 
 
 def _table(stdout: str) -> dict[str, list[str]]:
@@ -50,8 +54,8 @@ def test_every_kernel_is_a_row_and_cudnn_is_na_on_cpu(cpu_run):
   assert list(table) == NAMES
   assert "ratio to: xla no bias (cudnn no bias: n/a, backend cpu has no cuDNN)" in stdout
   for name, cells in table.items():
-    if name.startswith("cudnn"):
-      assert cells[1] == "n/a (backend cpu has no cuDNN)" and not any(cells[2:]), cells
+    if name in NOT_HERE:
+      assert cells[1] == f"n/a ({NOT_HERE[name]})" and not any(cells[2:]), cells
       continue
     numbers = [float(c) for c in cells[1:]]  # fwd ms, TFLOP/s, ratio; fwd+bwd the same
     assert len(numbers) == 6 and all(x > 0 for x in numbers), (name, cells)
@@ -72,8 +76,8 @@ def test_json_holds_the_table(cpu_run):
     cells = table[row["kernel"]]
     assert row["bias"] == cells[0]
     for mode, at in (("fwd", 1), ("fwd_bwd", 4)):
-      if row["kernel"].startswith("cudnn"):
-        assert row[f"{mode}_ms"] is None and row[f"{mode}_na"] == "backend cpu has no cuDNN"
+      if row["kernel"] in NOT_HERE:
+        assert row[f"{mode}_ms"] is None and row[f"{mode}_na"] == NOT_HERE[row["kernel"]]
         continue
       assert row[f"{mode}_na"] is None and row[f"{mode}_calls"] >= 1
       assert f"{row[f'{mode}_ms']:.3f}" == cells[at]
@@ -133,13 +137,22 @@ def test_every_kernel_lowers_for_gpu(like_h100, causal):
             .lower(lowering_platforms=("cuda",)).as_text())
     assert ("__cudnn$fmha" in text) == (kernel.family == "cudnn"), kernel.name
     assert ("__gpu$xla.gpu.triton" in text) == (kernel.family == "pallas"), kernel.name
+    assert ("mosaic_gpu" in text) == (kernel.forward == "hopper"), kernel.name
+
+
+def test_the_hopper_row_needs_a_hopper_gpu(like_h100, monkeypatch):
+  qkv = jax.ShapeDtypeStruct((1, 128, 2, 64), jnp.bfloat16)
+  hopper = next(k for k in bench.ATTENTION_KERNELS if k.name == route_table.HOPPER_ROW)
+  monkeypatch.setattr(relative_flash, "gpu_compute_capability", lambda: "8.0")
+  _, reason = bench.attention_kernel(hopper, qkv, causal=False, seed=jnp.zeros((1, 1), jnp.int32))
+  assert reason == "Mosaic GPU wgmma needs compute capability 9.x; this device: 8.0"
 
 
 def test_cudnn_in_float32_is_na_with_its_reason(like_h100):
   qkv = jax.ShapeDtypeStruct((1, 128, 2, 64), jnp.float32)
-  _, reason = bench.attention_kernel(bench.ATTENTION_KERNELS[3], qkv, causal=False,
+  kernels = {kernel.name: kernel for kernel in bench.ATTENTION_KERNELS}
+  _, reason = bench.attention_kernel(kernels["cudnn no bias"], qkv, causal=False,
                                      seed=jnp.zeros((1, 1), jnp.int32))
-  assert bench.ATTENTION_KERNELS[3].name == "cudnn no bias"
   assert reason == "dtype float32 (cuDNN flash attention takes bfloat16/float16)"
 
 

@@ -33,7 +33,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from posenc_jax.kernels.dropout import dropout_multiplier
 
@@ -66,8 +65,16 @@ def bias_tiles(offset_bias: Array, q_len: int, k_len: int, block_k: int) -> Arra
   return offset_bias[:, 0, :][:, index].astype(jnp.float32)
 
 
+def _mosaic_gpu():
+  """Pallas' Mosaic GPU module, imported on first use (0.3 s: kept out of
+  ``import posenc_jax``)."""
+  from jax.experimental.pallas import mosaic_gpu
+  return mosaic_gpu
+
+
 def _transforms(cols: int, dtype) -> tuple:
   """Shared-memory tiling and swizzle of a ``wgmma`` operand ``cols`` wide."""
+  plgpu = _mosaic_gpu()
   itemsize = jnp.dtype(dtype).itemsize
   swizzle = plgpu.find_swizzle(cols * itemsize * 8)
   return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
@@ -91,6 +98,7 @@ def forward(q: Array, k: Array, v: Array, offset_bias: Array, q_segments: Array,
   Returns:
     ``out [B, H, Lq_p, Dv_p]`` in q's dtype and ``lse [B, H, Lq_p, 1]`` float32.
   """
+  plgpu = _mosaic_gpu()
   b_size, heads, q_len, qk_dim = q.shape
   k_len, v_dim = k.shape[2], v.shape[-1]
   nq, nk = q_len // BLOCK_Q, k_len // block_k

@@ -54,6 +54,9 @@ interpret mode on CPU (``interpret=None`` picks it on the CPU backend):
   (row ``r`` by ``bk + 1 + r``) it is the tile. The gradient rolls the
   zero-padded cotangent tile back and sums its rows.
 
+``forward="hopper"`` runs the forward pass on Hopper GPUs through Pallas' Mosaic GPU
+backend instead (:mod:`posenc_jax.kernels.hopper_flash`); the backward stays these kernels'.
+
 Tile sizes, Triton's warps and pipelining stages come from :func:`kernel_blocks`,
 which estimates each choice's shared memory (Triton) or VMEM (Mosaic) against
 the device's (:func:`memory_budget`). Float32 inputs are multiplied exactly
@@ -727,6 +730,16 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 # Public entry point.
 
 
+def hopper_fits(q_len: int, k_len: int, qk_dim: int, v_dim: int, dtype,
+                has_bias: bool = True) -> bool:
+  """Whether :func:`relative_flash_attention` can run ``forward="hopper"`` at these shapes
+  with its default key blocks (gather tiles, this device's shared memory)."""
+  blocks = kernel_blocks(q_len, k_len, qk_dim, v_dim, itemsize=jnp.dtype(dtype).itemsize,
+                         has_bias=has_bias, block_q=hopper_flash.BLOCK_Q)
+  return hopper_flash.fits(dtype=dtype, block_q=blocks.block_q, block_k=blocks.block_k,
+                           qk_dim=blocks.qk_dim, v_dim=blocks.v_dim)
+
+
 def relative_flash_attention(
     q: Array,
     k: Array,
@@ -784,8 +797,9 @@ def relative_flash_attention(
       from a PRNG key); needed when ``dropout_rate > 0``.
     forward: the forward pass's kernel: ``"tiles"`` (the ``tiles`` kernel) or ``"hopper"``
       (:mod:`posenc_jax.kernels.hopper_flash`: Mosaic GPU, warpgroup MMA, for Hopper GPUs;
-      16-bit inputs, head dims multiples of 64, 64-row query blocks). The backward pass is
-      the ``tiles`` kernels' either way.
+      16-bit inputs, head dims padded to multiples of 64, 64-row query blocks, the default
+      ``block_q`` with it; :func:`hopper_fits`). The backward pass is the ``tiles`` kernels'
+      either way.
     interpret: Pallas interpret mode; None picks it on the CPU backend.
 
   Returns:
@@ -802,6 +816,10 @@ def relative_flash_attention(
                      f"[{h} or 1, Lq + Lk - 1 = {lq + lk - 1}]")
   if tiles is None:
     tiles = "roll" if jax.default_backend() == "tpu" else "gather"
+  if forward not in ("tiles", "hopper"):
+    raise ValueError(f"forward: got {forward!r}; allowed: tiles, hopper")
+  if forward == "hopper" and block_q is None:
+    block_q = hopper_flash.BLOCK_Q
   blocks = kernel_blocks(lq, lk, d, dv, itemsize=max(x.dtype.itemsize for x in (q, k, v)),
                          has_bias=offset_bias is not None, tiles=tiles, precision=precision,
                          block_q=block_q, block_k=block_k)
@@ -817,8 +835,6 @@ def relative_flash_attention(
   seed = (jnp.zeros((1, 1), jnp.int32) if dropout_seed is None
           else jnp.reshape(dropout_seed, (1, 1)).astype(jnp.int32))
 
-  if forward not in ("tiles", "hopper"):
-    raise ValueError(f"forward: got {forward!r}; allowed: tiles, hopper")
   if forward == "hopper" and not hopper_flash.fits(
       dtype=q.dtype, block_q=blocks.block_q, block_k=blocks.block_k, qk_dim=blocks.qk_dim,
       v_dim=blocks.v_dim):
