@@ -103,8 +103,9 @@ def forward(q: Array, k: Array, v: Array, offset_bias: Array, q_segments: Array,
   k_len, v_dim = k.shape[2], v.shape[-1]
   nq, nk = q_len // BLOCK_Q, k_len // block_k
   dtype = q.dtype
+  # Without a bias no tiles are made or copied (a [1] placeholder keeps the signature).
   tiles = (bias_tiles(offset_bias, q_len, k_len, block_k) if has_bias
-           else jnp.zeros((1, 1, BLOCK_Q, block_k), jnp.float32))
+           else jnp.zeros((1,), jnp.float32))
   wgmma_layout, rows_layout = plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(1)
   shape = (BLOCK_Q, block_k)
 
@@ -118,8 +119,8 @@ def forward(q: Array, k: Array, v: Array, offset_bias: Array, q_segments: Array,
     plgpu.barrier_wait(barrier)
     first_tile = nq - 1 - qi
 
-    def step(index, k_smem, v_smem, t_smem, ks_smem, carry):
-      acc, m, l = carry
+    def step(index, k_smem, v_smem, ks_smem, *rest):
+      *t_smem, (acc, m, l) = rest  # the bias tile's buffer, with a bias
       kj = index[0]
 
       def logits(acc_ref):
@@ -130,7 +131,7 @@ def forward(q: Array, k: Array, v: Array, offset_bias: Array, q_segments: Array,
       i = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=wgmma_layout) + q0
       j = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=wgmma_layout) + kj * block_k
       if has_bias:
-        bias = plgpu.load(t_smem, layout=wgmma_layout)
+        bias = plgpu.load(t_smem[0], layout=wgmma_layout)
         if zero_first:
           bias = jnp.where((i == 0) | (j == 0), 0.0, bias)
         s = s + bias
@@ -159,19 +160,18 @@ def forward(q: Array, k: Array, v: Array, offset_bias: Array, q_segments: Array,
             plgpu.layout_cast(jnp.full((BLOCK_Q,), _NEG, jnp.float32), rows_layout),
             plgpu.layout_cast(jnp.zeros((BLOCK_Q,), jnp.float32), rows_layout))
     steps = block_k // BLOCK_Q
-    tile_spec = (plgpu.BlockSpec((None,) + shape, lambda kj: (first_tile + kj * steps, 0, 0))
-                 if has_bias else plgpu.BlockSpec((None,) + shape, lambda kj: (0, 0, 0)))
-    pipeline = plgpu.emit_pipeline(
-        step, grid=(nk,),
-        in_specs=[plgpu.BlockSpec((block_k, qk_dim), lambda kj: (kj, 0),
-                                  transforms=_transforms(qk_dim, dtype)),
-                  plgpu.BlockSpec((block_k, v_dim), lambda kj: (kj, 0),
-                                  transforms=_transforms(v_dim, dtype)),
-                  tile_spec,
-                  plgpu.BlockSpec((block_k,), lambda kj: (kj,))],
-        max_concurrent_steps=2, init_carry=init)
-    acc, m, l = pipeline(k_ref.at[b, h], v_ref.at[b, h], t_ref.at[h if has_bias else 0],
-                         ks_ref.at[b])
+    specs = [plgpu.BlockSpec((block_k, qk_dim), lambda kj: (kj, 0),
+                             transforms=_transforms(qk_dim, dtype)),
+             plgpu.BlockSpec((block_k, v_dim), lambda kj: (kj, 0),
+                             transforms=_transforms(v_dim, dtype)),
+             plgpu.BlockSpec((block_k,), lambda kj: (kj,))]
+    sources = [k_ref.at[b, h], v_ref.at[b, h], ks_ref.at[b]]
+    if has_bias:
+      specs.append(plgpu.BlockSpec((None,) + shape, lambda kj: (first_tile + kj * steps, 0, 0)))
+      sources.append(t_ref.at[h])
+    pipeline = plgpu.emit_pipeline(step, grid=(nk,), in_specs=specs, max_concurrent_steps=2,
+                                   init_carry=init)
+    acc, m, l = pipeline(*sources)
     empty = l == 0.0
     l_safe = jnp.where(empty, 1.0, l)
     o_smem[...] = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(dtype)
