@@ -40,7 +40,9 @@ Array = jax.Array
 
 BLOCK_Q = 64  # one warpgroup's wgmma rows
 BLOCK_KS = (64, 128)
-_NEG = -1e30  # the Triton kernels' masked logit and empty-row lse (relative_flash._NEG)
+# Finite "minus infinity" for masked logits (avoids inf - inf); empty rows get lse = -NEG.
+# Both forwards and the Triton backward use it (relative_flash reads it from here).
+NEG = -1e30
 
 
 def fits(*, dtype, block_q: int, block_k: int, qk_dim: int, v_dim: int) -> bool:
@@ -128,8 +130,9 @@ def forward(q: Array, k: Array, v: Array, offset_bias: Array, q_segments: Array,
         return acc_ref[...]
 
       s = pl.run_scoped(logits, plgpu.ACC(shape, jnp.float32)) * scale
-      i = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=wgmma_layout) + q0
-      j = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=wgmma_layout) + kj * block_k
+      if zero_first or causal or dropout_rate:  # the tile's query and key positions
+        i = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=wgmma_layout) + q0
+        j = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=wgmma_layout) + kj * block_k
       if has_bias:
         bias = plgpu.load(t_smem[0], layout=wgmma_layout)
         if zero_first:
@@ -139,7 +142,7 @@ def forward(q: Array, k: Array, v: Array, offset_bias: Array, q_segments: Array,
       valid = lax.broadcast_in_dim(q_seg, shape, [0]) == lax.broadcast_in_dim(k_seg, shape, [1])
       if causal:
         valid = valid & (j <= i)
-      s = jnp.where(valid, s, _NEG)
+      s = jnp.where(valid, s, NEG)
       m_new = jnp.maximum(m, s.max(axis=1))
       p = jnp.where(valid, jnp.exp(s - lax.broadcast_in_dim(m_new, shape, [0])), 0.0)
       alpha = jnp.exp(m - m_new)
@@ -157,7 +160,7 @@ def forward(q: Array, k: Array, v: Array, offset_bias: Array, q_segments: Array,
       return acc * lax.broadcast_in_dim(alpha, pv.shape, [0]) + pv, m_new, l_new
 
     init = (plgpu.layout_cast(jnp.zeros((BLOCK_Q, v_dim), jnp.float32), wgmma_layout),
-            plgpu.layout_cast(jnp.full((BLOCK_Q,), _NEG, jnp.float32), rows_layout),
+            plgpu.layout_cast(jnp.full((BLOCK_Q,), NEG, jnp.float32), rows_layout),
             plgpu.layout_cast(jnp.zeros((BLOCK_Q,), jnp.float32), rows_layout))
     steps = block_k // BLOCK_Q
     specs = [plgpu.BlockSpec((block_k, qk_dim), lambda kj: (kj, 0),
@@ -178,7 +181,7 @@ def forward(q: Array, k: Array, v: Array, offset_bias: Array, q_segments: Array,
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(o_smem, o_ref.at[b, h, pl.ds(q0, BLOCK_Q)])
     plgpu.store(lse_ref.at[b, h, pl.ds(q0, BLOCK_Q)],
-                jnp.where(empty, -_NEG, m + jnp.log(l_safe)))
+                jnp.where(empty, -NEG, m + jnp.log(l_safe)))
     plgpu.wait_smem_to_gmem(0)
 
   out, lse = plgpu.kernel(

@@ -87,7 +87,7 @@ from posenc_jax.kernels.dropout import dropout_multiplier
 
 Array = jax.Array
 
-_NEG = hopper_flash._NEG  # finite "minus infinity" for masked logits (avoids inf - inf)
+_NEG = hopper_flash.NEG  # finite "minus infinity" for masked logits (avoids inf - inf)
 _Q_PAD, _K_PAD = -2, -1  # segment ids of padded query rows / masked keys: never equal
 
 
