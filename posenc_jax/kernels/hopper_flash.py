@@ -18,8 +18,9 @@ registers. The tiles are float32, as the Triton kernels' bias.
 Everything else is the Triton forward's (same inputs, outputs and conventions, see
 :mod:`posenc_jax.kernels.relative_flash`): key masks and packed segments through segment
 ids, ``causal``, ``zero_first``, dropout from the same counter-based hash, empty rows
-returning zeros with ``lse = 1e30``. The backward pass stays the Triton kernels', which
-read this ``lse``.
+returning zeros with ``lse = 1e30``. Causal runs skip the MMAs of key blocks wholly past a
+query block's last row (their copies still run: the pipeline's grid is static). The backward
+pass stays the Triton kernels', which read this ``lse``.
 
 Limits (:func:`fits`): 16-bit q/k/v, query blocks of 64 rows, key blocks of 64 or 128 rows,
 head dims a multiple of 64. Tested in Mosaic GPU's interpret mode on CPU (values, lse,
@@ -122,8 +123,20 @@ def forward(q: Array, k: Array, v: Array, offset_bias: Array, q_segments: Array,
     first_tile = nq - 1 - qi
 
     def step(index, k_smem, v_smem, ks_smem, *rest):
-      *t_smem, (acc, m, l) = rest  # the bias tile's buffer, with a bias
+      *t_smem, carry = rest  # the bias tile's buffer, with a bias
       kj = index[0]
+      if not causal:
+        return attend(kj, k_smem, v_smem, ks_smem, t_smem, carry)
+      # Causal: a key block past the query block's last row is masked whole (p = 0, alpha =
+      # 1: the carry would come out unchanged), so its MMAs are skipped. The pipeline's grid
+      # is static: its copies still happen.
+      return lax.cond(kj * block_k < q0 + BLOCK_Q,
+                      lambda c: attend(kj, k_smem, v_smem, ks_smem, t_smem, c),
+                      lambda c: c, carry)
+
+    def attend(kj, k_smem, v_smem, ks_smem, t_smem, carry):
+      """One key block's update of the online softmax ``(acc, m, l)``."""
+      acc, m, l = carry
 
       def logits(acc_ref):
         plgpu.wgmma(acc_ref, q_smem, k_smem.T)
