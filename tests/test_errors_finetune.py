@@ -9,8 +9,6 @@ fine-tuning config passes."""
 import importlib
 import json
 import pathlib
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -23,6 +21,7 @@ from posenc_jax.models.build import abstract_params, build_model
 from posenc_jax.training import finetune as finetune_lib
 from posenc_jax.training.config import TrainConfigError
 from posenc_jax.training.workdir import ARCHITECTURE, resolved_config, resolved_model
+from tests import forked_cli
 from tests.test_hf_bert import hf_tensors, tiny_hf_config, write_checkpoint
 
 ROOT = pathlib.Path(__file__).parent.parent
@@ -208,8 +207,8 @@ def run_case(kind, setup, tmp_path, hf):
     with pytest.raises(ConversionError) as info:
       finetune_lib.pretrained_encoder(str(hf))
   else:
-    run = subprocess.run([sys.executable] + [a.format(tmp=tmp_path, hf=hf) for a in setup],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    run = forked_cli.run([a.format(tmp=tmp_path, hf=hf) for a in setup], cwd=str(ROOT),
+                         timeout=300)
     assert run.returncode != 0 and "Traceback" not in run.stderr, run.stderr[-3000:]
     lines = [line for line in run.stderr.splitlines() if line.startswith("finetune.py")]
     assert len(lines) == 1, run.stderr[-3000:]
