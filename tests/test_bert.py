@@ -318,7 +318,7 @@ def test_remat_policies_keep_parameters_values_and_gradients(preset, policies):
       out = model.apply({"params": p}, *args, deterministic=False,
                         rngs={"dropout": jax.random.key(1)})
       return jnp.sum(jnp.sin(out))
-    results[remat] = (jax.tree.structure(params), *jax.value_and_grad(loss)(params))
+    results[remat] = (jax.tree.structure(params), *jax.jit(jax.value_and_grad(loss))(params))
   tree, value, grads = results["none"]
   for remat in policies:
     other_tree, other_value, other_grads = results[remat]
