@@ -8,7 +8,8 @@ is started there, so forking it is safe: checked, three OS threads). The child r
 ``python`` would (``runpy`` as ``__main__``, ``sys.argv``, the working directory), with its
 stdout and stderr in files and its exit status the process's, 0.1 s a case. What a child skips
 against a plain subprocess: interpreter start-up, those imports, and ``atexit`` handlers
-(multiprocessing ends children with ``os._exit``).
+(multiprocessing ends children with ``os._exit``). Children get the environment the server
+started with (the first :func:`run` of the test process), not a later ``monkeypatch.setenv``.
 """
 
 from __future__ import annotations
