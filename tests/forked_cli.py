@@ -14,6 +14,7 @@ started with (the first :func:`run` of the test process), not a later ``monkeypa
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import os
 import runpy
@@ -24,16 +25,15 @@ import tempfile
 PRELOAD = ["jax", "flax.linen", "optax", "orbax.checkpoint", "ml_collections.config_flags",
            "absl.app", "tensorflow", "seqio", "posenc_jax", "posenc_jax.tasks",
            "posenc_jax.training.loop"]
-_CONTEXT = None
 
 
+@functools.cache
 def _context():
-  global _CONTEXT
-  if _CONTEXT is None:
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # as the tools set it before TensorFlow
-    _CONTEXT = multiprocessing.get_context("forkserver")
-    _CONTEXT.set_forkserver_preload(PRELOAD)
-  return _CONTEXT
+  """The fork-server context with :data:`PRELOAD` (its server starts on the first ``run``)."""
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # as the tools set it before TensorFlow
+  context = multiprocessing.get_context("forkserver")
+  context.set_forkserver_preload(PRELOAD)
+  return context
 
 
 def _child(argv: list[str], cwd: str, out: str, err: str) -> None:
