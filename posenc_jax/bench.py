@@ -200,6 +200,9 @@ def peak_memory() -> int | None:
 # --attention: one attention call per kernel, forward and forward+backward.
 
 ATTENTION_DROPOUT = 0.1  # BERT's attention_probs_dropout_prob
+# The Hopper forward with one consumer warpgroup per block (the route table's row has the
+# most that fit): how much sharing the key, value and bias copies gains.
+HOPPER_ONE_ROW = "pallas toeplitz hopper fwd 1wg"
 
 
 class Kernel(NamedTuple):
@@ -218,6 +221,7 @@ class Kernel(NamedTuple):
     dropout: attention-dropout rate (Pallas only).
     forward: the Pallas kernel's forward (``tiles`` or ``hopper``, as
       :func:`~posenc_jax.kernels.relative_flash_attention`'s).
+    warpgroups: the Hopper forward's consumer warpgroups; None: the most that fit.
   """
 
   name: str
@@ -225,6 +229,7 @@ class Kernel(NamedTuple):
   bias: bool
   dropout: float = 0.0
   forward: str = "tiles"
+  warpgroups: int | None = None
 
   @property
   def bias_text(self) -> str:
@@ -233,13 +238,15 @@ class Kernel(NamedTuple):
     text = ("offsets [H, 2L-1]" if self.family == "pallas" else "materialised [1, H, L, L]"
             ) if self.bias else "none"
     if self.forward == "hopper":
-      text += ", Hopper forward"
+      text += ", Hopper forward" + (f", {self.warpgroups} warpgroup(s)" if self.warpgroups
+                                    else "")
     return f"{text}, dropout {self.dropout}" if self.dropout else text
 
 
 ATTENTION_KERNELS = (
     Kernel("pallas toeplitz", "pallas", bias=True),
     Kernel(route_table.HOPPER_ROW, "pallas", bias=True, forward="hopper"),
+    Kernel(HOPPER_ONE_ROW, "pallas", bias=True, forward="hopper", warpgroups=1),
     Kernel("pallas toeplitz dropout", "pallas", bias=True, dropout=ATTENTION_DROPOUT),
     Kernel("pallas no bias", "pallas", bias=False),
     Kernel("cudnn no bias", "cudnn", bias=False),
@@ -290,7 +297,8 @@ def attention_kernel(kernel: Kernel, q: jax.Array, *, causal: bool, seed: jax.Ar
   if kernel.family == "pallas":
     return (lambda q, k, v, ob: relative_flash_attention(
         q, k, v, ob if kernel.bias else None, causal=causal, dropout_rate=kernel.dropout,
-        dropout_seed=seed if kernel.dropout else None, forward=kernel.forward)), (
+        dropout_seed=seed if kernel.dropout else None, forward=kernel.forward,
+        warpgroups=kernel.warpgroups)), (
             hopper_unsupported(q) if kernel.forward == "hopper" else None)
   if kernel.family == "fused":
     def factored(q, k, v, uv):

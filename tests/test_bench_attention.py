@@ -28,8 +28,9 @@ ARGS = ["--attention", "--batch", "1", "--length", "32", "--heads", "2", "--head
 NAMES = [kernel.name for kernel in bench.ATTENTION_KERNELS]
 # Rows that do not run in this float32 CPU run, and why.
 NOT_HERE = {"cudnn no bias": "backend cpu has no cuDNN", "cudnn bias": "backend cpu has no cuDNN",
-            route_table.HOPPER_ROW: "takes bfloat16/float16 and head dims padded to multiples "
-                                    "of 64; got float32, D=16"}
+            **dict.fromkeys((route_table.HOPPER_ROW, bench.HOPPER_ONE_ROW),
+                            "takes bfloat16/float16 and head dims padded to multiples of 64; "
+                            "got float32, D=16")}
 
 
 def _table(stdout: str) -> dict[str, list[str]]:

@@ -1,6 +1,7 @@
-"""The Hopper forward (posenc_jax.kernels.hopper_flash) in Mosaic GPU's interpret mode on CPU:
-values and lse against a float32 reference and against the Triton forward, gradients through
-the Triton backward that reads its lse, dropout's mask, errors, and lowering for CUDA."""
+"""The Hopper forward (posenc_jax.kernels.hopper_flash) in Mosaic GPU's interpret mode on CPU,
+with one and two consumer warpgroups: values and lse against a float32 reference and against
+the Triton forward, gradients through the Triton backward that reads its lse, dropout's mask,
+the bias band, shared memory against Mosaic GPU's own limit, errors, and lowering for CUDA."""
 
 import dataclasses
 import functools
@@ -61,9 +62,13 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("warpgroups", [1, 2])
 @pytest.mark.parametrize("name", CASES)
-def test_forward_matches_the_float32_reference_and_the_triton_forward(name):
+def test_forward_matches_the_float32_reference_and_the_triton_forward(name, warpgroups):
+  """Two warpgroups: 100 and 128 rows fill every block of the grid, 64 and 192 leave the
+  last block's second warpgroup idle."""
   length, bias_fn, table_size, kw = CASES[name]
+  kw = dict(kw)
   q, k, v, _ = _inputs(2, length, dv=kw.pop("dv", None))
   table = jax.random.normal(jax.random.PRNGKey(3), (H, max(table_size, 1)))
   ob = None if bias_fn is None else bias_fn(table, offsets(length, length))
@@ -74,7 +79,8 @@ def test_forward_matches_the_float32_reference_and_the_triton_forward(name):
               mask=mask if kw.get("mask") else None, block_q=64, block_k=kw.get("block_k", 64))
   if kw.get("segments"):
     call.update(q_segment_ids=segments, kv_segment_ids=segments)
-  hopper = relative_flash_attention(q, k, v, ob, forward="hopper", **call)
+  hopper = relative_flash_attention(q, k, v, ob, forward="hopper", warpgroups=warpgroups,
+                                    **call)
   tiles = relative_flash_attention(q, k, v, ob, **call)
   want, _ = _reference(q, k, v, bias, mask=call["mask"],
                        segments=segments if kw.get("segments") else None,
@@ -108,19 +114,22 @@ def _padded_call(length, block_k=64, causal=False, dropout=0.0):
   return cfg, args
 
 
+@pytest.mark.parametrize("warpgroups", [1, 2])
 @pytest.mark.parametrize("causal", [False, True])
-def test_lse_equals_the_triton_forwards(causal):
-  cfg, args = _padded_call(128, causal=causal)
+def test_lse_equals_the_triton_forwards(causal, warpgroups):
+  cfg, args = _padded_call(192, causal=causal)
   out_t, lse_t = rf._forward(cfg, *args)
-  out_h, lse_h = rf._forward(dataclasses.replace(cfg, forward="hopper"), *args)
-  assert lse_h.shape == lse_t.shape == (1, H, 128, 1)
+  hopper = dataclasses.replace(cfg, forward="hopper", warpgroups=warpgroups)
+  out_h, lse_h = rf._forward(hopper, *args)
+  assert lse_h.shape == lse_t.shape == (1, H, 192, 1)
   np.testing.assert_allclose(lse_h, lse_t, atol=1e-5, rtol=1e-6)
   np.testing.assert_allclose(out_h.astype(jnp.float32), out_t.astype(jnp.float32), atol=1e-2)
   # Causal: key blocks past a query block's last row skip their MMAs behind one cond (its
-  # values are checked above: query block 0 never reads key block 1).
-  if causal:
+  # values are checked above: query block 0 never reads key block 1). Two warpgroups leave
+  # one idle in the last block here, behind a cond either way.
+  if causal and warpgroups == 1:
     conds = [str(jax.make_jaxpr(functools.partial(rf._forward, dataclasses.replace(
-        cfg, forward="hopper", causal=c)))(*args)).count("cond[") for c in (False, True)]
+        hopper, causal=c)))(*args)).count("cond[") for c in (False, True)]
     assert conds[1] == conds[0] + 1, conds
 
 
@@ -166,20 +175,56 @@ def test_fully_masked_rows_are_zero():
   np.testing.assert_array_equal(np.asarray(out, np.float32), 0.0)
 
 
-def test_bias_tiles_hold_every_tile_of_the_toeplitz_bias():
-  """Tile ``n`` of the table is the bias of any (query block, key block) pair with
-  ``n = kj * block_k / 64 - qi + Lq / 64 - 1``, for both key block sizes."""
+@pytest.mark.parametrize("lead", [0, 1])
+def test_the_bias_band_holds_every_tile_of_the_toeplitz_bias(lead):
+  """The 64x64 tile of query block ``qi`` and keys ``64 kb + [0, 64)`` is the band's 64
+  columns from unit ``kb - qi + Lq / 64 - 1 + lead``."""
   lq, lk = 192, 256
-  ob = jnp.arange(lq + lk - 1, dtype=jnp.float32)[None, None, :]
+  ob = jnp.arange(1, lq + lk, dtype=jnp.float32)[None, None, :]
   full = ob[0, 0][jnp.arange(lk)[None, :] - jnp.arange(lq)[:, None] + lq - 1]
-  for block_k in (64, 128):
-    tiles = hopper_flash.bias_tiles(ob, lq, lk, block_k)
-    assert tiles.shape == (1, (lk - block_k) // 64 + lq // 64, 64, block_k)
-    for qi in range(lq // 64):
-      for kj in range(lk // block_k):
-        n = kj * block_k // 64 - qi + lq // 64 - 1
-        np.testing.assert_array_equal(
-            tiles[0, n], full[qi * 64:(qi + 1) * 64, kj * block_k:(kj + 1) * block_k])
+  band = hopper_flash.bias_band(ob, lq, lk, lead=lead)
+  assert band.shape == (1, 64, 64 * (lead + (lq + lk) // 64 - 1)) and band.dtype == jnp.float32
+  for qi in range(lq // 64):
+    for kb in range(lk // 64):
+      n = kb - qi + lq // 64 - 1 + lead
+      np.testing.assert_array_equal(band[0, :, 64 * n:64 * (n + 1)],
+                                    full[64 * qi:64 * (qi + 1), 64 * kb:64 * (kb + 1)])
+  # The lead units continue the band to the left, with zeros before the vector.
+  index = np.arange(band.shape[2])[None, :] - np.arange(64)[:, None] + 63 - 64 * lead
+  np.testing.assert_array_equal(band[0], np.where(index >= 0, np.asarray(ob[0, 0])[index], 0))
+
+
+def _lowered_forward(length, dim, block_k, warpgroups, has_bias=True):
+  """The Hopper forward alone lowered for CUDA: q/k/v ``[1, H, length, dim]`` bfloat16."""
+  qkv = jax.ShapeDtypeStruct((1, H, length, dim), jnp.bfloat16)
+  args = (qkv, qkv, qkv, jax.ShapeDtypeStruct((H, 1, 2 * length), jnp.float32),
+          jax.ShapeDtypeStruct((1, length, 1), jnp.int32),
+          jax.ShapeDtypeStruct((1, 1, length), jnp.int32),
+          jax.ShapeDtypeStruct((1, 1), jnp.int32))
+  f = functools.partial(hopper_flash.forward, block_k=block_k, scale=0.125, causal=False,
+                        zero_first=False, has_bias=has_bias, dropout_rate=0.0,
+                        interpret=False, warpgroups=warpgroups)
+  return _lowered(f, args, "cuda")
+
+
+SHAPES = [(dim, block_k, has_bias) for dim in (64, 128) for block_k in hopper_flash.BLOCK_KS
+          for has_bias in (True, False)]
+
+
+@pytest.mark.parametrize("dim, block_k, has_bias", SHAPES)
+def test_shared_memory_admits_what_mosaic_gpu_lowers(dim, block_k, has_bias):
+  """At every head dim and key block the most warpgroups ``max_warpgroups`` admits lower for
+  CUDA within Mosaic GPU's own shared-memory limit (227 KiB). The one shape it refuses, head
+  dim 128 with 128-row key blocks and a bias, is over that limit with one warpgroup too."""
+  most = hopper_flash.max_warpgroups(block_k=block_k, qk_dim=dim, v_dim=dim, itemsize=2,
+                                     has_bias=has_bias)
+  if (dim, block_k, has_bias) == (128, 128, True):
+    assert most == 0
+    with pytest.raises(ValueError, match="exceeds available shared memory"):
+      _lowered_forward(512, dim, block_k, 1)
+  else:
+    assert most == hopper_flash.MAX_WARPGROUPS
+    assert "relative_flash_fwd_hopper" in _lowered_forward(512, dim, block_k, most, has_bias)
 
 
 def test_errors_are_one_line():
@@ -191,6 +236,16 @@ def test_errors_are_one_line():
     relative_flash_attention(*f32, forward="hopper", block_q=64)
   with pytest.raises(ValueError, match=r"^forward: 'hopper' .*blocks 32x64$"):
     relative_flash_attention(q, k, v, forward="hopper", block_q=32, block_k=64)
+  with pytest.raises(ValueError, match=r"^warpgroups: got 3; allowed: 1 to 2 at these shapes$"):
+    relative_flash_attention(q, k, v, forward="hopper", warpgroups=3)
+  with pytest.raises(ValueError, match=r"^warpgroups: got 1; allowed: None unless "
+                                       r"forward='hopper' fits$"):
+    relative_flash_attention(q, k, v, warpgroups=1)
+  q128, k128, v128, _ = _inputs(1, 128, d=128)
+  with pytest.raises(ValueError, match=r"^forward: 'hopper' .* within 232448 bytes of shared "
+                                       r"memory; got bfloat16, head dims 128/128, blocks 64x128$"):
+    relative_flash_attention(q128, k128, v128, jnp.zeros((H, 255)), forward="hopper",
+                             block_k=128)
 
 
 @pytest.mark.parametrize("causal", [False, True])

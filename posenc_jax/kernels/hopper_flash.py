@@ -1,19 +1,28 @@
 """The forward pass of :func:`~posenc_jax.kernels.relative_flash_attention` for Hopper GPUs.
 
-Pallas' Mosaic GPU backend: warpgroup matrix multiplies (``wgmma``) on operands that TMA
-copies into shared memory, pipelined over key blocks (:func:`plgpu.emit_pipeline`, two
-steps in flight), one warpgroup per 64-row query block. The Triton forward builds each bias
-tile by a gather from the offset vector; Mosaic GPU has no gather into a ``wgmma``
-fragment, so here the tiles come from memory instead:
+Pallas' Mosaic GPU backend, warp-specialised: in each block of the grid a memory warpgroup
+copies key, value and bias blocks into shared memory (TMA, two steps in flight) for ``G``
+consumer warpgroups, each on its own 64-row query block, that run warpgroup matrix
+multiplies (``wgmma``) and the online softmax. Sharing the copies among ``G`` query blocks
+divides the key/value traffic per logit by ``G``.
 
-    tiles[h, n, r, c] = offset_bias[h, n * 64 + c - r + 63]       [H, N, 64, block_k]
+The Triton forward builds each bias tile by a gather from the offset vector; Mosaic GPU has
+no gather into a ``wgmma`` fragment, so here the tiles come from memory instead, from a band
+of 64 shifted copies of the offset vector:
 
-A tile of query block ``qi`` and key block ``kj`` depends only on ``kj * block_k - qi * 64``,
-so the ``N = (Lk - block_k) / 64 + Lq / 64`` distinct tiles (one per 64-row step of that
-offset) cover every tile of every query block: ``O(H L block_k)`` floats built once per
-call by one gather, against ``O(H L^2)`` for a materialised bias. Each pipeline step
-copies its tile next to the key and value blocks (TMA) and adds it to the logits in
-registers. The tiles are float32, as the Triton kernels' bias.
+    band[h, r, c] = offset_bias[h, c - r + 63 - 64 * lead]        [H, 64, 64 N]
+
+The bias of query block ``qi`` and 64 keys from ``64 kb`` is its 64 columns from
+``64 (kb - qi + Lq / 64 - 1 + lead)``: every tile of every query block is a 64-aligned
+window of the band, ``O(64 H L)`` floats built once per call by one gather, against
+``O(H L^2)`` for a materialised bias. The ``G`` query blocks of a grid block are
+consecutive, so at one key block their tiles overlap: each step copies one window of
+``G + block_k / 64 - 1`` units of 64 columns (float32, as the Triton kernels' bias) and
+warpgroup ``g`` reads its ``block_k`` columns from unit ``G - 1 - g``, adding them to the
+logits in registers. Per logit that is ``4 (G + s - 1) / (G s)`` bytes of bias
+(``s = block_k / 64``) and ``4 / G`` of keys and values at a head dim of 64.
+``lead = G ceil(Lq / 64G) - Lq / 64`` pads the band for the last grid block's idle
+warpgroups (they read the last query block and write nothing).
 
 Everything else is the Triton forward's (same inputs, outputs and conventions, see
 :mod:`posenc_jax.kernels.relative_flash`): key masks and packed segments through segment
@@ -23,9 +32,10 @@ query block's last row (their copies still run: the pipeline's grid is static). 
 pass stays the Triton kernels', which read this ``lse``.
 
 Limits (:func:`fits`): 16-bit q/k/v, query blocks of 64 rows, key blocks of 64 or 128 rows,
-head dims a multiple of 64. Tested in Mosaic GPU's interpret mode on CPU (values, lse,
-gradients through the Triton backward) and lowered for CUDA; its speed is read from
-``python -m posenc_jax.bench --attention`` on a Hopper GPU.
+head dims a multiple of 64, and shared memory for at least one consumer warpgroup
+(:func:`smem_bytes`). Tested in Mosaic GPU's interpret mode on CPU (values, lse, gradients
+through the Triton backward, one and two warpgroups) and lowered for CUDA; its speed is read
+from ``python -m posenc_jax.bench --attention`` on a Hopper GPU.
 """
 
 from __future__ import annotations
@@ -41,31 +51,67 @@ Array = jax.Array
 
 BLOCK_Q = 64  # one warpgroup's wgmma rows
 BLOCK_KS = (64, 128)
+MAX_WARPGROUPS = 2  # consumer warpgroups per block of the grid
+STAGES = 2  # pipeline steps in flight
+MEMORY_REGISTERS = 40  # per thread of the copying warpgroup
+SMEM_BYTES = 227 * 1024  # shared memory of one block of the grid on an H100/H200
+SMEM_ALIGN = 1024  # Mosaic GPU aligns each buffer to 1 KiB
+SMEM_RESERVED = 3 * 1024  # the pipeline's barriers and Mosaic GPU's own (2.1 KiB measured)
 # Finite "minus infinity" for masked logits (avoids inf - inf); empty rows get lse = -NEG.
 # Both forwards and the Triton backward use it (relative_flash reads it from here).
 NEG = -1e30
 
 
-def fits(*, dtype, block_q: int, block_k: int, qk_dim: int, v_dim: int) -> bool:
+def smem_bytes(*, warpgroups: int, block_k: int, qk_dim: int, v_dim: int, itemsize: int,
+               has_bias: bool) -> int:
+  """Shared memory of one block of the grid, at least Mosaic GPU's count when it lowers the
+  kernel: ``STAGES`` key, value, key-segment and bias-window buffers, each consumer
+  warpgroup's query, probability and output tiles (the output in the query's buffer when
+  they are the same width), each buffer aligned to ``SMEM_ALIGN``, and ``SMEM_RESERVED``."""
+  rows = qk_dim + block_k + (0 if qk_dim == v_dim else v_dim)
+  buffers = [STAGES * block_k * qk_dim * itemsize, STAGES * block_k * v_dim * itemsize,
+             STAGES * block_k * 4, warpgroups * BLOCK_Q * rows * itemsize]
+  if has_bias:
+    buffers.append(STAGES * BLOCK_Q * (warpgroups + block_k // BLOCK_Q - 1) * BLOCK_Q * 4)
+  return sum(-(-x // SMEM_ALIGN) * SMEM_ALIGN for x in buffers) + SMEM_RESERVED
+
+
+def max_warpgroups(*, block_k: int, qk_dim: int, v_dim: int, itemsize: int,
+                   has_bias: bool) -> int:
+  """The most consumer warpgroups (up to ``MAX_WARPGROUPS``) whose buffers fit in
+  ``SMEM_BYTES``; 0 if not even one does."""
+  return max((g for g in range(1, MAX_WARPGROUPS + 1)
+              if smem_bytes(warpgroups=g, block_k=block_k, qk_dim=qk_dim, v_dim=v_dim,
+                            itemsize=itemsize, has_bias=has_bias) <= SMEM_BYTES), default=0)
+
+
+def fits(*, dtype, block_q: int, block_k: int, qk_dim: int, v_dim: int,
+         has_bias: bool = True) -> bool:
   """Whether this forward takes these (padded) shapes: 16-bit inputs, ``block_q`` 64,
-  ``block_k`` 64 or 128, both head dims multiples of 64."""
-  return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+  ``block_k`` 64 or 128, both head dims multiples of 64, one warpgroup's buffers in shared
+  memory."""
+  dtype = jnp.dtype(dtype)
+  return (dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
           and block_q == BLOCK_Q and block_k in BLOCK_KS
-          and qk_dim % 64 == 0 and v_dim % 64 == 0)
+          and qk_dim % 64 == 0 and v_dim % 64 == 0
+          and max_warpgroups(block_k=block_k, qk_dim=qk_dim, v_dim=v_dim,
+                             itemsize=dtype.itemsize, has_bias=has_bias) > 0)
 
 
-def bias_tiles(offset_bias: Array, q_len: int, k_len: int, block_k: int) -> Array:
-  """``[H, N, 64, block_k]`` float32 tiles (module docstring) of the padded offset vector.
+def bias_band(offset_bias: Array, q_len: int, k_len: int, lead: int = 0) -> Array:
+  """``[H, 64, 64 N]`` float32 band (module docstring) of the padded offset vector, ``N =
+  lead + (Lk + Lq) / 64 - 1`` units of 64 columns; the lead units' entries before the
+  vector are 0.
 
   Args:
     offset_bias: ``[H, 1, Loff_p]``, offset ``o = j - i + q_len - 1`` (relative_flash's).
-    q_len, k_len: padded lengths, multiples of 64 and of ``block_k``.
-    block_k: key block rows.
+    q_len, k_len: padded lengths, multiples of 64.
+    lead: units of padding before the first tile.
   """
-  n = (k_len - block_k) // BLOCK_Q + q_len // BLOCK_Q
-  index = (BLOCK_Q * jnp.arange(n)[:, None, None] + jnp.arange(block_k)[None, None, :]
-           - jnp.arange(BLOCK_Q)[None, :, None] + BLOCK_Q - 1)
-  return offset_bias[:, 0, :][:, index].astype(jnp.float32)
+  n = lead + (k_len + q_len) // BLOCK_Q - 1
+  index = jnp.arange(n * BLOCK_Q)[None, :] - jnp.arange(BLOCK_Q)[:, None] + BLOCK_Q - 1
+  vector = jnp.pad(offset_bias[:, 0, :].astype(jnp.float32), ((0, 0), (lead * BLOCK_Q, 0)))
+  return vector[:, index]
 
 
 def _mosaic_gpu():
@@ -85,8 +131,8 @@ def _transforms(cols: int, dtype) -> tuple:
 
 def forward(q: Array, k: Array, v: Array, offset_bias: Array, q_segments: Array,
             kv_segments: Array, seed: Array, *, block_k: int, scale: float, causal: bool,
-            zero_first: bool, has_bias: bool, dropout_rate: float,
-            interpret: bool) -> tuple[Array, Array]:
+            zero_first: bool, has_bias: bool, dropout_rate: float, interpret: bool,
+            warpgroups: int | None = None) -> tuple[Array, Array]:
   """Output and lse of the padded, head-major arrays of relative_flash's kernels.
 
   Args:
@@ -97,6 +143,8 @@ def forward(q: Array, k: Array, v: Array, offset_bias: Array, q_segments: Array,
     seed: ``[1, 1]`` int32 dropout seed.
     block_k, scale, causal, zero_first, dropout_rate: as relative_flash's.
     interpret: run in Mosaic GPU's interpret mode (CPU).
+    warpgroups: consumer warpgroups per block of the grid (``G``, validated by the caller);
+      None: the most that fit (:func:`max_warpgroups`).
 
   Returns:
     ``out [B, H, Lq_p, Dv_p]`` in q's dtype and ``lse [B, H, Lq_p, 1]`` float32.
@@ -104,42 +152,71 @@ def forward(q: Array, k: Array, v: Array, offset_bias: Array, q_segments: Array,
   plgpu = _mosaic_gpu()
   b_size, heads, q_len, qk_dim = q.shape
   k_len, v_dim = k.shape[2], v.shape[-1]
-  nq, nk = q_len // BLOCK_Q, k_len // block_k
   dtype = q.dtype
-  # Without a bias no tiles are made or copied (a [1] placeholder keeps the signature).
-  tiles = (bias_tiles(offset_bias, q_len, k_len, block_k) if has_bias
-           else jnp.zeros((1,), jnp.float32))
+  groups = warpgroups or max_warpgroups(block_k=block_k, qk_dim=qk_dim, v_dim=v_dim,
+                                        itemsize=dtype.itemsize, has_bias=has_bias)
+  nq, nk, units = q_len // BLOCK_Q, k_len // block_k, block_k // BLOCK_Q
+  ctas = -(-nq // groups)
+  idle = ctas * groups - nq  # warpgroups of the last block with no query block
+  window = groups + units - 1  # bias units one step of a block reads
+  # Without a bias no band is made or copied (a placeholder keeps the signature).
+  band = (bias_band(offset_bias, q_len, k_len, lead=idle) if has_bias
+          else jnp.zeros((1, 1, 1), jnp.float32))
   wgmma_layout, rows_layout = plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(1)
   shape = (BLOCK_Q, block_k)
 
-  def kernel(q_ref, k_ref, v_ref, t_ref, qs_ref, ks_ref, seed_ref, o_ref, lse_ref,
-             q_smem, o_smem, p_smem, barrier):
-    b, h, qi = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("q_blocks")
-    q0 = qi * BLOCK_Q
-    plgpu.copy_gmem_to_smem(q_ref.at[b, h, pl.ds(q0, BLOCK_Q)], q_smem, barrier)
-    q_seg = plgpu.load(qs_ref.at[b, pl.ds(q0, BLOCK_Q)], layout=rows_layout)
-    seed_value = seed_ref[0] if dropout_rate else None
-    plgpu.barrier_wait(barrier)
-    first_tile = nq - 1 - qi
+  def kernel(q_ref, k_ref, v_ref, band_ref, qs_ref, ks_ref, seed_ref, o_ref, lse_ref,
+             q_smem, p_smem, q_barriers, *o_smem):
+    b, h = lax.axis_index("batch"), lax.axis_index("heads")
+    cta, wg = lax.axis_index("q_blocks"), lax.axis_index("wg")
+    qi = cta * groups + wg  # this warpgroup's query block
+    live = qi < nq
+    q0 = jnp.minimum(qi, nq - 1) * BLOCK_Q  # an idle warpgroup reads the last block
+    # The output tile reuses the query tile's buffer when they are the same width.
+    q_tile, p_tile = q_smem.at[wg], p_smem.at[wg]
+    o_tile = o_smem[0].at[wg] if o_smem else q_tile
+
+    def compute(pipeline):
+      plgpu.copy_gmem_to_smem(q_ref.at[b, h, pl.ds(q0, BLOCK_Q)], q_tile, q_barriers.at[wg])
+      q_seg = plgpu.load(qs_ref.at[b, pl.ds(q0, BLOCK_Q)], layout=rows_layout)
+      plgpu.barrier_wait(q_barriers.at[wg])
+      acc, m, l, _ = pipeline((
+          plgpu.layout_cast(jnp.zeros((BLOCK_Q, v_dim), jnp.float32), wgmma_layout),
+          plgpu.layout_cast(jnp.full((BLOCK_Q,), NEG, jnp.float32), rows_layout),
+          plgpu.layout_cast(jnp.zeros((BLOCK_Q,), jnp.float32), rows_layout), q_seg))
+      empty = l == 0.0
+      l_safe = jnp.where(empty, 1.0, l)
+
+      @pl.when(live)
+      def _():
+        o_tile[...] = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_tile, o_ref.at[b, h, pl.ds(q0, BLOCK_Q)])
+        plgpu.store(lse_ref.at[b, h, pl.ds(q0, BLOCK_Q)],
+                    jnp.where(empty, -NEG, m + jnp.log(l_safe)))
+        plgpu.wait_smem_to_gmem(0)
 
     def step(index, k_smem, v_smem, ks_smem, *rest):
-      *t_smem, carry = rest  # the bias tile's buffer, with a bias
+      *t_smem, carry = rest  # the bias window, with a bias
       kj = index[0]
-      if not causal:
+      run = live
+      if causal:
+        # A key block past the query block's last row is masked whole (p = 0, alpha = 1:
+        # the carry would come out unchanged), so its MMAs are skipped; its copies still
+        # happen, the pipeline's grid being static.
+        run = run & (kj * block_k < q0 + BLOCK_Q)
+      if not causal and not idle:
         return attend(kj, k_smem, v_smem, ks_smem, t_smem, carry)
-      # Causal: a key block past the query block's last row is masked whole (p = 0, alpha =
-      # 1: the carry would come out unchanged), so its MMAs are skipped. The pipeline's grid
-      # is static: its copies still happen.
-      return lax.cond(kj * block_k < q0 + BLOCK_Q,
-                      lambda c: attend(kj, k_smem, v_smem, ks_smem, t_smem, c),
+      return lax.cond(run, lambda c: attend(kj, k_smem, v_smem, ks_smem, t_smem, c),
                       lambda c: c, carry)
 
     def attend(kj, k_smem, v_smem, ks_smem, t_smem, carry):
-      """One key block's update of the online softmax ``(acc, m, l)``."""
-      acc, m, l = carry
+      """One key block's update of the online softmax ``(acc, m, l)``; the query block's
+      segment ids ride along in the carry unchanged."""
+      acc, m, l, q_seg = carry
 
       def logits(acc_ref):
-        plgpu.wgmma(acc_ref, q_smem, k_smem.T)
+        plgpu.wgmma(acc_ref, q_tile, k_smem.T)
         return acc_ref[...]
 
       s = pl.run_scoped(logits, plgpu.ACC(shape, jnp.float32)) * scale
@@ -147,7 +224,9 @@ def forward(q: Array, k: Array, v: Array, offset_bias: Array, q_segments: Array,
         i = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=wgmma_layout) + q0
         j = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=wgmma_layout) + kj * block_k
       if has_bias:
-        bias = plgpu.load(t_smem[0], layout=wgmma_layout)
+        # Warpgroup g's tile starts (G - 1 - g) units into the step's window.
+        bias = plgpu.load(t_smem[0].at[:, pl.ds((groups - 1 - wg) * BLOCK_Q, block_k)],
+                          layout=wgmma_layout)
         if zero_first:
           bias = jnp.where((i == 0) | (j == 0), 0.0, bias)
         s = s + bias
@@ -161,21 +240,18 @@ def forward(q: Array, k: Array, v: Array, offset_bias: Array, q_segments: Array,
       alpha = jnp.exp(m - m_new)
       l_new = l * alpha + p.sum(axis=1)  # the normaliser sums every probability
       if dropout_rate:
-        p = p * dropout_multiplier(seed_value, b, h, i, j, dropout_rate)
-      p_smem[...] = p.astype(dtype)
+        p = p * dropout_multiplier(seed_ref[0], b, h, i, j, dropout_rate)
+
+      p_tile[...] = p.astype(dtype)
       plgpu.commit_smem()
 
       def values(acc_ref):
-        plgpu.wgmma(acc_ref, p_smem, v_smem)
+        plgpu.wgmma(acc_ref, p_tile, v_smem)
         return acc_ref[...]
 
       pv = pl.run_scoped(values, plgpu.ACC((BLOCK_Q, v_dim), jnp.float32))
-      return acc * lax.broadcast_in_dim(alpha, pv.shape, [0]) + pv, m_new, l_new
+      return acc * lax.broadcast_in_dim(alpha, pv.shape, [0]) + pv, m_new, l_new, q_seg
 
-    init = (plgpu.layout_cast(jnp.zeros((BLOCK_Q, v_dim), jnp.float32), wgmma_layout),
-            plgpu.layout_cast(jnp.full((BLOCK_Q,), NEG, jnp.float32), rows_layout),
-            plgpu.layout_cast(jnp.zeros((BLOCK_Q,), jnp.float32), rows_layout))
-    steps = block_k // BLOCK_Q
     specs = [plgpu.BlockSpec((block_k, qk_dim), lambda kj: (kj, 0),
                              transforms=_transforms(qk_dim, dtype)),
              plgpu.BlockSpec((block_k, v_dim), lambda kj: (kj, 0),
@@ -183,30 +259,28 @@ def forward(q: Array, k: Array, v: Array, offset_bias: Array, q_segments: Array,
              plgpu.BlockSpec((block_k,), lambda kj: (kj,))]
     sources = [k_ref.at[b, h], v_ref.at[b, h], ks_ref.at[b]]
     if has_bias:
-      specs.append(plgpu.BlockSpec((None,) + shape, lambda kj: (first_tile + kj * steps, 0, 0)))
-      sources.append(t_ref.at[h])
-    pipeline = plgpu.emit_pipeline(step, grid=(nk,), in_specs=specs, max_concurrent_steps=2,
-                                   init_carry=init)
-    acc, m, l = pipeline(*sources)
-    empty = l == 0.0
-    l_safe = jnp.where(empty, 1.0, l)
-    o_smem[...] = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(dtype)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem, o_ref.at[b, h, pl.ds(q0, BLOCK_Q)])
-    plgpu.store(lse_ref.at[b, h, pl.ds(q0, BLOCK_Q)],
-                jnp.where(empty, -NEG, m + jnp.log(l_safe)))
-    plgpu.wait_smem_to_gmem(0)
+      # The step's window: units first + kj * s + [0, G + s - 1) of the band (bias_band).
+      first = (ctas - 1 - cta) * groups
+      specs.append(plgpu.BlockSpec((BLOCK_Q, pl.Element(window * BLOCK_Q)),
+                                   lambda kj: (0, (first + kj * units) * BLOCK_Q)))
+      sources.append(band_ref.at[h])
+    pipeline = plgpu.emit_pipeline_warp_specialized(
+        step, grid=(nk,), in_specs=specs, max_concurrent_steps=min(STAGES, nk), wg_axis="wg",
+        num_compute_wgs=groups, memory_registers=MEMORY_REGISTERS, compute_context=compute)
+    pipeline(*sources)
+
+  def tile(cols):  # one [64, cols] operand buffer per consumer warpgroup
+    return plgpu.SMEM((groups, BLOCK_Q, cols), dtype, transforms=_transforms(cols, dtype))
 
   out, lse = plgpu.kernel(
       kernel,
       out_type=(jax.ShapeDtypeStruct((b_size, heads, q_len, v_dim), dtype),
                 jax.ShapeDtypeStruct((b_size, heads, q_len), jnp.float32)),
-      scratch_types=[plgpu.SMEM((BLOCK_Q, qk_dim), dtype, transforms=_transforms(qk_dim, dtype)),
-                     plgpu.SMEM((BLOCK_Q, v_dim), dtype, transforms=_transforms(v_dim, dtype)),
-                     plgpu.SMEM(shape, dtype, transforms=_transforms(block_k, dtype)),
-                     plgpu.Barrier()],
-      grid=(b_size, heads, nq), grid_names=("batch", "heads", "q_blocks"),
+      scratch_types=[tile(qk_dim), tile(block_k), plgpu.Barrier(num_barriers=groups)]
+      + ([] if qk_dim == v_dim else [tile(v_dim)]),
+      grid=(b_size, heads, ctas), grid_names=("batch", "heads", "q_blocks"),
+      num_threads=groups + 1, thread_name="wg",
       interpret=plgpu.InterpretGPUParams() if interpret else False,
       kernel_name="relative_flash_fwd_hopper",
-  )(q, k, v, tiles, q_segments[:, :, 0], kv_segments[:, 0, :], jnp.reshape(seed, (1,)))
+  )(q, k, v, band, q_segments[:, :, 0], kv_segments[:, 0, :], jnp.reshape(seed, (1,)))
   return out, lse[..., None]

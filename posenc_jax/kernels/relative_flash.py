@@ -341,6 +341,7 @@ class _Config:
   k_len: int  # Lk_p
   interpret: bool
   forward: str = "tiles"  # "tiles" (this module's forward kernel) or "hopper"
+  warpgroups: int | None = None  # the Hopper forward's consumer warpgroups (None: most that fit)
 
   @property
   def compiler_params(self):
@@ -650,7 +651,7 @@ def _forward(cfg, q, k, v, ob, qseg, kseg, seed):
     return hopper_flash.forward(
         q, k, v, ob, qseg, kseg, seed, block_k=cfg.blocks.block_k, scale=cfg.scale,
         causal=cfg.causal, zero_first=cfg.zero_first, has_bias=cfg.has_bias,
-        dropout_rate=cfg.dropout_rate, interpret=cfg.interpret)
+        dropout_rate=cfg.dropout_rate, interpret=cfg.interpret, warpgroups=cfg.warpgroups)
   b, h = q.shape[:2]
   specs = _specs(cfg, over_queries=True)
   return pl.pallas_call(
@@ -737,7 +738,7 @@ def hopper_fits(q_len: int, k_len: int, qk_dim: int, v_dim: int, dtype,
   blocks = kernel_blocks(q_len, k_len, qk_dim, v_dim, itemsize=jnp.dtype(dtype).itemsize,
                          has_bias=has_bias, block_q=hopper_flash.BLOCK_Q)
   return hopper_flash.fits(dtype=dtype, block_q=blocks.block_q, block_k=blocks.block_k,
-                           qk_dim=blocks.qk_dim, v_dim=blocks.v_dim)
+                           qk_dim=blocks.qk_dim, v_dim=blocks.v_dim, has_bias=has_bias)
 
 
 def relative_flash_attention(
@@ -759,6 +760,7 @@ def relative_flash_attention(
     dropout_rate: float = 0.0,
     dropout_seed: Array | None = None,
     forward: str = "tiles",
+    warpgroups: int | None = None,
     interpret: bool | None = None,
 ) -> Array:
   """Flash attention with a Toeplitz bias ``offset_bias[h, j - i + Lq - 1]`` built in the kernel.
@@ -800,6 +802,9 @@ def relative_flash_attention(
       16-bit inputs, head dims padded to multiples of 64, 64-row query blocks, the default
       ``block_q`` with it; :func:`hopper_fits`). The backward pass is the ``tiles`` kernels'
       either way.
+    warpgroups: the Hopper forward's consumer warpgroups per block of the grid, each on
+      its own 64-row query block and all sharing each key, value and bias copy; None: the
+      most whose buffers fit in shared memory (:func:`hopper_flash.max_warpgroups`).
     interpret: Pallas interpret mode; None picks it on the CPU backend.
 
   Returns:
@@ -835,19 +840,29 @@ def relative_flash_attention(
   seed = (jnp.zeros((1, 1), jnp.int32) if dropout_seed is None
           else jnp.reshape(dropout_seed, (1, 1)).astype(jnp.int32))
 
+  has_bias = offset_bias is not None
   if forward == "hopper" and not hopper_flash.fits(
       dtype=q.dtype, block_q=blocks.block_q, block_k=blocks.block_k, qk_dim=blocks.qk_dim,
-      v_dim=blocks.v_dim):
+      v_dim=blocks.v_dim, has_bias=has_bias):
     raise ValueError(f"forward: 'hopper' takes bfloat16/float16 q, k, v, head dims padded to "
                      f"multiples of 64 and {hopper_flash.BLOCK_Q}-row query blocks, key blocks "
-                     f"of {' or '.join(map(str, hopper_flash.BLOCK_KS))}; got {q.dtype}, "
+                     f"of {' or '.join(map(str, hopper_flash.BLOCK_KS))} and buffers within "
+                     f"{hopper_flash.SMEM_BYTES} bytes of shared memory; got {q.dtype}, "
                      f"head dims {blocks.qk_dim}/{blocks.v_dim}, blocks "
                      f"{blocks.block_q}x{blocks.block_k}")
+  if warpgroups is not None:
+    most = (hopper_flash.max_warpgroups(block_k=blocks.block_k, qk_dim=blocks.qk_dim,
+                                        v_dim=blocks.v_dim, itemsize=q.dtype.itemsize,
+                                        has_bias=has_bias) if forward == "hopper" else 0)
+    if not 1 <= warpgroups <= most:
+      raise ValueError(f"warpgroups: got {warpgroups!r}; allowed: " + (
+          f"1 to {most} at these shapes" if most else "None unless forward='hopper' fits"))
   lq_p, lk_p = _round_up(lq, blocks.block_q), _round_up(lk, blocks.block_k)
-  cfg = _Config(has_bias=offset_bias is not None, tiles=tiles, zero_first=zero_first,
+  cfg = _Config(has_bias=has_bias, tiles=tiles, zero_first=zero_first,
                 causal=causal, scale=float(scale), precision=precision,
                 dropout_rate=float(dropout_rate), blocks=blocks,
-                q_len=lq_p, k_len=lk_p, interpret=bool(interpret), forward=forward)
+                q_len=lq_p, k_len=lk_p, interpret=bool(interpret), forward=forward,
+                warpgroups=warpgroups)
   loff = cfg.offset_len
 
   def heads_major(x, length, width):
