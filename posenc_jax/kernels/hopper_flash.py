@@ -67,10 +67,12 @@ def smem_bytes(*, warpgroups: int, block_k: int, qk_dim: int, v_dim: int, itemsi
   """Shared memory of one block of the grid, at least Mosaic GPU's count when it lowers the
   kernel: ``STAGES`` key, value, key-segment and bias-window buffers, each consumer
   warpgroup's query, probability and output tiles (the output in the query's buffer when
-  they are the same width), each buffer aligned to ``SMEM_ALIGN``, and ``SMEM_RESERVED``."""
+  they are the same width) and lse row, each buffer aligned to ``SMEM_ALIGN``, and
+  ``SMEM_RESERVED``."""
   rows = qk_dim + block_k + (0 if qk_dim == v_dim else v_dim)
   buffers = [STAGES * block_k * qk_dim * itemsize, STAGES * block_k * v_dim * itemsize,
-             STAGES * block_k * 4, warpgroups * BLOCK_Q * rows * itemsize]
+             STAGES * block_k * 4, warpgroups * BLOCK_Q * rows * itemsize,
+             warpgroups * BLOCK_Q * 4]
   if has_bias:
     buffers.append(STAGES * BLOCK_Q * (warpgroups + block_k // BLOCK_Q - 1) * BLOCK_Q * 4)
   return sum(-(-x // SMEM_ALIGN) * SMEM_ALIGN for x in buffers) + SMEM_RESERVED
@@ -166,7 +168,7 @@ def forward(q: Array, k: Array, v: Array, offset_bias: Array, q_segments: Array,
   shape = (BLOCK_Q, block_k)
 
   def kernel(q_ref, k_ref, v_ref, band_ref, qs_ref, ks_ref, seed_ref, o_ref, lse_ref,
-             q_smem, p_smem, q_barriers, *o_smem):
+             q_smem, p_smem, lse_smem, q_barriers, *o_smem):
     b, h = lax.axis_index("batch"), lax.axis_index("heads")
     cta, wg = lax.axis_index("q_blocks"), lax.axis_index("wg")
     qi = cta * groups + wg  # this warpgroup's query block
@@ -178,7 +180,8 @@ def forward(q: Array, k: Array, v: Array, offset_bias: Array, q_segments: Array,
 
     def compute(pipeline):
       plgpu.copy_gmem_to_smem(q_ref.at[b, h, pl.ds(q0, BLOCK_Q)], q_tile, q_barriers.at[wg])
-      q_seg = plgpu.load(qs_ref.at[b, pl.ds(q0, BLOCK_Q)], layout=rows_layout)
+      # Plain loads: jax 0.11's optimised transfers from global memory take no row layout.
+      q_seg = plgpu.load(qs_ref.at[b, pl.ds(q0, BLOCK_Q)], layout=rows_layout, optimized=False)
       plgpu.barrier_wait(q_barriers.at[wg])
       acc, m, l, _ = pipeline((
           plgpu.layout_cast(jnp.zeros((BLOCK_Q, v_dim), jnp.float32), wgmma_layout),
@@ -190,10 +193,10 @@ def forward(q: Array, k: Array, v: Array, offset_bias: Array, q_segments: Array,
       @pl.when(live)
       def _():
         o_tile[...] = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(dtype)
+        lse_smem.at[wg][...] = jnp.where(empty, -NEG, m + jnp.log(l_safe))
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_tile, o_ref.at[b, h, pl.ds(q0, BLOCK_Q)])
-        plgpu.store(lse_ref.at[b, h, pl.ds(q0, BLOCK_Q)],
-                    jnp.where(empty, -NEG, m + jnp.log(l_safe)))
+        plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, h, pl.ds(q0, BLOCK_Q)])
         plgpu.wait_smem_to_gmem(0)
 
     def step(index, k_smem, v_smem, ks_smem, *rest):
@@ -276,7 +279,8 @@ def forward(q: Array, k: Array, v: Array, offset_bias: Array, q_segments: Array,
       kernel,
       out_type=(jax.ShapeDtypeStruct((b_size, heads, q_len, v_dim), dtype),
                 jax.ShapeDtypeStruct((b_size, heads, q_len), jnp.float32)),
-      scratch_types=[tile(qk_dim), tile(block_k), plgpu.Barrier(num_barriers=groups)]
+      scratch_types=[tile(qk_dim), tile(block_k), plgpu.SMEM((groups, BLOCK_Q), jnp.float32),
+                     plgpu.Barrier(num_barriers=groups)]
       + ([] if qk_dim == v_dim else [tile(v_dim)]),
       grid=(b_size, heads, ctas), grid_names=("batch", "heads", "q_blocks"),
       num_threads=groups + 1, thread_name="wg",
