@@ -70,6 +70,7 @@ anything compiles; a bad one is one line ``bench: --<flag>: got ...; allowed: ..
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import time
@@ -525,7 +526,10 @@ def compile_table(args) -> list[dict]:
   return rows
 
 
-def main(argv=None):
+def parse_args(argv=None) -> argparse.Namespace:
+  """The flags of ``argv``, checked (and the ``--json`` and ``--route_table`` paths made)
+  before anything compiles, defaults filled in; a bad one exits with one line ``bench:
+  --<flag>: got ...; allowed: ...``."""
   parser = cli.ArgumentParser(prog="bench", description=__doc__.splitlines()[0])
   parser.add_argument("--attention", action="store_true",
                       help="time each attention kernel at one shape (forward, forward+backward) "
@@ -591,6 +595,11 @@ def main(argv=None):
         parser.error(str(e))
       except ValueError as e:
         parser.error(f"--{flag}: {e}")
+  return args
+
+
+def main(argv=None):
+  args = parse_args(argv)
   if args.attention or args.compile:
     document = attention_table(args) if args.attention else {
         "device": jax.devices()[0].device_kind, "batch": args.batch, "length": args.length,

@@ -104,8 +104,8 @@ def _round_up(x: int, m: int) -> int:
 
 # Shared memory one Triton program may use (the opt-in maximum per block), by CUDA compute
 # capability. A GPU not listed gets the smallest.
-SMEM_BYTES = {"8.0": 166912, "8.6": 101376, "8.7": 166912, "8.9": 101376, "9.0": 232448,
-              "10.0": 232448, "12.0": 101376}
+SMEM_BYTES = {"8.0": 166912, "8.6": 101376, "8.7": 166912, "8.9": 101376,
+              "9.0": hopper_flash.SMEM_BYTES, "10.0": 232448, "12.0": 101376}
 _SMEM_MARGIN = 8 * 1024  # the model's slack: Triton versions allocate differently
 # Scoped VMEM Mosaic gives a kernel by default on TPU v4 and v5 (v6e: 32 MiB); a quarter is
 # left as margin, the VMEM model being unmeasured.
