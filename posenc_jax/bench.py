@@ -223,6 +223,8 @@ class Kernel(NamedTuple):
     forward: the Pallas kernel's forward (``tiles`` or ``hopper``, as
       :func:`~posenc_jax.kernels.relative_flash_attention`'s).
     warpgroups: the Hopper forward's consumer warpgroups; None: the most that fit.
+    tiles: the Triton kernels' bias tiles (``gather`` or ``band``, as
+      :func:`~posenc_jax.kernels.relative_flash_attention`'s); None: the default.
   """
 
   name: str
@@ -231,6 +233,7 @@ class Kernel(NamedTuple):
   dropout: float = 0.0
   forward: str = "tiles"
   warpgroups: int | None = None
+  tiles: str | None = None
 
   @property
   def bias_text(self) -> str:
@@ -241,11 +244,14 @@ class Kernel(NamedTuple):
     if self.forward == "hopper":
       text += ", Hopper forward" + (f", {self.warpgroups} warpgroup(s)" if self.warpgroups
                                     else "")
+    if self.tiles:
+      text += f", {self.tiles} tiles"
     return f"{text}, dropout {self.dropout}" if self.dropout else text
 
 
 ATTENTION_KERNELS = (
     Kernel("pallas toeplitz", "pallas", bias=True),
+    Kernel("pallas toeplitz band", "pallas", bias=True, tiles="band"),
     Kernel(route_table.HOPPER_ROW, "pallas", bias=True, forward="hopper"),
     Kernel(HOPPER_ONE_ROW, "pallas", bias=True, forward="hopper", warpgroups=1),
     Kernel("pallas toeplitz dropout", "pallas", bias=True, dropout=ATTENTION_DROPOUT),
@@ -296,11 +302,13 @@ def attention_kernel(kernel: Kernel, q: jax.Array, *, causal: bool, seed: jax.Ar
   length = q.shape[1]
   bias = lambda ob: toeplitz_bias(ob, length, length)  # noqa: E731  [1, H, L, L] float32
   if kernel.family == "pallas":
+    reason = hopper_unsupported(q) if kernel.forward == "hopper" else None
+    if kernel.tiles == "band" and jax.default_backend() == "tpu":
+      reason = "band tiles are the Triton kernels' (GPU); a TPU builds roll tiles"
     return (lambda q, k, v, ob: relative_flash_attention(
         q, k, v, ob if kernel.bias else None, causal=causal, dropout_rate=kernel.dropout,
         dropout_seed=seed if kernel.dropout else None, forward=kernel.forward,
-        warpgroups=kernel.warpgroups)), (
-            hopper_unsupported(q) if kernel.forward == "hopper" else None)
+        warpgroups=kernel.warpgroups, tiles=kernel.tiles)), reason
   if kernel.family == "fused":
     def factored(q, k, v, uv):
       with route_table.forced(factored=kernel.bias):  # at trace time

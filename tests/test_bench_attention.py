@@ -149,6 +149,14 @@ def test_the_hopper_row_needs_a_hopper_gpu(like_h100, monkeypatch):
   assert reason == "Mosaic GPU wgmma needs compute capability 9.x; this device: 8.0"
 
 
+def test_the_band_row_is_na_on_a_tpu(monkeypatch):
+  qkv = jax.ShapeDtypeStruct((1, 128, 2, 64), jnp.bfloat16)
+  band = next(k for k in bench.ATTENTION_KERNELS if k.tiles == "band")
+  monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+  _, reason = bench.attention_kernel(band, qkv, causal=False, seed=jnp.zeros((1, 1), jnp.int32))
+  assert reason == "band tiles are the Triton kernels' (GPU); a TPU builds roll tiles"
+
+
 def test_cudnn_in_float32_is_na_with_its_reason(like_h100):
   qkv = jax.ShapeDtypeStruct((1, 128, 2, 64), jnp.float32)
   kernels = {kernel.name: kernel for kernel in bench.ATTENTION_KERNELS}

@@ -182,7 +182,7 @@ def test_the_bias_band_holds_every_tile_of_the_toeplitz_bias(lead):
   lq, lk = 192, 256
   ob = jnp.arange(1, lq + lk, dtype=jnp.float32)[None, None, :]
   full = ob[0, 0][jnp.arange(lk)[None, :] - jnp.arange(lq)[:, None] + lq - 1]
-  band = hopper_flash.bias_band(ob, lq, lk, lead=lead)
+  band = hopper_flash.hopper_band(ob, lq, lk, lead=lead)
   assert band.shape == (1, 64, 64 * (lead + (lq + lk) // 64 - 1)) and band.dtype == jnp.float32
   for qi in range(lq // 64):
     for kb in range(lk // 64):

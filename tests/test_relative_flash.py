@@ -440,13 +440,14 @@ def test_roll_tiles_causal_t5_with_cls_reset():
          **ROLL)
 
 
-def test_roll_tiles_cross_lengths_segments_alibi():
-  q, _, _, cot = _inputs(2, 130, 130)
-  _, k, v, _ = _inputs(2, 260, 260, seed=1)
-  q_seg = jnp.stack([(jnp.arange(130) >= 60).astype(int)] * 2)
-  kv_seg = jnp.stack([(jnp.arange(260) >= 100).astype(int)] * 2)
+@pytest.mark.parametrize("tiles, lq, lk", [("roll", 130, 260), ("band", 19, 53)])
+def test_roll_and_band_tiles_cross_lengths_segments_alibi(tiles, lq, lk):
+  q, _, _, cot = _inputs(2, lq, lq)
+  _, k, v, _ = _inputs(2, lk, lk, seed=1)
+  q_seg = jnp.stack([(jnp.arange(lq) >= lq // 2).astype(int)] * 2)
+  kv_seg = jnp.stack([(jnp.arange(lk) >= lk * 2 // 5).astype(int)] * 2)
   _check(q, k, v, cot, alibi_slopes(H), lambda s, rel: _alibi(s, rel, False),
-         q_segment_ids=q_seg, kv_segment_ids=kv_seg, **ROLL)
+         q_segment_ids=q_seg, kv_segment_ids=kv_seg, tiles=tiles)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -461,3 +462,57 @@ def test_roll_tiles_lower_for_tpu_mosaic(causal):
 def test_every_roll_block_pair_lowers_for_mosaic(block_q, block_k):
   text = _lowered_step("tpu", tiles="roll", block_q=block_q, block_k=block_k)
   assert text.count("tpu_custom_call") == 3
+
+
+# The Triton way without gathers: band column blocks, and the bias gradient summed per
+# diagonal of tiles by a fourth kernel.
+BAND = dict(tiles="band")
+
+
+def test_band_tiles_diet_rel_padding_and_dropout():
+  q, k, v, cot = _inputs(2, 37, 37)
+  table = jax.random.normal(jax.random.PRNGKey(7), (H, 11))
+  mask = jnp.arange(37)[None, :] < jnp.array([[37], [20]])
+  _check(q, k, v, cot, table, lambda t, rel: _diet(t, rel, 5), mask=mask,
+         dropout=(0.2, jax.random.PRNGKey(3)), **BAND)
+
+
+def test_band_tiles_causal_t5_with_cls_reset():
+  q, k, v, cot = _inputs(1, 40, 40)
+  table = jax.random.normal(jax.random.PRNGKey(7), (H, 8))
+  _check(q, k, v, cot, table, lambda t, rel: _t5(t, rel, False), zero_first=True, causal=True,
+         **BAND)
+
+
+def test_band_tiles_equal_gather_tiles_with_32_row_blocks():
+  """Same values and gradients as the gather tiles (only summation order differs), shared
+  table across heads, 32 x 32 tiles."""
+  q, k, v, cot = _inputs(1, 70, 70, d=24, dv=8)
+  table = jax.random.normal(jax.random.PRNGKey(7), (1, 81))
+
+  def run(tiles):
+    def f(q, k, v, table):
+      out = relative_flash_attention(q, k, v, _diet(table, offsets(70, 70), 40), tiles=tiles,
+                                     block_q=32, block_k=32)
+      return jnp.sum(out * cot)
+    return jax.value_and_grad(f, argnums=(0, 1, 2, 3))(q, k, v, table)
+
+  (band_loss, band_grads), (gather_loss, gather_grads) = run("band"), run("gather")
+  np.testing.assert_allclose(band_loss, gather_loss, rtol=1e-6)
+  for name, got, want in zip("q k v table".split(), band_grads, gather_grads):
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5, err_msg=f"d{name}")
+
+
+def test_band_tiles_are_square_and_lower_scatter_free_for_triton():
+  q, k, v, _ = _inputs(1, 8, 8)
+  with pytest.raises(ValueError, match=r"^block_q, block_k: got 32x16; band tiles are square$"):
+    relative_flash_attention(q, k, v, tiles="band", block_q=32, block_k=16)
+  blocks = kernel_blocks(40, 300, 64, 64, itemsize=2, has_bias=True, tiles="band")
+  assert blocks.block_q == blocks.block_k == 64
+  texts = {tiles: _lowered_step("cuda", tiles=tiles, causal=True, dropout_rate=0.1,
+                                dropout_seed=jnp.array([[7]], jnp.int32))
+           for tiles in ("band", "gather")}
+  assert texts["band"].count(TRITON) == 4  # forward, dq, dk/dv, the bias gradient
+  # The one scatter is the T5 table's gradient (its bucket gather's), in both.
+  assert texts["band"].count('"stablehlo.scatter"(') == texts["gather"].count(
+      '"stablehlo.scatter"(') == 1

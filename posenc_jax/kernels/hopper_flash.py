@@ -45,6 +45,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from posenc_jax.kernels.band import bias_band
 from posenc_jax.kernels.dropout import dropout_multiplier
 
 Array = jax.Array
@@ -100,20 +101,18 @@ def fits(*, dtype, block_q: int, block_k: int, qk_dim: int, v_dim: int,
                              itemsize=dtype.itemsize, has_bias=has_bias) > 0)
 
 
-def bias_band(offset_bias: Array, q_len: int, k_len: int, lead: int = 0) -> Array:
-  """``[H, 64, 64 N]`` float32 band (module docstring) of the padded offset vector, ``N =
-  lead + (Lk + Lq) / 64 - 1`` units of 64 columns; the lead units' entries before the
-  vector are 0.
+def hopper_band(offset_bias: Array, q_len: int, k_len: int, lead: int = 0) -> Array:
+  """``[H, 64, 64 N]`` float32 band of the padded offset vector (module docstring;
+  :func:`~posenc_jax.kernels.band.bias_band`), ``N = lead + (Lk + Lq) / 64 - 1`` units of
+  64 columns.
 
   Args:
     offset_bias: ``[H, 1, Loff_p]``, offset ``o = j - i + q_len - 1`` (relative_flash's).
     q_len, k_len: padded lengths, multiples of 64.
     lead: units of padding before the first tile.
   """
-  n = lead + (k_len + q_len) // BLOCK_Q - 1
-  index = jnp.arange(n * BLOCK_Q)[None, :] - jnp.arange(BLOCK_Q)[:, None] + BLOCK_Q - 1
-  vector = jnp.pad(offset_bias[:, 0, :].astype(jnp.float32), ((0, 0), (lead * BLOCK_Q, 0)))
-  return vector[:, index]
+  units = lead + (k_len + q_len) // BLOCK_Q - 1
+  return bias_band(offset_bias[:, 0, :], BLOCK_Q, units * BLOCK_Q, lead=lead * BLOCK_Q)
 
 
 def _mosaic_gpu():
@@ -162,7 +161,7 @@ def forward(q: Array, k: Array, v: Array, offset_bias: Array, q_segments: Array,
   idle = ctas * groups - nq  # warpgroups of the last block with no query block
   window = groups + units - 1  # bias units one step of a block reads
   # Without a bias no band is made or copied (a placeholder keeps the signature).
-  band = (bias_band(offset_bias, q_len, k_len, lead=idle) if has_bias
+  band = (hopper_band(offset_bias, q_len, k_len, lead=idle) if has_bias
           else jnp.zeros((1, 1, 1), jnp.float32))
   wgmma_layout, rows_layout = plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(1)
   shape = (BLOCK_Q, block_k)
@@ -262,7 +261,7 @@ def forward(q: Array, k: Array, v: Array, offset_bias: Array, q_segments: Array,
              plgpu.BlockSpec((block_k,), lambda kj: (kj,))]
     sources = [k_ref.at[b, h], v_ref.at[b, h], ks_ref.at[b]]
     if has_bias:
-      # The step's window: units first + kj * s + [0, G + s - 1) of the band (bias_band).
+      # The step's window: units first + kj * s + [0, G + s - 1) of the band (hopper_band).
       first = (ctas - 1 - cta) * groups
       specs.append(plgpu.BlockSpec((BLOCK_Q, pl.Element(window * BLOCK_Q)),
                                    lambda kj: (0, (first + kj * units) * BLOCK_Q)))

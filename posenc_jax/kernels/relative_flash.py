@@ -38,7 +38,7 @@ normaliser sums the undropped probabilities, and the backward kernels draw
 the same tiles again (``dP = Z * dO V^T``, ``dV = (Z * P)^T dO``), so no mask
 is stored and the reference route, drawing the same hash, agrees exactly.
 
-Two ways of building tiles (``tiles``), both exact and both tested in
+Three ways of building tiles (``tiles``), all exact and all tested in
 interpret mode on CPU (``interpret=None`` picks it on the CPU backend):
 
 * ``gather`` (GPU, Pallas' Triton backend): the tile is an in-kernel gather
@@ -48,6 +48,14 @@ interpret mode on CPU (``interpret=None`` picks it on the CPU backend):
   power-of-two size, square tiles or not: block sizes are powers of two, the
   q/k and v head dims (each to its own width) and the offset vector are
   zero-padded to powers of two.
+* ``band`` (GPU, Triton; square tiles): no gather in any kernel. The kernels read
+  tiles as column blocks of a band of ``bq`` shifted copies of the vector
+  (:mod:`posenc_jax.kernels.band`, ``[H, bq, Loff_p]``, one gather per call outside).
+  The gradient: tiles of one diagonal of the tile grid read the same columns, so a
+  fourth kernel, one program per such diagonal, recomputes their logit cotangents
+  (two more products per tile) and sums them in registers; the band's diagonals are
+  summed outside, scatter-free. Which of the two Triton ways is faster is for
+  ``python -m posenc_jax.bench --attention`` to tell on the GPU at hand.
 * ``roll`` (TPU, Pallas' Mosaic backend, which has no gather): blocks are
   multiples of 128, so each tile's window of ``bq + bk`` offsets is a
   lane-aligned slice; broadcast to the rows and rotated by one strided roll
@@ -83,6 +91,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plt
 
 from posenc_jax.kernels import hopper_flash
+from posenc_jax.kernels.band import band_gradient, bias_band
 from posenc_jax.kernels.dropout import dropout_multiplier
 
 Array = jax.Array
@@ -133,6 +142,7 @@ class KernelBlocks:
 
 
 PRECISIONS = ("float32", "tensorfloat32")
+TILES = ("gather", "band", "roll")  # how bias tiles are built (module docstring)
 
 
 def dot_precision(precision: str, dtype) -> lax.Precision | None:
@@ -216,7 +226,8 @@ def kernel_blocks(q_len: int, k_len: int, qk_dim: int, v_dim: int, *, itemsize: 
     qk_dim, v_dim: head dims of q/k (terms folded in) and of v.
     itemsize: bytes per element of q, k and v.
     has_bias: whether an offset bias is built into the tiles.
-    tiles: ``"gather"`` (Triton) or ``"roll"`` (Mosaic).
+    tiles: ``"gather"`` or ``"band"`` (Triton; band tiles are square) or ``"roll"``
+      (Mosaic).
     precision: ``"float32"`` or ``"tensorfloat32"`` (:func:`relative_flash_attention`).
     budget: bytes of on-chip memory; None gives :func:`memory_budget` of this device.
     block_q, block_k: fixed tile sizes (validated; gather ones clamped to the padded
@@ -225,8 +236,10 @@ def kernel_blocks(q_len: int, k_len: int, qk_dim: int, v_dim: int, *, itemsize: 
   Returns:
     The :class:`KernelBlocks`.
   """
-  if tiles not in ("gather", "roll"):
-    raise ValueError(f"tiles: got {tiles!r}; allowed: gather, roll")
+  if tiles not in TILES:
+    raise ValueError(f"tiles: got {tiles!r}; allowed: {', '.join(TILES)}")
+  if tiles == "band" and None not in (block_q, block_k) and block_q != block_k:
+    raise ValueError(f"block_q, block_k: got {block_q}x{block_k}; band tiles are square")
   dot_precision(precision, jnp.float32)  # validates the name
   smallest = 128 if tiles == "roll" else 16
   for name, size in (("block_q", block_q), ("block_k", block_k)):
@@ -239,7 +252,11 @@ def kernel_blocks(q_len: int, k_len: int, qk_dim: int, v_dim: int, *, itemsize: 
   candidates = [KernelBlocks(bq, bk, *widths, *launch)
                 for launch in launches
                 for bq in _block_sizes(q_len, block_q, tiles)
-                for bk in _block_sizes(k_len, block_k, tiles)]
+                for bk in _block_sizes(k_len, block_k, tiles)
+                if tiles != "band" or bq == bk]
+  if not candidates:  # band: the clamped sizes differ (one length is short); square them
+    side = min(_block_sizes(q_len, block_q, tiles) + _block_sizes(k_len, block_k, tiles))
+    candidates = [KernelBlocks(side, side, *widths, *launch) for launch in launches]
 
   def memory(blocks):
     return kernel_memory(blocks, q_len=q_len, k_len=k_len, itemsize=itemsize,
@@ -330,7 +347,7 @@ class _Config:
   """Static kernel settings; lengths are the padded ones unless named otherwise."""
 
   has_bias: bool
-  tiles: str  # "gather" (Triton, interpret) or "roll" (Mosaic, interpret)
+  tiles: str  # "gather" or "band" (Triton, interpret) or "roll" (Mosaic, interpret)
   zero_first: bool
   causal: bool
   scale: float
@@ -351,6 +368,11 @@ class _Config:
       return pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary"))
     return plt.CompilerParams(num_warps=self.blocks.num_warps,
                               num_stages=self.blocks.num_stages)
+
+  @property
+  def reads_band(self) -> bool:
+    """Whether the Triton kernels read bias tiles from a band (:func:`_band`)."""
+    return self.has_bias and self.tiles == "band"
 
   @property
   def window(self) -> int:
@@ -449,12 +471,15 @@ def _bias_tile(cfg, ob_ref, i, j, qi, kj):
   """``[bq, bk]`` float32 tile ``ob[j - i + Lq_p - 1]`` from the ``[1, Loff_p]`` ref.
 
   ``gather``: an in-kernel gather (Triton loads through a pointer tensor).
+  ``band``: columns ``window_start + [0, bk)`` of the ``[bq, Loff_p]`` band ref, a block load.
   ``roll``: the tile's window of ``W = cfg.window`` entries (a lane-aligned slice, the
   blocks being multiples of 128) broadcast to every row, row ``r`` rotated by
   ``W - (bq - 1) + r`` (one strided roll), then its first ``bk`` columns.
   """
   if cfg.tiles == "gather":
     return ob_ref[0, j - i + (cfg.q_len - 1)].astype(jnp.float32)
+  if cfg.tiles == "band":  # ob_ref is the [bq, Loff_p] band (_band)
+    return ob_ref[:, pl.ds(cfg.window_start(qi, kj), cfg.blocks.block_k)]
   bq, bk, width = cfg.blocks.block_q, cfg.blocks.block_k, cfg.window
   window = ob_ref[:, pl.ds(cfg.window_start(qi, kj), width)]
   rows = jnp.broadcast_to(window.astype(jnp.float32), (bq, width))
@@ -538,18 +563,20 @@ def _fwd_kernel(cfg, q_ref, k_ref, v_ref, ob_ref, qseg_ref, kseg_ref, seed_ref, 
 
 def _dq_kernel(cfg, q_ref, k_ref, v_ref, ob_ref, qseg_ref, kseg_ref, seed_ref, do_ref, lse_ref,
                delta_ref, dq_ref, dob_ref=None, ds_ref=None):
-  """``dq`` of one query block and, with a bias, its part of the offset-bias gradient.
+  """``dq`` of one query block and, with a bias (gather and roll tiles), its part of the
+  offset-bias gradient.
 
   ``dob_ref`` ``[1, Loff_p]`` accumulates the diagonal sums of every logit
   cotangent tile of this query block (``ds_ref`` ``[bq, bk]``: the gather
-  mode's scratch, see :func:`_diagonal_sums`).
+  mode's scratch, see :func:`_diagonal_sums`). Band tiles leave the bias gradient to
+  :func:`_dbias_kernel`.
   """
   qi = pl.program_id(2)
   bq, bk = cfg.blocks.block_q, cfg.blocks.block_k
   q, do, qseg = q_ref[...], do_ref[...], qseg_ref[...]
   lse, delta = lse_ref[...], delta_ref[...]
   stream = _stream(cfg, seed_ref)
-  if cfg.has_bias:
+  if dob_ref is not None:
     dob_ref[...] = jnp.zeros(dob_ref.shape, jnp.float32)
 
   def body(kj, dq):
@@ -558,7 +585,7 @@ def _dq_kernel(cfg, q_ref, k_ref, v_ref, ob_ref, qseg_ref, kseg_ref, seed_ref, d
     s, valid = _tile(cfg, q, k, ob_ref, qseg, kseg_ref[:, pl.ds(kj * bk, bk)], qi, kj)
     p = jnp.where(valid, jnp.exp(s - lse), 0.0)
     ds = p * (_dropped(_dot(cfg, do, v, (1, 1)), _dropout(cfg, stream, qi, kj)) - delta)
-    if cfg.has_bias:
+    if dob_ref is not None:
       window = (slice(None), pl.ds(cfg.window_start(qi, kj), cfg.window))
       dbias = _cls_reset(cfg, ds, *_positions(cfg, qi, kj))
       dob_ref[window] = dob_ref[window] + _diagonal_sums(cfg, dbias, ds_ref)
@@ -593,6 +620,38 @@ def _dkv_kernel(cfg, q_ref, k_ref, v_ref, ob_ref, qseg_ref, kseg_ref, seed_ref, 
   dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
+def _dbias_kernel(cfg, q_ref, k_ref, v_ref, band_ref, qseg_ref, kseg_ref, seed_ref, do_ref,
+                  lse_ref, delta_ref, du_ref):
+  """Band tiles' bias gradient: unit ``n`` of one (batch, head), the sum of the logit
+  cotangent tiles of every (query block ``qi``, key block ``kj = qi + n - (nq - 1)``) pair,
+  all of which read the same band columns ``n b + [0, b)`` (square ``b x b`` tiles).
+
+  Each pair's cotangent is recomputed (``q k^T`` and ``dO v^T``) and accumulated in
+  registers, ``du_ref`` ``[b, b]`` takes the sum; :func:`band.band_gradient` turns the
+  units into the offset vector's gradient outside the kernel, so no kernel sums diagonals.
+  """
+  n = pl.program_id(2)
+  side = cfg.blocks.block_q
+  nq, nk = cfg.q_len // side, cfg.k_len // side
+  stream = _stream(cfg, seed_ref)
+  first = jnp.maximum(0, nq - 1 - n)  # the unit's first query block with a key block
+  last = jnp.minimum(nq, nq - 1 - n + nk)
+  if cfg.causal:  # key blocks past the query block's are masked whole
+    last = jnp.where(n > nq - 1, first, last)
+
+  def body(qi, du):
+    kj = qi + n - (nq - 1)
+    rows, cols = pl.ds(qi * side, side), pl.ds(kj * side, side)
+    q, do, k, v = q_ref[rows, :], do_ref[rows, :], k_ref[cols, :], v_ref[cols, :]
+    s, valid = _tile(cfg, q, k, band_ref, qseg_ref[rows, :], kseg_ref[:, cols], qi, kj)
+    p = jnp.where(valid, jnp.exp(s - lse_ref[rows, :]), 0.0)
+    ds = p * (_dropped(_dot(cfg, do, v, (1, 1)), _dropout(cfg, stream, qi, kj))
+              - delta_ref[rows, :])
+    return du + _cls_reset(cfg, ds, *_positions(cfg, qi, kj))
+
+  du_ref[...] = lax.fori_loop(first, last, body, jnp.zeros(du_ref.shape, jnp.float32))
+
+
 # ---------------------------------------------------------------------------
 # pallas_call wrappers on padded, head-major arrays: q [B, H, Lq_p, Dqk_p], k [B, H, Lk_p,
 # Dqk_p], v [B, H, Lk_p, Dv_p], out/do [B, H, Lq_p, Dv_p], offset bias [H, 1, Loff_p], query
@@ -620,16 +679,18 @@ class _Specs(NamedTuple):
             self.seed, self.out, self.row, self.row]
 
 
-def _specs(cfg, *, over_queries: bool) -> _Specs:
-  """BlockSpecs for a grid ``(B, H, query blocks)`` or ``(B, H, key blocks)``."""
-  q_rows = cfg.blocks.block_q if over_queries else cfg.q_len
-  k_rows = cfg.k_len if over_queries else cfg.blocks.block_k
+def _specs(cfg, *, over: str) -> _Specs:
+  """BlockSpecs for a grid ``(B, H, n)``: ``over`` ``"queries"`` (program ``n`` gets query
+  block ``n`` and every key), ``"keys"`` (key block ``n``, every query) or ``"units"``
+  (every query and key: :func:`_dbias_kernel`)."""
+  q_rows = cfg.blocks.block_q if over == "queries" else cfg.q_len
+  k_rows = cfg.blocks.block_k if over == "keys" else cfg.k_len
 
   def q_block(n):
-    return n if over_queries else 0
+    return n if over == "queries" else 0
 
   def k_block(n):
-    return 0 if over_queries else n
+    return n if over == "keys" else 0
 
   def q_spec(width):
     return pl.BlockSpec((None, None, q_rows, width), lambda b, h, n: (b, h, q_block(n), 0))
@@ -638,9 +699,10 @@ def _specs(cfg, *, over_queries: bool) -> _Specs:
     return pl.BlockSpec((None, None, k_rows, width), lambda b, h, n: (b, h, k_block(n), 0))
 
   qk_dim, v_dim = cfg.blocks.qk_dim, cfg.blocks.v_dim
+  bias_rows = cfg.blocks.block_q if cfg.reads_band else 1  # the band, else the vector
   return _Specs(
       q=q_spec(qk_dim), k=k_spec(qk_dim), v=k_spec(v_dim), out=q_spec(v_dim),
-      offset_bias=pl.BlockSpec((None, 1, cfg.offset_len), lambda b, h, n: (h, 0, 0)),
+      offset_bias=pl.BlockSpec((None, bias_rows, cfg.offset_len), lambda b, h, n: (h, 0, 0)),
       q_segments=pl.BlockSpec((None, q_rows, 1), lambda b, h, n: (b, q_block(n), 0)),
       kv_segments=pl.BlockSpec((None, 1, k_rows), lambda b, h, n: (b, 0, k_block(n))),
       seed=pl.BlockSpec((1, 1), lambda b, h, n: (0, 0)), row=q_spec(1))
@@ -653,7 +715,9 @@ def _forward(cfg, q, k, v, ob, qseg, kseg, seed):
         causal=cfg.causal, zero_first=cfg.zero_first, has_bias=cfg.has_bias,
         dropout_rate=cfg.dropout_rate, interpret=cfg.interpret, warpgroups=cfg.warpgroups)
   b, h = q.shape[:2]
-  specs = _specs(cfg, over_queries=True)
+  specs = _specs(cfg, over="queries")
+  if cfg.reads_band:
+    ob = _band(cfg, ob)
   return pl.pallas_call(
       functools.partial(_fwd_kernel, cfg),
       out_shape=(jax.ShapeDtypeStruct((b, h, cfg.q_len, cfg.blocks.v_dim), q.dtype),
@@ -672,11 +736,12 @@ def _backward(cfg, q, k, v, ob, qseg, kseg, seed, out, lse, do):
   bq, bk = cfg.blocks.block_q, cfg.blocks.block_k
   nq, nk = cfg.q_len // bq, cfg.k_len // bk
   delta = jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32), axis=-1, keepdims=True)
-  args = (q, k, v, ob, qseg, kseg, seed, do, lse, delta)
+  args = (q, k, v, _band(cfg, ob) if cfg.reads_band else ob, qseg, kseg, seed, do, lse, delta)
 
-  specs = _specs(cfg, over_queries=True)
+  specs = _specs(cfg, over="queries")
   out_shapes, out_specs = [jax.ShapeDtypeStruct(q.shape, q.dtype)], [specs.q]
-  if cfg.has_bias:  # per query block: the offset-bias gradient (and the gather's scratch)
+  if cfg.has_bias and not cfg.reads_band:  # per query block: the offset-bias gradient (and
+    # the gather's scratch)
     loff = cfg.offset_len
     out_shapes.append(jax.ShapeDtypeStruct((b, h, nq, 1, loff), jnp.float32))
     out_specs.append(pl.BlockSpec((None, None, None, 1, loff), lambda b, h, i: (b, h, i, 0, 0)))
@@ -694,7 +759,7 @@ def _backward(cfg, q, k, v, ob, qseg, kseg, seed, out, lse, do):
       name="relative_flash_dq",
   )(*args)
 
-  specs = _specs(cfg, over_queries=False)
+  specs = _specs(cfg, over="keys")
   dk, dv = pl.pallas_call(
       functools.partial(_dkv_kernel, cfg),
       out_shape=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
@@ -705,8 +770,32 @@ def _backward(cfg, q, k, v, ob, qseg, kseg, seed, out, lse, do):
       compiler_params=cfg.compiler_params,
       name="relative_flash_dkv",
   )(*args)
-  dob = jnp.sum(rest[0], axis=(0, 2)).astype(ob.dtype) if cfg.has_bias else jnp.zeros_like(ob)
-  return dq, dk, dv, dob
+  if not cfg.has_bias:
+    return dq, dk, dv, jnp.zeros_like(ob)
+  if not cfg.reads_band:
+    return dq, dk, dv, jnp.sum(rest[0], axis=(0, 2)).astype(ob.dtype)
+  units = (cfg.q_len + cfg.k_len) // bq - 1  # square tiles: one per diagonal of tiles
+  specs = _specs(cfg, over="units")
+  du = pl.pallas_call(
+      functools.partial(_dbias_kernel, cfg),
+      out_shape=jax.ShapeDtypeStruct((b, h, units, bq, bq), jnp.float32),
+      grid=(b, h, units),
+      in_specs=specs.inputs,
+      out_specs=pl.BlockSpec((None, None, None, bq, bq), lambda b, h, n: (b, h, n, 0, 0)),
+      interpret=cfg.interpret,
+      compiler_params=cfg.compiler_params,
+      name="relative_flash_dbias",
+  )(*args)
+  # Unit n is band columns n bq + [0, bq): [B, H, N, bq, bq] -> the band's [H, bq, N bq].
+  dband = jnp.sum(du, axis=0).transpose(0, 2, 1, 3).reshape(h, bq, units * bq)
+  return dq, dk, dv, band_gradient(dband, cfg.offset_len)[:, None, :].astype(ob.dtype)
+
+
+def _band(cfg, ob):
+  """The ``[H, bq, Loff_p]`` band of the offset vector ``ob`` ``[H, 1, Loff_p]`` that band
+  tiles read: ``band[h, r, w] = ob[h, w - r + bq - 1]``, so tile ``(qi, kj)`` is its columns
+  ``cfg.window_start(qi, kj) + [0, bk)``."""
+  return bias_band(ob[:, 0, :], cfg.blocks.block_q, cfg.offset_len)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -783,9 +872,9 @@ def relative_flash_attention(
       lengths are padded to block multiples internally, and gather tiles are clamped to the
       padded lengths. None: :func:`kernel_blocks` picks them (and Triton's warps and
       pipelining stages) to fit this device's on-chip memory.
-    tiles: how bias tiles are built: ``"gather"`` (GPU/Triton) or ``"roll"``
-      (TPU/Mosaic); None picks ``roll`` on TPU, else ``gather``. Both run in
-      interpret mode.
+    tiles: how bias tiles are built: ``"gather"`` or ``"band"`` (GPU/Triton; band tiles
+      are square) or ``"roll"`` (TPU/Mosaic); None picks ``roll`` on TPU, else
+      ``gather``. All run in interpret mode.
     precision: products of float32 inputs: ``"float32"`` multiplies exactly
       (``lax.Precision.HIGHEST``: IEEE float32 on Triton, fp32 contraction on Mosaic);
       ``"tensorfloat32"`` opts into the backend's default, TF32 on a GPU's tensor cores
