@@ -225,6 +225,7 @@ class Kernel(NamedTuple):
     warpgroups: the Hopper forward's consumer warpgroups; None: the most that fit.
     tiles: the Triton kernels' bias tiles (``gather`` or ``band``, as
       :func:`~posenc_jax.kernels.relative_flash_attention`'s); None: the default.
+    backward: the Pallas kernel's backward (``tiles`` or ``hopper``).
   """
 
   name: str
@@ -234,6 +235,7 @@ class Kernel(NamedTuple):
   forward: str = "tiles"
   warpgroups: int | None = None
   tiles: str | None = None
+  backward: str = "tiles"
 
   @property
   def bias_text(self) -> str:
@@ -244,6 +246,8 @@ class Kernel(NamedTuple):
     if self.forward == "hopper":
       text += ", Hopper forward" + (f", {self.warpgroups} warpgroup(s)" if self.warpgroups
                                     else "")
+    if self.backward == "hopper":
+      text += ", Hopper backward"
     if self.tiles:
       text += f", {self.tiles} tiles"
     return f"{text}, dropout {self.dropout}" if self.dropout else text
@@ -254,6 +258,7 @@ ATTENTION_KERNELS = (
     Kernel("pallas toeplitz band", "pallas", bias=True, tiles="band"),
     Kernel(route_table.HOPPER_ROW, "pallas", bias=True, forward="hopper"),
     Kernel(HOPPER_ONE_ROW, "pallas", bias=True, forward="hopper", warpgroups=1),
+    Kernel("pallas toeplitz hopper", "pallas", bias=True, forward="hopper", backward="hopper"),
     Kernel("pallas toeplitz dropout", "pallas", bias=True, dropout=ATTENTION_DROPOUT),
     Kernel("pallas no bias", "pallas", bias=False),
     Kernel("cudnn no bias", "cudnn", bias=False),
@@ -302,13 +307,13 @@ def attention_kernel(kernel: Kernel, q: jax.Array, *, causal: bool, seed: jax.Ar
   length = q.shape[1]
   bias = lambda ob: toeplitz_bias(ob, length, length)  # noqa: E731  [1, H, L, L] float32
   if kernel.family == "pallas":
-    reason = hopper_unsupported(q) if kernel.forward == "hopper" else None
+    reason = hopper_unsupported(q) if "hopper" in (kernel.forward, kernel.backward) else None
     if kernel.tiles == "band" and jax.default_backend() == "tpu":
       reason = "band tiles are the Triton kernels' (GPU); a TPU builds roll tiles"
     return (lambda q, k, v, ob: relative_flash_attention(
         q, k, v, ob if kernel.bias else None, causal=causal, dropout_rate=kernel.dropout,
         dropout_seed=seed if kernel.dropout else None, forward=kernel.forward,
-        warpgroups=kernel.warpgroups, tiles=kernel.tiles)), reason
+        warpgroups=kernel.warpgroups, tiles=kernel.tiles, backward=kernel.backward)), reason
   if kernel.family == "fused":
     def factored(q, k, v, uv):
       with route_table.forced(factored=kernel.bias):  # at trace time
@@ -324,16 +329,17 @@ def attention_kernel(kernel: Kernel, q: jax.Array, *, causal: bool, seed: jax.Ar
 
 
 def hopper_unsupported(q: jax.Array) -> str | None:
-  """Why the Hopper forward cannot run q/k/v shaped and typed like ``q`` here, or None: it
-  needs a GPU of compute capability 9.x (or the CPU, interpreted) and its shapes
-  (:func:`posenc_jax.kernels.relative_flash.hopper_fits`)."""
+  """Why the Hopper kernels cannot run q/k/v shaped and typed like ``q`` here, or None: they
+  need a GPU of compute capability 9.x (or the CPU, interpreted) and the forward's shapes
+  (:func:`posenc_jax.kernels.relative_flash.hopper_fits`; the backward's are a subset up to
+  head dim 128, which padded head dims above 128 never meet either)."""
   capability = relative_flash.gpu_compute_capability()
   if jax.default_backend() != "cpu" and not (capability or "").startswith("9."):
     return f"Mosaic GPU wgmma needs compute capability 9.x; this device: {capability}"
   length, head_dim = q.shape[1], q.shape[-1]
   if not relative_flash.hopper_fits(length, length, head_dim, head_dim, q.dtype):
-    return (f"takes bfloat16/float16 and head dims padded to multiples of 64; got {q.dtype}, "
-            f"D={head_dim}")
+    return (f"takes bfloat16/float16 and head dims padded to multiples of 64 within shared "
+            f"memory; got {q.dtype}, D={head_dim}")
   return None
 
 

@@ -1,7 +1,8 @@
-"""The Hopper forward (posenc_jax.kernels.hopper_flash) in Mosaic GPU's interpret mode on CPU,
-with one and two consumer warpgroups: values and lse against a float32 reference and against
-the Triton forward, gradients through the Triton backward that reads its lse, dropout's mask,
-the bias band, shared memory against Mosaic GPU's own limit, errors, and lowering for CUDA."""
+"""The Hopper kernels (posenc_jax.kernels.hopper_flash) in Mosaic GPU's interpret mode on CPU.
+The forward, with one and two consumer warpgroups: values and lse against a float32
+reference and against the Triton forward, gradients through the Triton backward that reads
+its lse, dropout's mask, the bias band, shared memory against Mosaic GPU's own limit. The
+backward: gradients against the Triton backward's. Errors, and lowering for CUDA."""
 
 import dataclasses
 import functools
@@ -267,3 +268,83 @@ def test_forward_and_backward_lower_for_cuda(causal):
   text = _lowered(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)), shapes, "cuda")
   assert text.count(MOSAIC_GPU) >= 1 and "relative_flash_fwd_hopper" in text
   assert text.count(TRITON) == 2  # dq (+ bias) and dk/dv
+
+
+BACKWARD_CASES = {
+    # name: (batch, length, bias of (table, rel) or None, table size, keywords)
+    "diet_rel odd length, padding, dropout": (2, 100, lambda t, rel: _diet(t, rel, 7), 15,
+                                              dict(mask=True, dropout=0.2)),
+    "t5 causal, cls reset": (1, 128, lambda t, rel: _t5(t, rel, bidirectional=False), 16,
+                             dict(causal=True, zero_first=True, block_k=128)),
+    "alibi packed segments": (1, 128, lambda t, rel: _alibi(t[:, 0], rel, False), 1,
+                              dict(segments=True)),
+    "no bias": (1, 64, None, 1, {}),
+}
+
+
+@pytest.mark.parametrize("name", BACKWARD_CASES)
+def test_hopper_backward_matches_the_triton_backward(name):
+  """The Mosaic GPU backward (dq, dk/dv and the per-diagonal bias gradient) against the
+  Triton one, both after the Hopper forward: bf16 operands, float32 accumulation."""
+  batch, length, bias_fn, table_size, kw = BACKWARD_CASES[name]
+  q, k, v, cot = _inputs(batch, length, seed=1)
+  table = jax.random.normal(jax.random.PRNGKey(9), (H, table_size))
+  mask = jnp.arange(length)[None, :] < jnp.array([[length], [length - 37]])[:batch]
+  segments = jnp.broadcast_to(jnp.arange(length) * 3 // length, (batch, length))
+  call = dict(causal=kw.get("causal", False), zero_first=kw.get("zero_first", False),
+              block_q=64, block_k=kw.get("block_k", 64), forward="hopper",
+              mask=mask if kw.get("mask") else None)
+  if kw.get("segments"):
+    call.update(q_segment_ids=segments, kv_segment_ids=segments)
+  if kw.get("dropout"):
+    call.update(dropout_rate=kw["dropout"], dropout_seed=dropout_seed(jax.random.PRNGKey(4)))
+
+  def grads(backward):
+    def f(q, k, v, table):
+      ob = None if bias_fn is None else bias_fn(table, offsets(length, length))
+      out = relative_flash_attention(q, k, v, ob, backward=backward, **call)
+      return jnp.sum(out.astype(jnp.float32) * cot)
+    return jax.grad(f, argnums=(0, 1, 2, 3))(q, k, v, table)
+
+  hopper = grads("hopper")
+  for n, got, want in zip("q k v table".split(), hopper, grads("tiles")):
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    np.testing.assert_allclose(got, want, atol=2e-2, rtol=2e-2, err_msg=f"d{n}")
+    assert np.abs(got - want).mean() <= 2e-3 * max(np.abs(want).mean(), 1e-3), f"d{n}"
+  if bias_fn is not None:
+    assert np.abs(np.asarray(hopper[3])).max() > 0.1
+
+
+def test_hopper_backward_lowers_for_cuda_without_triton():
+  """Forward and backward both on Mosaic GPU: four kernels (forward; dq, dk/dv and the bias
+  gradient), no Triton, and no scatter besides the DIET table's own."""
+  length = 256
+
+  def loss(q, k, v, table):
+    ob = _diet(table, offsets(length, length), 7)
+    out = relative_flash_attention(q, k, v, ob, mask=jnp.ones((2, length), bool), causal=True,
+                                   zero_first=True, block_q=64, block_k=128, dropout_rate=0.1,
+                                   dropout_seed=jnp.array([[7]], jnp.int32), forward="hopper",
+                                   backward="hopper", interpret=False)
+    return jnp.sum(out.astype(jnp.float32))
+
+  shapes = [jax.ShapeDtypeStruct((2, length, H, 64), jnp.bfloat16)] * 3
+  shapes.append(jax.ShapeDtypeStruct((H, 15), jnp.float32))
+  text = _lowered(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)), shapes, "cuda")
+  for name in ("fwd", "dq", "dkv", "dbias"):
+    assert f"relative_flash_{name}_hopper" in text, name
+  assert TRITON not in text
+  assert text.count('"stablehlo.scatter"(') == 1  # the DIET table's own clipped gather
+
+
+def test_hopper_backward_errors_are_one_line():
+  q, k, v, _ = _inputs(1, 64)
+  f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+  with pytest.raises(ValueError, match=r"^backward: got 'cudnn'; allowed: tiles, hopper$"):
+    relative_flash_attention(q, k, v, backward="cudnn")
+  with pytest.raises(ValueError, match=r"^backward: 'hopper' takes bfloat16/float16 .*; got "
+                                       r"float32, head dims 64/64, blocks 64x64$"):
+    relative_flash_attention(*f32, backward="hopper", block_q=64, block_k=64)
+  wide = _inputs(1, 64, d=256)[:3]
+  with pytest.raises(ValueError, match=r"^backward: 'hopper' .* up to 128 .*head dims 256/256"):
+    relative_flash_attention(*wide, backward="hopper", block_q=64, block_k=64)

@@ -1,4 +1,5 @@
-"""The forward pass of :func:`~posenc_jax.kernels.relative_flash_attention` for Hopper GPUs.
+"""The forward and backward passes of :func:`~posenc_jax.kernels.relative_flash_attention`
+for Hopper GPUs.
 
 Pallas' Mosaic GPU backend, warp-specialised: in each block of the grid a memory warpgroup
 copies key, value and bias blocks into shared memory (TMA, two steps in flight) for ``G``
@@ -28,13 +29,21 @@ Everything else is the Triton forward's (same inputs, outputs and conventions, s
 :mod:`posenc_jax.kernels.relative_flash`): key masks and packed segments through segment
 ids, ``causal``, ``zero_first``, dropout from the same counter-based hash, empty rows
 returning zeros with ``lse = 1e30``. Causal runs skip the MMAs of key blocks wholly past a
-query block's last row (their copies still run: the pipeline's grid is static). The backward
-pass stays the Triton kernels', which read this ``lse``.
+query block's last row (their copies still run: the pipeline's grid is static).
+
+The backward pass (:func:`backward`, ``backward="hopper"``; else the Triton kernels read this
+forward's ``lse``) is three kernels on 64 x 64 tiles of the same band: dq per query block,
+dk/dv per key block (``p^T dO`` and ``dS^T q`` from transposed shared-memory operands), and
+the bias gradient per diagonal of the tile grid, whose tiles all read one unit of the band:
+their logit cotangents are recomputed (two more products per tile) and summed in registers,
+and the band's diagonals are summed outside, without a scatter
+(:func:`~posenc_jax.kernels.band.band_gradient`). No kernel adds atomically.
 
 Limits (:func:`fits`): 16-bit q/k/v, query blocks of 64 rows, key blocks of 64 or 128 rows,
 head dims a multiple of 64, and shared memory for at least one consumer warpgroup
-(:func:`smem_bytes`). Tested in Mosaic GPU's interpret mode on CPU (values, lse, gradients
-through the Triton backward, one and two warpgroups) and lowered for CUDA; its speed is read
+(:func:`smem_bytes`); the backward's: head dims up to 128 (:func:`backward_fits`). Tested
+in Mosaic GPU's interpret mode on CPU (values, lse, gradients through the Triton backward
+and through this one, one and two warpgroups) and lowered for CUDA; their speed is read
 from ``python -m posenc_jax.bench --attention`` on a Hopper GPU.
 """
 
@@ -45,7 +54,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from posenc_jax.kernels.band import bias_band
+from posenc_jax.kernels.band import band_gradient, bias_band
 from posenc_jax.kernels.dropout import dropout_multiplier
 
 Array = jax.Array
@@ -128,6 +137,52 @@ def _transforms(cols: int, dtype) -> tuple:
   itemsize = jnp.dtype(dtype).itemsize
   swizzle = plgpu.find_swizzle(cols * itemsize * 8)
   return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
+
+
+def _product(a_ref, b_ref, shape: tuple[int, int]) -> Array:
+  """``a @ b`` of two shared-memory ``wgmma`` operands (either may be a ``.T`` view) as a
+  ``shape`` float32 array in the WGMMA layout."""
+  plgpu = _mosaic_gpu()
+
+  def body(acc_ref):
+    plgpu.wgmma(acc_ref, a_ref, b_ref)
+    return acc_ref[...]
+
+  return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
+
+
+def _logits(q_tile, k_tile, bias_tile, q_seg: Array, k_seg: Array, q0, k0, *, scale: float,
+            causal: bool, zero_first: bool, positions: bool):
+  """One tile's logits: ``(s, valid, i, j)``.
+
+  ``s`` ``[64, bk]`` float32 (WGMMA layout): ``scale q k^T`` plus the bias tile (its row 0
+  and column 0 zeroed with ``zero_first``), ``NEG`` where ``valid`` is False (segments
+  differ, or ``causal`` and ``j > i``). ``i``, ``j``: the query and key positions (from
+  ``q0``, ``k0``), made when ``positions``, ``zero_first`` or ``causal`` needs them, else
+  None.
+
+  Args:
+    q_tile, k_tile: ``[64, D]`` and ``[bk, D]`` shared-memory operands.
+    bias_tile: ``[64, bk]`` float32 shared-memory view, or None without a bias.
+    q_seg, k_seg: ``[64]`` (WGMMA row layout) and ``[bk]`` (column layout) segment ids.
+  """
+  plgpu = _mosaic_gpu()
+  layout = plgpu.Layout.WGMMA
+  shape = (BLOCK_Q, k_tile.shape[0])
+  s = _product(q_tile, k_tile.T, shape) * scale
+  i = j = None
+  if positions or zero_first or causal:
+    i = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=layout) + q0
+    j = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=layout) + k0
+  if bias_tile is not None:
+    bias = plgpu.load(bias_tile, layout=layout)
+    if zero_first:
+      bias = jnp.where((i == 0) | (j == 0), 0.0, bias)
+    s = s + bias
+  valid = lax.broadcast_in_dim(q_seg, shape, [0]) == lax.broadcast_in_dim(k_seg, shape, [1])
+  if causal:
+    valid = valid & (j <= i)
+  return jnp.where(valid, s, NEG), valid, i, j
 
 
 def forward(q: Array, k: Array, v: Array, offset_bias: Array, q_segments: Array,
@@ -216,27 +271,13 @@ def forward(q: Array, k: Array, v: Array, offset_bias: Array, q_segments: Array,
       """One key block's update of the online softmax ``(acc, m, l)``; the query block's
       segment ids ride along in the carry unchanged."""
       acc, m, l, q_seg = carry
-
-      def logits(acc_ref):
-        plgpu.wgmma(acc_ref, q_tile, k_smem.T)
-        return acc_ref[...]
-
-      s = pl.run_scoped(logits, plgpu.ACC(shape, jnp.float32)) * scale
-      if zero_first or causal or dropout_rate:  # the tile's query and key positions
-        i = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=wgmma_layout) + q0
-        j = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=wgmma_layout) + kj * block_k
-      if has_bias:
-        # Warpgroup g's tile starts (G - 1 - g) units into the step's window.
-        bias = plgpu.load(t_smem[0].at[:, pl.ds((groups - 1 - wg) * BLOCK_Q, block_k)],
-                          layout=wgmma_layout)
-        if zero_first:
-          bias = jnp.where((i == 0) | (j == 0), 0.0, bias)
-        s = s + bias
-      k_seg = plgpu.load(ks_smem, layout=plgpu.Layout.WGMMA.reduce(0))
-      valid = lax.broadcast_in_dim(q_seg, shape, [0]) == lax.broadcast_in_dim(k_seg, shape, [1])
-      if causal:
-        valid = valid & (j <= i)
-      s = jnp.where(valid, s, NEG)
+      # Warpgroup g's bias tile starts (G - 1 - g) units into the step's window.
+      bias = (t_smem[0].at[:, pl.ds((groups - 1 - wg) * BLOCK_Q, block_k)] if has_bias
+              else None)
+      s, valid, i, j = _logits(q_tile, k_smem, bias, q_seg,
+                               plgpu.load(ks_smem, layout=plgpu.Layout.WGMMA.reduce(0)), q0,
+                               kj * block_k, scale=scale, causal=causal, zero_first=zero_first,
+                               positions=bool(dropout_rate))
       m_new = jnp.maximum(m, s.max(axis=1))
       p = jnp.where(valid, jnp.exp(s - lax.broadcast_in_dim(m_new, shape, [0])), 0.0)
       alpha = jnp.exp(m - m_new)
@@ -246,12 +287,7 @@ def forward(q: Array, k: Array, v: Array, offset_bias: Array, q_segments: Array,
 
       p_tile[...] = p.astype(dtype)
       plgpu.commit_smem()
-
-      def values(acc_ref):
-        plgpu.wgmma(acc_ref, p_tile, v_smem)
-        return acc_ref[...]
-
-      pv = pl.run_scoped(values, plgpu.ACC((BLOCK_Q, v_dim), jnp.float32))
+      pv = _product(p_tile, v_smem, (BLOCK_Q, v_dim))
       return acc * lax.broadcast_in_dim(alpha, pv.shape, [0]) + pv, m_new, l_new, q_seg
 
     specs = [plgpu.BlockSpec((block_k, qk_dim), lambda kj: (kj, 0),
@@ -287,3 +323,246 @@ def forward(q: Array, k: Array, v: Array, offset_bias: Array, q_segments: Array,
       kernel_name="relative_flash_fwd_hopper",
   )(q, k, v, band, q_segments[:, :, 0], kv_segments[:, 0, :], jnp.reshape(seed, (1,)))
   return out, lse[..., None]
+
+
+# ---------------------------------------------------------------------------
+# The backward pass: three kernels on 64 x 64 tiles, each one warpgroup per block of the grid
+# pipelined over the other side's blocks. dq: a query block over key blocks; dk/dv: a key
+# block over query blocks (``p^T dO`` and ``dS^T q`` from transposed shared-memory operands);
+# the bias gradient: one unit of the band (a diagonal of the tile grid) over its (query
+# block, key block) pairs, summing their logit cotangents in registers. The band's diagonals
+# are summed outside (:func:`~posenc_jax.kernels.band.band_gradient`), so no kernel sums
+# diagonals and none adds atomically.
+
+BACKWARD_MAX_DIM = 128  # head dims whose dk/dv buffers fit in shared memory
+
+
+def backward_fits(*, dtype, qk_dim: int, v_dim: int) -> bool:
+  """Whether :func:`backward` takes these (padded) head dims and dtype: 16-bit, multiples of
+  64 up to ``BACKWARD_MAX_DIM``."""
+  return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+          and all(d % 64 == 0 and d <= BACKWARD_MAX_DIM for d in (qk_dim, v_dim)))
+
+
+def backward(q: Array, k: Array, v: Array, offset_bias: Array, q_segments: Array,
+             kv_segments: Array, seed: Array, lse: Array, delta: Array, do: Array, *,
+             scale: float, causal: bool, zero_first: bool, has_bias: bool,
+             dropout_rate: float, interpret: bool) -> tuple[Array, Array, Array, Array]:
+  """Gradients of :func:`forward`'s output from its cotangent ``do``.
+
+  Args:
+    q, k, v, offset_bias, q_segments, kv_segments, seed: as :func:`forward`'s (lengths
+      multiples of 64).
+    lse: ``[B, H, Lq_p, 1]`` float32 from the forward pass.
+    delta: ``[B, H, Lq_p, 1]`` float32 row sums of ``out * do``.
+    do: ``[B, H, Lq_p, Dv_p]``.
+    scale, causal, zero_first, has_bias, dropout_rate, interpret: as :func:`forward`'s.
+
+  Returns:
+    ``dq``, ``dk``, ``dv`` shaped and typed as q, k, v, and the offset vector's gradient
+    ``[H, 1, Loff_p]`` float32 (zeros without a bias).
+  """
+  plgpu = _mosaic_gpu()
+  b_size, heads, q_len, qk_dim = q.shape
+  k_len, v_dim = k.shape[2], v.shape[-1]
+  dtype = q.dtype
+  nq, nk = q_len // BLOCK_Q, k_len // BLOCK_Q
+  units = nq + nk - 1  # diagonals of the tile grid: unit kj - qi + nq - 1
+  tile = (BLOCK_Q, BLOCK_Q)
+  rows_layout, cols_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
+  band = (hopper_band(offset_bias, q_len, k_len) if has_bias
+          else jnp.zeros((1, BLOCK_Q, BLOCK_Q), jnp.float32))
+  inputs = (q, k, v, band, q_segments[:, :, 0], kv_segments[:, 0, :], jnp.reshape(seed, (1,)),
+            lse[..., 0], delta[..., 0], do)
+
+  def cotangents(q_tile, k_tile, v_tile, do_tile, bias_tile, q_seg, k_seg, lse_rows,
+                 delta_rows, q0, k0, seed_value, b, h):
+    """``(p, ds, i, j)`` of one tile: the probabilities as applied (dropped out),
+    ``ds = P * (Z * dO v^T - delta)`` and the positions (None unless zero_first)."""
+    s, valid, i, j = _logits(q_tile, k_tile, bias_tile, q_seg, k_seg, q0, k0, scale=scale,
+                             causal=causal, zero_first=zero_first,
+                             positions=bool(dropout_rate))
+    p = jnp.where(valid, jnp.exp(s - lax.broadcast_in_dim(lse_rows, tile, [0])), 0.0)
+    dp = _product(do_tile, v_tile.T, tile)
+    if dropout_rate:
+      keep = dropout_multiplier(seed_value, b, h, i, j, dropout_rate)
+      p_applied, dp = p * keep, dp * keep
+    else:
+      p_applied = p
+    return p_applied, p * (dp - lax.broadcast_in_dim(delta_rows, tile, [0])), i, j
+
+  def spec(cols, index_map, operand=True):
+    return plgpu.BlockSpec((BLOCK_Q, cols), index_map,
+                           transforms=_transforms(cols, dtype) if operand else ())
+
+  def row_spec(index_map):  # segment ids, lse, delta of 64 rows
+    return plgpu.BlockSpec((BLOCK_Q,), index_map)
+
+  def smem(cols, dtype=dtype):
+    return plgpu.SMEM((BLOCK_Q, cols), dtype,
+                      transforms=_transforms(cols, dtype) if dtype != jnp.float32 else ())
+
+  def store(value, buffer, target):
+    buffer[...] = value.astype(buffer.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(buffer, target)
+
+  def zeros(cols):
+    return plgpu.layout_cast(jnp.zeros((BLOCK_Q, cols), jnp.float32), plgpu.Layout.WGMMA)
+
+  def call(kernel, grid, out_type, scratch, name):
+    return plgpu.kernel(kernel, out_type=out_type, scratch_types=scratch, grid=grid,
+                        grid_names=("batch", "heads", "blocks"),
+                        interpret=plgpu.InterpretGPUParams() if interpret else False,
+                        kernel_name=name)(*inputs)
+
+  def dq_kernel(q_ref, k_ref, v_ref, band_ref, qs_ref, ks_ref, seed_ref, lse_ref, delta_ref,
+                do_ref, dq_ref, q_smem, do_smem, ds_smem, out_smem, barriers):
+    b, h, qi = (lax.axis_index(a) for a in ("batch", "heads", "blocks"))
+    rows = pl.ds(qi * BLOCK_Q, BLOCK_Q)
+    plgpu.copy_gmem_to_smem(q_ref.at[b, h, rows], q_smem, barriers.at[0])
+    plgpu.copy_gmem_to_smem(do_ref.at[b, h, rows], do_smem, barriers.at[1])
+    q_seg, lse_rows, delta_rows = (
+        plgpu.load(ref, layout=rows_layout, optimized=False)
+        for ref in (qs_ref.at[b, rows], lse_ref.at[b, h, rows], delta_ref.at[b, h, rows]))
+    seed_value = seed_ref[0] if dropout_rate else None
+    plgpu.barrier_wait(barriers.at[0])
+    plgpu.barrier_wait(barriers.at[1])
+
+    def step(index, k_smem, v_smem, ks_smem, *rest):
+      *t_smem, dq = rest
+      kj = index[0]
+
+      def attend(dq):
+        _, ds, _, _ = cotangents(q_smem, k_smem, v_smem, do_smem, *t_smem or [None], q_seg,
+                                 plgpu.load(ks_smem, layout=cols_layout), lse_rows,
+                                 delta_rows, qi * BLOCK_Q, kj * BLOCK_Q, seed_value, b, h)
+        ds_smem[...] = ds.astype(dtype)
+        plgpu.commit_smem()
+        return dq + _product(ds_smem, k_smem, (BLOCK_Q, qk_dim))
+
+      if causal:  # key blocks past the query block's last row are masked whole
+        return lax.cond(kj <= qi, attend, lambda c: c, dq)
+      return attend(dq)
+
+    specs = [spec(qk_dim, lambda kj: (kj, 0)), spec(v_dim, lambda kj: (kj, 0)),
+             row_spec(lambda kj: (kj,))]
+    sources = [k_ref.at[b, h], v_ref.at[b, h], ks_ref.at[b]]
+    if has_bias:
+      specs.append(spec(BLOCK_Q, lambda kj: (0, kj - qi + nq - 1), operand=False))
+      sources.append(band_ref.at[h])
+    dq = plgpu.emit_pipeline(step, grid=(nk,), in_specs=specs, init_carry=zeros(qk_dim),
+                             max_concurrent_steps=min(STAGES, nk))(*sources)
+    store(dq * scale, out_smem, dq_ref.at[b, h, rows])
+    plgpu.wait_smem_to_gmem(0)
+
+  def dkv_kernel(q_ref, k_ref, v_ref, band_ref, qs_ref, ks_ref, seed_ref, lse_ref, delta_ref,
+                 do_ref, dk_ref, dv_ref, k_smem, v_smem, ks_smem, p_smem, ds_smem, dk_smem,
+                 dv_smem, barriers):
+    b, h, kj = (lax.axis_index(a) for a in ("batch", "heads", "blocks"))
+    keys = pl.ds(kj * BLOCK_Q, BLOCK_Q)
+    for n, (source, target) in enumerate(((k_ref.at[b, h, keys], k_smem),
+                                          (v_ref.at[b, h, keys], v_smem),
+                                          (ks_ref.at[b, keys], ks_smem))):
+      plgpu.copy_gmem_to_smem(source, target, barriers.at[n])
+    seed_value = seed_ref[0] if dropout_rate else None
+    for n in range(3):
+      plgpu.barrier_wait(barriers.at[n])
+    k_seg = plgpu.load(ks_smem, layout=cols_layout)
+
+    def step(index, q_smem, do_smem, qs_smem, lse_smem, delta_smem, *rest):
+      *t_smem, carry = rest
+      qi = index[0]
+
+      def attend(carry):
+        dk, dv = carry
+        q_seg, lse_rows, delta_rows = (plgpu.load(x, layout=rows_layout)
+                                       for x in (qs_smem, lse_smem, delta_smem))
+        p, ds, _, _ = cotangents(q_smem, k_smem, v_smem, do_smem, *t_smem or [None], q_seg,
+                                 k_seg, lse_rows, delta_rows, qi * BLOCK_Q, kj * BLOCK_Q,
+                                 seed_value, b, h)
+        p_smem[...] = p.astype(dtype)
+        ds_smem[...] = ds.astype(dtype)
+        plgpu.commit_smem()
+        return (dk + _product(ds_smem.T, q_smem, (BLOCK_Q, qk_dim)),
+                dv + _product(p_smem.T, do_smem, (BLOCK_Q, v_dim)))
+
+      if causal:  # query blocks wholly before the key block are masked whole
+        return lax.cond(qi >= kj, attend, lambda c: c, carry)
+      return attend(carry)
+
+    specs = [spec(qk_dim, lambda qi: (qi, 0)), spec(v_dim, lambda qi: (qi, 0))]
+    specs += [row_spec(lambda qi: (qi,))] * 3
+    sources = [q_ref.at[b, h], do_ref.at[b, h], qs_ref.at[b], lse_ref.at[b, h],
+               delta_ref.at[b, h]]
+    if has_bias:
+      specs.append(spec(BLOCK_Q, lambda qi: (0, kj - qi + nq - 1), operand=False))
+      sources.append(band_ref.at[h])
+    dk, dv = plgpu.emit_pipeline(step, grid=(nq,), in_specs=specs,
+                                 init_carry=(zeros(qk_dim), zeros(v_dim)),
+                                 max_concurrent_steps=min(STAGES, nq))(*sources)
+    store(dk * scale, dk_smem, dk_ref.at[b, h, keys])
+    store(dv, dv_smem, dv_ref.at[b, h, keys])
+    plgpu.wait_smem_to_gmem(0)
+
+  def du_kernel(q_ref, k_ref, v_ref, band_ref, qs_ref, ks_ref, seed_ref, lse_ref, delta_ref,
+                do_ref, du_ref, t_smem, du_smem, barrier):
+    b, h, n = (lax.axis_index(a) for a in ("batch", "heads", "blocks"))
+    shift = n - (nq - 1)  # kj - qi on this unit
+    plgpu.copy_gmem_to_smem(band_ref.at[h, :, pl.ds(n * BLOCK_Q, BLOCK_Q)], t_smem, barrier)
+    seed_value = seed_ref[0] if dropout_rate else None
+    plgpu.barrier_wait(barrier)
+
+    def key_block(qi):  # clamped: steps off the grid load a block they do not use
+      return jnp.clip(qi + shift, 0, nk - 1)
+
+    def step(index, q_smem, do_smem, qs_smem, lse_smem, delta_smem, k_smem, v_smem, ks_smem,
+             du):
+      qi = index[0]
+      kj = qi + shift
+
+      def attend(du):
+        _, ds, i, j = cotangents(
+            q_smem, k_smem, v_smem, do_smem, t_smem,
+            plgpu.load(qs_smem, layout=rows_layout), plgpu.load(ks_smem, layout=cols_layout),
+            *(plgpu.load(x, layout=rows_layout) for x in (lse_smem, delta_smem)),
+            qi * BLOCK_Q, kj * BLOCK_Q, seed_value, b, h)
+        if zero_first:  # the bias is zero there: no gradient reaches the vector
+          ds = jnp.where((i == 0) | (j == 0), 0.0, ds)
+        return du + ds
+
+      run = (kj >= 0) & (kj < nk)
+      if causal:
+        run = run & (kj <= qi)
+      return lax.cond(run, attend, lambda c: c, du)
+
+    specs = [spec(qk_dim, lambda qi: (qi, 0)), spec(v_dim, lambda qi: (qi, 0))]
+    specs += [row_spec(lambda qi: (qi,))] * 3
+    specs += [spec(qk_dim, lambda qi: (key_block(qi), 0)),
+              spec(v_dim, lambda qi: (key_block(qi), 0)),
+              row_spec(lambda qi: (key_block(qi),))]
+    sources = [q_ref.at[b, h], do_ref.at[b, h], qs_ref.at[b], lse_ref.at[b, h],
+               delta_ref.at[b, h], k_ref.at[b, h], v_ref.at[b, h], ks_ref.at[b]]
+    du = plgpu.emit_pipeline(step, grid=(nq,), in_specs=specs, init_carry=zeros(BLOCK_Q),
+                             max_concurrent_steps=min(STAGES, nq))(*sources)
+    store(du, du_smem, du_ref.at[b, h, n])
+    plgpu.wait_smem_to_gmem(0)
+
+  grid = (b_size, heads)
+  dq = call(dq_kernel, (*grid, nq), jax.ShapeDtypeStruct(q.shape, dtype),
+            [smem(qk_dim), smem(v_dim), smem(BLOCK_Q), smem(qk_dim),
+             plgpu.Barrier(num_barriers=2)], "relative_flash_dq_hopper")
+  dk, dv = call(dkv_kernel, (*grid, nk),
+                (jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype)),
+                [smem(qk_dim), smem(v_dim), plgpu.SMEM((BLOCK_Q,), jnp.int32), smem(BLOCK_Q),
+                 smem(BLOCK_Q), smem(qk_dim), smem(v_dim), plgpu.Barrier(num_barriers=3)],
+                "relative_flash_dkv_hopper")
+  if not has_bias:
+    return dq, dk, dv, jnp.zeros((heads, 1, offset_bias.shape[-1]), jnp.float32)
+  du = call(du_kernel, (*grid, units),
+            jax.ShapeDtypeStruct((b_size, heads, units, BLOCK_Q, BLOCK_Q), jnp.float32),
+            [smem(BLOCK_Q, jnp.float32), smem(BLOCK_Q, jnp.float32), plgpu.Barrier()],
+            "relative_flash_dbias_hopper")
+  # Unit n is band columns 64 n + [0, 64): [B, H, N, 64, 64] -> the band's [H, 64, 64 N].
+  dband = jnp.sum(du, axis=0).transpose(0, 2, 1, 3).reshape(heads, BLOCK_Q, units * BLOCK_Q)
+  return dq, dk, dv, band_gradient(dband, offset_bias.shape[-1])[:, None, :]

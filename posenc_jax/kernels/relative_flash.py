@@ -62,8 +62,9 @@ interpret mode on CPU (``interpret=None`` picks it on the CPU backend):
   (row ``r`` by ``bk + 1 + r``) it is the tile. The gradient rolls the
   zero-padded cotangent tile back and sums its rows.
 
-``forward="hopper"`` runs the forward pass on Hopper GPUs through Pallas' Mosaic GPU
-backend instead (:mod:`posenc_jax.kernels.hopper_flash`); the backward stays these kernels'.
+``forward="hopper"`` and ``backward="hopper"`` run the forward and the backward pass on
+Hopper GPUs through Pallas' Mosaic GPU backend instead
+(:mod:`posenc_jax.kernels.hopper_flash`), each on its own.
 
 Tile sizes, Triton's warps and pipelining stages come from :func:`kernel_blocks`,
 which estimates each choice's shared memory (Triton) or VMEM (Mosaic) against
@@ -359,6 +360,7 @@ class _Config:
   interpret: bool
   forward: str = "tiles"  # "tiles" (this module's forward kernel) or "hopper"
   warpgroups: int | None = None  # the Hopper forward's consumer warpgroups (None: most that fit)
+  backward: str = "tiles"  # "tiles" (this module's backward kernels) or "hopper"
 
   @property
   def compiler_params(self):
@@ -736,6 +738,12 @@ def _backward(cfg, q, k, v, ob, qseg, kseg, seed, out, lse, do):
   bq, bk = cfg.blocks.block_q, cfg.blocks.block_k
   nq, nk = cfg.q_len // bq, cfg.k_len // bk
   delta = jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32), axis=-1, keepdims=True)
+  if cfg.backward == "hopper":
+    dq, dk, dv, dob = hopper_flash.backward(
+        q, k, v, ob, qseg, kseg, seed, lse, delta, do, scale=cfg.scale, causal=cfg.causal,
+        zero_first=cfg.zero_first, has_bias=cfg.has_bias, dropout_rate=cfg.dropout_rate,
+        interpret=cfg.interpret)
+    return dq, dk, dv, dob.astype(ob.dtype)
   args = (q, k, v, _band(cfg, ob) if cfg.reads_band else ob, qseg, kseg, seed, do, lse, delta)
 
   specs = _specs(cfg, over="queries")
@@ -850,6 +858,7 @@ def relative_flash_attention(
     dropout_seed: Array | None = None,
     forward: str = "tiles",
     warpgroups: int | None = None,
+    backward: str = "tiles",
     interpret: bool | None = None,
 ) -> Array:
   """Flash attention with a Toeplitz bias ``offset_bias[h, j - i + Lq - 1]`` built in the kernel.
@@ -889,8 +898,11 @@ def relative_flash_attention(
     forward: the forward pass's kernel: ``"tiles"`` (the ``tiles`` kernel) or ``"hopper"``
       (:mod:`posenc_jax.kernels.hopper_flash`: Mosaic GPU, warpgroup MMA, for Hopper GPUs;
       16-bit inputs, head dims padded to multiples of 64, 64-row query blocks, the default
-      ``block_q`` with it; :func:`hopper_fits`). The backward pass is the ``tiles`` kernels'
-      either way.
+      ``block_q`` with it; :func:`hopper_fits`).
+    backward: the backward pass's kernels: ``"tiles"`` (these) or ``"hopper"``
+      (:func:`hopper_flash.backward`: Mosaic GPU on 64 x 64 tiles; 16-bit inputs, head dims
+      padded to multiples of 64 up to 128, blocks multiples of 64). Either forward works
+      with either backward.
     warpgroups: the Hopper forward's consumer warpgroups per block of the grid, each on
       its own 64-row query block and all sharing each key, value and bias copy; None: the
       most whose buffers fit in shared memory (:func:`hopper_flash.max_warpgroups`).
@@ -910,8 +922,9 @@ def relative_flash_attention(
                      f"[{h} or 1, Lq + Lk - 1 = {lq + lk - 1}]")
   if tiles is None:
     tiles = "roll" if jax.default_backend() == "tpu" else "gather"
-  if forward not in ("tiles", "hopper"):
-    raise ValueError(f"forward: got {forward!r}; allowed: tiles, hopper")
+  for name, value in (("forward", forward), ("backward", backward)):
+    if value not in ("tiles", "hopper"):
+      raise ValueError(f"{name}: got {value!r}; allowed: tiles, hopper")
   if forward == "hopper" and block_q is None:
     block_q = hopper_flash.BLOCK_Q
   blocks = kernel_blocks(lq, lk, d, dv, itemsize=max(x.dtype.itemsize for x in (q, k, v)),
@@ -939,6 +952,13 @@ def relative_flash_attention(
                      f"{hopper_flash.SMEM_BYTES} bytes of shared memory; got {q.dtype}, "
                      f"head dims {blocks.qk_dim}/{blocks.v_dim}, blocks "
                      f"{blocks.block_q}x{blocks.block_k}")
+  if backward == "hopper" and not (
+      hopper_flash.backward_fits(dtype=q.dtype, qk_dim=blocks.qk_dim, v_dim=blocks.v_dim)
+      and blocks.block_q % 64 == 0 and blocks.block_k % 64 == 0):
+    raise ValueError(f"backward: 'hopper' takes bfloat16/float16 q, k, v, head dims padded to "
+                     f"multiples of 64 up to {hopper_flash.BACKWARD_MAX_DIM} and blocks of "
+                     f"multiples of 64; got {q.dtype}, head dims {blocks.qk_dim}/"
+                     f"{blocks.v_dim}, blocks {blocks.block_q}x{blocks.block_k}")
   if warpgroups is not None:
     most = (hopper_flash.max_warpgroups(block_k=blocks.block_k, qk_dim=blocks.qk_dim,
                                         v_dim=blocks.v_dim, itemsize=q.dtype.itemsize,
@@ -951,7 +971,7 @@ def relative_flash_attention(
                 causal=causal, scale=float(scale), precision=precision,
                 dropout_rate=float(dropout_rate), blocks=blocks,
                 q_len=lq_p, k_len=lk_p, interpret=bool(interpret), forward=forward,
-                warpgroups=warpgroups)
+                warpgroups=warpgroups, backward=backward)
   loff = cfg.offset_len
 
   def heads_major(x, length, width):
