@@ -57,8 +57,11 @@ PACKAGED = pathlib.Path(__file__).with_name("route_table.json")
 # of preference: the first that ran is the one the route would take).
 BENCH_ROWS = {"toeplitz": ("pallas toeplitz", ("cudnn bias", "xla bias")),
               "factored": ("fused factored folded", ("fused factored materialised",))}
-# The --attention row of the Toeplitz kernel with the Hopper forward (a third way, where it ran).
+# The --attention rows of the Toeplitz kernel with the Hopper forward, and with the Hopper
+# forward and backward: the faster that ran is a third way.
 HOPPER_ROW = "pallas toeplitz hopper fwd"
+HOPPER_BOTH_ROW = "pallas toeplitz hopper"
+HOPPER_WAYS = (False, True, "both")  # forced(hopper=...): Triton, Hopper forward, both passes
 
 
 class Point(NamedTuple):
@@ -66,7 +69,8 @@ class Point(NamedTuple):
 
   ``rank`` is 0 for Toeplitz terms. ``source`` says where the figures come from.
   ``hopper_ms``: Toeplitz only, where measured: the kernel with its Hopper forward
-  (:mod:`posenc_jax.kernels.hopper_flash`), else None.
+  (:mod:`posenc_jax.kernels.hopper_flash`), and with ``hopper_backward`` its Hopper backward
+  too (whichever of the two was faster), else None.
   """
 
   device: str
@@ -81,6 +85,7 @@ class Point(NamedTuple):
   materialised_ms: float
   source: str = ""
   hopper_ms: float | None = None
+  hopper_backward: bool = False
 
   @property
   def key(self) -> tuple:
@@ -122,6 +127,10 @@ def parse_point(entry: Any, where: str) -> Point:
     if not isinstance(value, int) or isinstance(value, bool) or value < (field != "rank"):
       raise ValueError(f"{where}.{field}: got {value!r}; expected a "
                        f"{'positive' if field != 'rank' else 'non-negative'} integer")
+  if not isinstance(entry.get("hopper_backward", False), bool) or (
+      entry.get("hopper_backward") and entry.get("hopper_ms") is None):
+    raise ValueError(f"{where}.hopper_backward: got {entry['hopper_backward']!r}; expected "
+                     "true or false, true only with hopper_ms")
   if entry.get("hopper_ms") is not None and entry["form"] != "toeplitz":
     raise ValueError(f"{where}.hopper_ms: got {entry['hopper_ms']!r} for a {entry['form']} "
                      "term; only toeplitz terms have a Hopper way")
@@ -168,7 +177,8 @@ def write(path: str | os.PathLike, points: Iterable[Point]) -> list[Point]:
   path = pathlib.Path(path).expanduser()
   table = merged(read(path), points)
   document = {"format": FORMAT, "points": [
-      {f: x for f, x in p._asdict().items() if not (f == "hopper_ms" and x is None)}
+      {f: x for f, x in p._asdict().items()
+       if not (f == "hopper_ms" and x is None or f == "hopper_backward" and not x)}
       for p in sorted(table, key=lambda p: p.key)]}
   temporary = path.with_name(path.name + ".tmp")
   temporary.write_text(json.dumps(document, indent=2) + "\n")
@@ -209,13 +219,17 @@ _FORCED = threading.local()
 def forced(**ways: bool | None) -> Iterator[None]:
   """Inside the block, ``toeplitz=`` / ``factored=`` True materialises that form, False
   keeps the default way, None (or not given) asks the table; ``hopper=`` True runs the
-  Toeplitz kernel's Hopper forward where it fits, False the Triton one. It applies when a
+  Toeplitz kernel's Hopper forward where it fits, ``"both"`` its Hopper forward and
+  backward, False the Triton ones. It applies when a
   function is traced: a function jitted (or traced) before the block keeps the way it was
   traced with."""
   allowed = (*FORMS, "hopper")
   unknown = sorted(set(ways) - set(allowed))
   if unknown:
     raise ValueError(f"route_table.forced: {', '.join(unknown)}: allowed: {', '.join(allowed)}")
+  if ways.get("hopper") not in (None, *HOPPER_WAYS):
+    raise ValueError(f"route_table.forced: hopper: got {ways['hopper']!r}; allowed: None, "
+                     "False, True, 'both'")
   previous = getattr(_FORCED, "ways", {})
   _FORCED.ways = {**previous, **ways}
   try:
@@ -254,17 +268,20 @@ def materialise(form: str, *, dtype: str, length: int, head_dim: int, rank: int 
   return point is not None and point.materialise
 
 
-def hopper_forward(*, dtype: str, length: int, head_dim: int, device: str | None = None,
-                   table: Iterable[Point] | None = None) -> bool:
-  """Whether the fused route's Toeplitz kernel runs its Hopper forward: :func:`forced`'s
-  ``hopper`` inside such a block, else whether it was the fastest way at the nearest
-  Toeplitz point (as :func:`materialise`), else False."""
+def hopper_way(*, dtype: str, length: int, head_dim: int, device: str | None = None,
+               table: Iterable[Point] | None = None) -> bool | str:
+  """Which passes of the fused route's Toeplitz kernel run on Hopper kernels: False (none),
+  True (the forward) or ``"both"`` (forward and backward). :func:`forced`'s ``hopper``
+  inside such a block, else the Hopper way of the nearest Toeplitz point (as
+  :func:`materialise`) where it was the fastest way, else False."""
   way = getattr(_FORCED, "ways", {}).get("hopper")
   if way is not None:
     return way
   point = nearest("toeplitz", dtype=dtype, length=length, head_dim=head_dim, device=device,
                   table=table)
-  return point is not None and point.fastest == "hopper"
+  if point is None or point.fastest != "hopper":
+    return False
+  return "both" if point.hopper_backward else True
 
 
 def nearest(form: str, *, dtype: str, length: float, head_dim: int, rank: int = 0,
@@ -303,12 +320,16 @@ def points_from_attention(document: Mapping[str, Any], source: str = "") -> tupl
              for name in (default, *materialised) if not ran(name)]
       missing.append(f"{form}: no point ({'; '.join(why)})")
       continue
-    hopper = rows[HOPPER_ROW]["fwd_bwd_ms"] if form == "toeplitz" and ran(HOPPER_ROW) else None
+    # The faster Hopper row that ran: (ms, whether its backward is the Hopper one).
+    hopper = min(((rows[name]["fwd_bwd_ms"], both)
+                  for name, both in ((HOPPER_ROW, False), (HOPPER_BOTH_ROW, True))
+                  if form == "toeplitz" and ran(name)), default=(None, False))
     found.append(Point(device=document["device"], dtype=document["dtype"], form=form,
                        batch=document["batch"], length=document["length"],
                        heads=document["heads"], head_dim=document["head_dim"],
                        rank=document.get("rank", 0) if form == "factored" else 0,
                        default_ms=rows[default]["fwd_bwd_ms"],
-                       materialised_ms=rows[way]["fwd_bwd_ms"], hopper_ms=hopper,
+                       materialised_ms=rows[way]["fwd_bwd_ms"], hopper_ms=hopper[0],
+                       hopper_backward=hopper[1],
                        source=source or f"bench --attention ({way})"))
   return found, missing

@@ -29,7 +29,7 @@ NAMES = [kernel.name for kernel in bench.ATTENTION_KERNELS]
 # Rows that do not run in this float32 CPU run, and why.
 NOT_HERE = {"cudnn no bias": "backend cpu has no cuDNN", "cudnn bias": "backend cpu has no cuDNN",
             **dict.fromkeys((route_table.HOPPER_ROW, bench.HOPPER_ONE_ROW,
-                             "pallas toeplitz hopper"),
+                             route_table.HOPPER_BOTH_ROW),
                             "takes bfloat16/float16 and head dims padded to multiples of 64 "
                             "within shared memory; got float32, D=16")}
 

@@ -126,6 +126,11 @@ def _table_file(tmp_path, entry=None, document=None):
     ({"hopper_ms": 0}, None, r"points\[0\].hopper_ms: got 0; expected a positive number"),
     ({"form": "factored", "hopper_ms": 1.0}, None,
      r"points\[0\].hopper_ms: got 1.0 for a factored term; only toeplitz terms"),
+    ({"hopper_backward": True}, None,
+     r"points\[0\].hopper_backward: got True; expected true or false, true only with "
+     r"hopper_ms"),
+    ({"hopper_ms": 1.0, "hopper_backward": 1}, None,
+     r"points\[0\].hopper_backward: got 1; expected true or false"),
 ])
 def test_a_malformed_table_is_one_line(tmp_path, entry, document, message):
   path = _table_file(tmp_path, entry, document)
@@ -278,23 +283,30 @@ def test_gpu_training_step_puts_the_materialised_bias_on_cudnn(on_platform, pres
 
 
 def test_the_hopper_way_is_taken_where_it_was_fastest(tmp_path):
-  """A Toeplitz point's third way: the kernel with its Hopper forward. It is chosen only
-  where its time is the smallest; points without it keep the two-way choice; the file keeps
-  it, and leaves it out where unmeasured."""
+  """A Toeplitz point's third way: the kernel with its Hopper forward (and backward, where
+  that was the faster Hopper row). It is chosen only where its time is the smallest; points
+  without it keep the two-way choice; the file keeps it, and leaves it out where
+  unmeasured."""
   table = [point(512, 1.0, 0.9)._replace(hopper_ms=0.8), point(16384, 30.0, 40.0)._replace(
-      hopper_ms=20.0), point(2048, 5.0, 6.0)]
+      hopper_ms=20.0, hopper_backward=True), point(2048, 5.0, 6.0)]
   ask = lambda length, **kw: (  # noqa: E731
-      route_table.hopper_forward(dtype="bfloat16", length=length, head_dim=64, device="H100",
-                                 table=table),
+      route_table.hopper_way(dtype="bfloat16", length=length, head_dim=64, device="H100",
+                             table=table),
       route_table.materialise("toeplitz", dtype="bfloat16", length=length, head_dim=64,
                               device="H100", table=table))
   assert ask(512) == (True, False)  # hopper 0.8 beats materialised 0.9
-  assert ask(16384) == (True, False)
+  assert ask(16384) == ("both", False)
   assert ask(2048) == (False, False)  # no hopper figure there
-  assert route_table.hopper_forward(dtype="bfloat16", length=512, head_dim=64, device="A100",
-                                    table=table) is False
+  assert route_table.hopper_way(dtype="bfloat16", length=512, head_dim=64, device="A100",
+                                table=table) is False
   with route_table.forced(hopper=False):
     assert ask(512)[0] is False
+  with route_table.forced(hopper="both"):
+    assert ask(2048)[0] == "both"
+  with pytest.raises(ValueError, match=r"^route_table.forced: hopper: got 'yes'; allowed: "
+                                       r"None, False, True, 'both'$"):
+    with route_table.forced(hopper="yes"):
+      pass
   with pytest.raises(ValueError, match="route_table.forced: hoper: allowed: toeplitz, "
                      "factored, hopper"):
     with route_table.forced(hoper=True):
@@ -304,6 +316,7 @@ def test_the_hopper_way_is_taken_where_it_was_fastest(tmp_path):
   assert sorted(route_table.read(path)) == sorted(table)
   document = json.loads(path.read_text())
   assert [("hopper_ms" in p) for p in document["points"]] == [True, False, True]
+  assert [("hopper_backward" in p) for p in document["points"]] == [False, False, True]
 
 
 def test_the_bench_rows_give_the_hopper_figure():
@@ -313,15 +326,19 @@ def test_the_bench_rows_give_the_hopper_figure():
               "head_dim": 64, "rows": rows}
   (found,), _ = route_table.points_from_attention(document)
   assert (found.default_ms, found.materialised_ms, found.hopper_ms) == (2.0, 3.0, 1.5)
-  assert found.fastest == "hopper"
-  rows[1]["fwd_bwd_ms"] = None  # not run (not a Hopper GPU): a two-way point
+  assert found.fastest == "hopper" and not found.hopper_backward
+  rows.append({"kernel": route_table.HOPPER_BOTH_ROW, "fwd_bwd_ms": 1.2})  # both passes
+  (found,), _ = route_table.points_from_attention(document)
+  assert (found.hopper_ms, found.hopper_backward) == (1.2, True)
+  rows[1]["fwd_bwd_ms"] = rows[-1]["fwd_bwd_ms"] = None  # not run (not a Hopper GPU)
   (found,), _ = route_table.points_from_attention(document)
   assert found.hopper_ms is None and found.fastest == "default"
 
 
-def test_the_fused_route_runs_the_hopper_forward_where_the_table_says():
-  """bfloat16 DIET-REL on the fused route, with a padding mask: forced to the Hopper forward
-  (Mosaic GPU, interpreted on CPU) it equals the Triton forward, gradients included."""
+def test_the_fused_route_runs_the_hopper_kernels_where_the_table_says():
+  """bfloat16 DIET-REL on the fused route, with a padding mask: forced to the Hopper forward,
+  then to the Hopper forward and backward (Mosaic GPU, interpreted on CPU), it equals the
+  Triton kernels, gradients included."""
   _, _, st = init_scheme(SCHEME_CONFIGS["diet_rel"], length=64, num_heads=2, head_dim=64)
   q, k, v = (x.astype(jnp.bfloat16) for x in qkv(batch=2, length=64, heads=2, head_dim=64))
   terms = st.for_layer(0)
@@ -331,16 +348,19 @@ def test_the_fused_route_runs_the_hopper_forward_where_the_table_says():
     def f(q, k, v):
       out = attend(q, k, v, terms, mask=mask, scale=st.content_scale, route="fused")
       return jnp.sum(out.astype(jnp.float32) ** 2), out
+    step = jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True)
     with route_table.forced(hopper=hopper):
-      text = str(jax.make_jaxpr(f)(q, k, v))
-      (_, out), grads = jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True)(q, k, v)
-    return "relative_flash_fwd_hopper" in text, out, grads
+      text = str(jax.make_jaxpr(step)(q, k, v))
+      (_, out), grads = step(q, k, v)
+    return [f"relative_flash_{name}_hopper" in text for name in ("fwd", "dq")], out, grads
 
-  used, out, grads = run(True)
   plain_used, plain, plain_grads = run(False)
-  assert used and not plain_used
-  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(plain, np.float32),
-                             atol=1e-2)
-  for got, want in zip(grads, plain_grads):
-    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
-                               atol=2e-2, rtol=2e-2)
+  assert plain_used == [False, False]
+  for hopper, used_now in ((True, [True, False]), ("both", [True, True])):
+    used, out, grads = run(hopper)
+    assert used == used_now, hopper
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(plain, np.float32),
+                               atol=1e-2)
+    for got, want in zip(grads, plain_grads):
+      np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                                 atol=2e-2, rtol=2e-2)
