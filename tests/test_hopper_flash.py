@@ -63,11 +63,11 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("warpgroups", [1, 2])
-@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("name, warpgroups", [(name, 2) for name in CASES] + [(
+    "t5 causal, cls reset, 128-row keys", 1)])
 def test_forward_matches_the_float32_reference_and_the_triton_forward(name, warpgroups):
   """Two warpgroups: 100 and 128 rows fill every block of the grid, 64 and 192 leave the
-  last block's second warpgroup idle."""
+  last block's second warpgroup idle. One warpgroup: the causal case (and the lse tests)."""
   length, bias_fn, table_size, kw = CASES[name]
   kw = dict(kw)
   q, k, v, _ = _inputs(2, length, dv=kw.pop("dv", None))
@@ -274,8 +274,9 @@ BACKWARD_CASES = {
     # name: (batch, length, bias of (table, rel) or None, table size, keywords)
     "diet_rel odd length, padding, dropout": (2, 100, lambda t, rel: _diet(t, rel, 7), 15,
                                               dict(mask=True, dropout=0.2)),
-    "t5 causal, cls reset": (1, 128, lambda t, rel: _t5(t, rel, bidirectional=False), 16,
-                             dict(causal=True, zero_first=True, block_k=128)),
+    "t5 causal, cls reset, idle warpgroups": (
+        1, 192, lambda t, rel: _t5(t, rel, bidirectional=False), 16,
+        dict(causal=True, zero_first=True, block_k=64)),
     "alibi packed segments": (1, 128, lambda t, rel: _alibi(t[:, 0], rel, False), 1,
                               dict(segments=True)),
     "no bias": (1, 64, None, 1, {}),
@@ -315,20 +316,24 @@ def test_hopper_backward_matches_the_triton_backward(name):
     assert np.abs(np.asarray(hopper[3])).max() > 0.1
 
 
-def test_hopper_backward_lowers_for_cuda_without_triton():
+@pytest.mark.parametrize("dim", [64, 128])
+def test_hopper_backward_lowers_for_cuda_without_triton(dim):
   """Forward and backward both on Mosaic GPU: four kernels (forward; dq, dk/dv and the bias
-  gradient), no Triton, and no scatter besides the DIET table's own."""
+  gradient), no Triton, and no scatter besides the DIET table's own; within shared memory
+  with two warpgroups at head dim 64 and one at 128."""
   length = 256
+  assert hopper_flash.backward_warpgroups(qk_dim=dim, v_dim=dim) == {64: 2, 128: 1}[dim]
 
   def loss(q, k, v, table):
     ob = _diet(table, offsets(length, length), 7)
     out = relative_flash_attention(q, k, v, ob, mask=jnp.ones((2, length), bool), causal=True,
-                                   zero_first=True, block_q=64, block_k=128, dropout_rate=0.1,
+                                   zero_first=True, block_q=64, block_k=8192 // dim,
+                                   dropout_rate=0.1,
                                    dropout_seed=jnp.array([[7]], jnp.int32), forward="hopper",
                                    backward="hopper", interpret=False)
     return jnp.sum(out.astype(jnp.float32))
 
-  shapes = [jax.ShapeDtypeStruct((2, length, H, 64), jnp.bfloat16)] * 3
+  shapes = [jax.ShapeDtypeStruct((2, length, H, dim), jnp.bfloat16)] * 3
   shapes.append(jax.ShapeDtypeStruct((H, 15), jnp.float32))
   text = _lowered(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)), shapes, "cuda")
   for name in ("fwd", "dq", "dkv", "dbias"):

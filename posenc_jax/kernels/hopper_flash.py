@@ -33,7 +33,8 @@ query block's last row (their copies still run: the pipeline's grid is static).
 
 The backward pass (:func:`backward`, ``backward="hopper"``; else the Triton kernels read this
 forward's ``lse``) is three kernels on 64 x 64 tiles of the same band: dq per query block,
-dk/dv per key block (``p^T dO`` and ``dS^T q`` from transposed shared-memory operands), and
+dk/dv per key block (``p^T dO`` and ``dS^T q`` from transposed shared-memory operands), both
+warp-specialised with two consumer warpgroups sharing the copies at head dims up to 64, and
 the bias gradient per diagonal of the tile grid, whose tiles all read one unit of the band:
 their logit cotangents are recomputed (two more products per tile) and summed in registers,
 and the band's diagonals are summed outside, without a scatter
@@ -110,17 +111,18 @@ def fits(*, dtype, block_q: int, block_k: int, qk_dim: int, v_dim: int,
                              itemsize=dtype.itemsize, has_bias=has_bias) > 0)
 
 
-def hopper_band(offset_bias: Array, q_len: int, k_len: int, lead: int = 0) -> Array:
+def hopper_band(offset_bias: Array, q_len: int, k_len: int, lead: int = 0,
+                trail: int = 0) -> Array:
   """``[H, 64, 64 N]`` float32 band of the padded offset vector (module docstring;
-  :func:`~posenc_jax.kernels.band.bias_band`), ``N = lead + (Lk + Lq) / 64 - 1`` units of
-  64 columns.
+  :func:`~posenc_jax.kernels.band.bias_band`), ``N = lead + (Lk + Lq) / 64 - 1 + trail``
+  units of 64 columns.
 
   Args:
     offset_bias: ``[H, 1, Loff_p]``, offset ``o = j - i + q_len - 1`` (relative_flash's).
     q_len, k_len: padded lengths, multiples of 64.
-    lead: units of padding before the first tile.
+    lead, trail: units of padding before the first tile and after the last.
   """
-  units = lead + (k_len + q_len) // BLOCK_Q - 1
+  units = lead + (k_len + q_len) // BLOCK_Q - 1 + trail
   return bias_band(offset_bias[:, 0, :], BLOCK_Q, units * BLOCK_Q, lead=lead * BLOCK_Q)
 
 
@@ -326,15 +328,23 @@ def forward(q: Array, k: Array, v: Array, offset_bias: Array, q_segments: Array,
 
 
 # ---------------------------------------------------------------------------
-# The backward pass: three kernels on 64 x 64 tiles, each one warpgroup per block of the grid
-# pipelined over the other side's blocks. dq: a query block over key blocks; dk/dv: a key
-# block over query blocks (``p^T dO`` and ``dS^T q`` from transposed shared-memory operands);
-# the bias gradient: one unit of the band (a diagonal of the tile grid) over its (query
-# block, key block) pairs, summing their logit cotangents in registers. The band's diagonals
-# are summed outside (:func:`~posenc_jax.kernels.band.band_gradient`), so no kernel sums
-# diagonals and none adds atomically.
+# The backward pass: three kernels on 64 x 64 tiles. dq: warp-specialised as the forward,
+# ``G`` consumer warpgroups on consecutive query blocks sharing each key block's copies and a
+# window of ``G`` band units; dk/dv: the same on consecutive key blocks over query blocks
+# (``p^T dO`` and ``dS^T q`` from transposed shared-memory operands); the bias gradient: one
+# warpgroup per unit of the band (a diagonal of the tile grid) over its (query block, key
+# block) pairs, summing their logit cotangents in registers. The band's diagonals are summed
+# outside (:func:`~posenc_jax.kernels.band.band_gradient`), so no kernel sums diagonals and
+# none adds atomically.
 
 BACKWARD_MAX_DIM = 128  # head dims whose dk/dv buffers fit in shared memory
+
+
+def backward_warpgroups(*, qk_dim: int, v_dim: int) -> int:
+  """Consumer warpgroups per block of the backward's dq and dk/dv grids (each on its own
+  query or key block, sharing the other side's copies): 2 at head dims up to 64, else 1
+  (dk/dv's buffers would pass 227 KiB)."""
+  return 2 if max(qk_dim, v_dim) <= 64 else 1
 
 
 def backward_fits(*, dtype, qk_dim: int, v_dim: int) -> bool:
@@ -370,9 +380,9 @@ def backward(q: Array, k: Array, v: Array, offset_bias: Array, q_segments: Array
   units = nq + nk - 1  # diagonals of the tile grid: unit kj - qi + nq - 1
   tile = (BLOCK_Q, BLOCK_Q)
   rows_layout, cols_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
-  band = (hopper_band(offset_bias, q_len, k_len) if has_bias
-          else jnp.zeros((1, BLOCK_Q, BLOCK_Q), jnp.float32))
-  inputs = (q, k, v, band, q_segments[:, :, 0], kv_segments[:, 0, :], jnp.reshape(seed, (1,)),
+  groups = backward_warpgroups(qk_dim=qk_dim, v_dim=v_dim)
+  q_ctas, k_ctas = -(-nq // groups), -(-nk // groups)
+  inputs = (q, k, v, None, q_segments[:, :, 0], kv_segments[:, 0, :], jnp.reshape(seed, (1,)),
             lse[..., 0], delta[..., 0], do)
 
   def cotangents(q_tile, k_tile, v_tile, do_tile, bias_tile, q_seg, k_seg, lse_rows,
@@ -410,100 +420,135 @@ def backward(q: Array, k: Array, v: Array, offset_bias: Array, q_segments: Array
   def zeros(cols):
     return plgpu.layout_cast(jnp.zeros((BLOCK_Q, cols), jnp.float32), plgpu.Layout.WGMMA)
 
-  def call(kernel, grid, out_type, scratch, name):
+  def call(kernel, grid, out_type, scratch, name, band, groups=None):
+    """``kernel`` on ``inputs`` with ``band``; ``groups``: consumer warpgroups (plus the
+    memory one) per block of the grid, None for one warpgroup."""
+    threads = {} if groups is None else dict(num_threads=groups + 1, thread_name="wg")
     return plgpu.kernel(kernel, out_type=out_type, scratch_types=scratch, grid=grid,
-                        grid_names=("batch", "heads", "blocks"),
+                        grid_names=("batch", "heads", "blocks"), **threads,
                         interpret=plgpu.InterpretGPUParams() if interpret else False,
-                        kernel_name=name)(*inputs)
+                        kernel_name=name)(*inputs[:3], band, *inputs[4:])
+
+  def specialised(step, specs, compute, steps):
+    """The warp-specialised pipeline of ``groups`` consumers over ``steps`` blocks."""
+    return plgpu.emit_pipeline_warp_specialized(
+        step, grid=(steps,), in_specs=specs, max_concurrent_steps=min(STAGES, steps),
+        wg_axis="wg", num_compute_wgs=groups, memory_registers=MEMORY_REGISTERS,
+        compute_context=compute)
+
+  def window_spec(first):
+    """The ``groups`` band units of a step from unit ``first(step)``."""
+    return plgpu.BlockSpec((BLOCK_Q, pl.Element(groups * BLOCK_Q)),
+                           lambda n: (0, first(n) * BLOCK_Q))
 
   def dq_kernel(q_ref, k_ref, v_ref, band_ref, qs_ref, ks_ref, seed_ref, lse_ref, delta_ref,
                 do_ref, dq_ref, q_smem, do_smem, ds_smem, out_smem, barriers):
-    b, h, qi = (lax.axis_index(a) for a in ("batch", "heads", "blocks"))
-    rows = pl.ds(qi * BLOCK_Q, BLOCK_Q)
-    plgpu.copy_gmem_to_smem(q_ref.at[b, h, rows], q_smem, barriers.at[0])
-    plgpu.copy_gmem_to_smem(do_ref.at[b, h, rows], do_smem, barriers.at[1])
-    q_seg, lse_rows, delta_rows = (
-        plgpu.load(ref, layout=rows_layout, optimized=False)
-        for ref in (qs_ref.at[b, rows], lse_ref.at[b, h, rows], delta_ref.at[b, h, rows]))
-    seed_value = seed_ref[0] if dropout_rate else None
-    plgpu.barrier_wait(barriers.at[0])
-    plgpu.barrier_wait(barriers.at[1])
+    """Query blocks ``cta G + g`` (warpgroup g) against every key block."""
+    b, h, cta, wg = (lax.axis_index(a) for a in ("batch", "heads", "blocks", "wg"))
+    qi = cta * groups + wg
+    live = qi < nq
+    rows = pl.ds(jnp.minimum(qi, nq - 1) * BLOCK_Q, BLOCK_Q)  # idle: the last block's
+    q_tile, do_tile, ds_tile = q_smem.at[wg], do_smem.at[wg], ds_smem.at[wg]
+
+    def compute(pipeline):
+      plgpu.copy_gmem_to_smem(q_ref.at[b, h, rows], q_tile, barriers.at[2 * wg])
+      plgpu.copy_gmem_to_smem(do_ref.at[b, h, rows], do_tile, barriers.at[2 * wg + 1])
+      loaded = tuple(plgpu.load(ref, layout=rows_layout, optimized=False)
+                     for ref in (qs_ref.at[b, rows], lse_ref.at[b, h, rows],
+                                 delta_ref.at[b, h, rows]))
+      plgpu.barrier_wait(barriers.at[2 * wg])
+      plgpu.barrier_wait(barriers.at[2 * wg + 1])
+      dq, *_ = pipeline((zeros(qk_dim), *loaded))
+
+      @pl.when(live)
+      def _():
+        store(dq * scale, out_smem.at[wg], dq_ref.at[b, h, rows])
+        plgpu.wait_smem_to_gmem(0)
 
     def step(index, k_smem, v_smem, ks_smem, *rest):
-      *t_smem, dq = rest
+      *t_smem, carry = rest
       kj = index[0]
 
-      def attend(dq):
-        _, ds, _, _ = cotangents(q_smem, k_smem, v_smem, do_smem, *t_smem or [None], q_seg,
+      def attend(carry):
+        dq, q_seg, lse_rows, delta_rows = carry
+        # Warpgroup g's unit is G - 1 - g into the step's window (as the forward's).
+        bias = t_smem[0].at[:, pl.ds((groups - 1 - wg) * BLOCK_Q, BLOCK_Q)] if has_bias else None
+        _, ds, _, _ = cotangents(q_tile, k_smem, v_smem, do_tile, bias, q_seg,
                                  plgpu.load(ks_smem, layout=cols_layout), lse_rows,
-                                 delta_rows, qi * BLOCK_Q, kj * BLOCK_Q, seed_value, b, h)
-        ds_smem[...] = ds.astype(dtype)
+                                 delta_rows, qi * BLOCK_Q, kj * BLOCK_Q,
+                                 seed_ref[0] if dropout_rate else None, b, h)
+        ds_tile[...] = ds.astype(dtype)
         plgpu.commit_smem()
-        return dq + _product(ds_smem, k_smem, (BLOCK_Q, qk_dim))
+        return dq + _product(ds_tile, k_smem, (BLOCK_Q, qk_dim)), q_seg, lse_rows, delta_rows
 
-      if causal:  # key blocks past the query block's last row are masked whole
-        return lax.cond(kj <= qi, attend, lambda c: c, dq)
-      return attend(dq)
+      run = live & (kj <= qi) if causal else live  # causal: later key blocks masked whole
+      return lax.cond(run, attend, lambda c: c, carry)
 
     specs = [spec(qk_dim, lambda kj: (kj, 0)), spec(v_dim, lambda kj: (kj, 0)),
              row_spec(lambda kj: (kj,))]
     sources = [k_ref.at[b, h], v_ref.at[b, h], ks_ref.at[b]]
-    if has_bias:
-      specs.append(spec(BLOCK_Q, lambda kj: (0, kj - qi + nq - 1), operand=False))
+    if has_bias:  # units kj + (ctas - 1 - cta) G + [0, G) of a band led by the idle ones
+      specs.append(window_spec(lambda kj: kj + (q_ctas - 1 - cta) * groups))
       sources.append(band_ref.at[h])
-    dq = plgpu.emit_pipeline(step, grid=(nk,), in_specs=specs, init_carry=zeros(qk_dim),
-                             max_concurrent_steps=min(STAGES, nk))(*sources)
-    store(dq * scale, out_smem, dq_ref.at[b, h, rows])
-    plgpu.wait_smem_to_gmem(0)
+    specialised(step, specs, compute, nk)(*sources)
 
   def dkv_kernel(q_ref, k_ref, v_ref, band_ref, qs_ref, ks_ref, seed_ref, lse_ref, delta_ref,
                  do_ref, dk_ref, dv_ref, k_smem, v_smem, ks_smem, p_smem, ds_smem, dk_smem,
                  dv_smem, barriers):
-    b, h, kj = (lax.axis_index(a) for a in ("batch", "heads", "blocks"))
-    keys = pl.ds(kj * BLOCK_Q, BLOCK_Q)
-    for n, (source, target) in enumerate(((k_ref.at[b, h, keys], k_smem),
-                                          (v_ref.at[b, h, keys], v_smem),
-                                          (ks_ref.at[b, keys], ks_smem))):
-      plgpu.copy_gmem_to_smem(source, target, barriers.at[n])
-    seed_value = seed_ref[0] if dropout_rate else None
-    for n in range(3):
-      plgpu.barrier_wait(barriers.at[n])
-    k_seg = plgpu.load(ks_smem, layout=cols_layout)
+    """Key blocks ``cta G + g`` (warpgroup g) against every query block."""
+    b, h, cta, wg = (lax.axis_index(a) for a in ("batch", "heads", "blocks", "wg"))
+    kj = cta * groups + wg
+    live = kj < nk
+    keys = pl.ds(jnp.minimum(kj, nk - 1) * BLOCK_Q, BLOCK_Q)  # idle: the last block's
+    k_tile, v_tile, ks_tile = k_smem.at[wg], v_smem.at[wg], ks_smem.at[wg]
+    p_tile, ds_tile = p_smem.at[wg], ds_smem.at[wg]
 
-    def step(index, q_smem, do_smem, qs_smem, lse_smem, delta_smem, *rest):
+    def compute(pipeline):
+      for n, (source, target) in enumerate(((k_ref.at[b, h, keys], k_tile),
+                                            (v_ref.at[b, h, keys], v_tile),
+                                            (ks_ref.at[b, keys], ks_tile))):
+        plgpu.copy_gmem_to_smem(source, target, barriers.at[3 * wg + n])
+      for n in range(3):
+        plgpu.barrier_wait(barriers.at[3 * wg + n])
+      dk, dv, _ = pipeline((zeros(qk_dim), zeros(v_dim),
+                            plgpu.load(ks_tile, layout=cols_layout)))
+
+      @pl.when(live)
+      def _():
+        store(dk * scale, dk_smem.at[wg], dk_ref.at[b, h, keys])
+        store(dv, dv_smem.at[wg], dv_ref.at[b, h, keys])
+        plgpu.wait_smem_to_gmem(0)
+
+    def step(index, q_tile, do_tile, qs_smem, lse_smem, delta_smem, *rest):
       *t_smem, carry = rest
       qi = index[0]
 
       def attend(carry):
-        dk, dv = carry
+        dk, dv, k_seg = carry
+        # Warpgroup g's unit is g into the step's window.
+        bias = t_smem[0].at[:, pl.ds(wg * BLOCK_Q, BLOCK_Q)] if has_bias else None
         q_seg, lse_rows, delta_rows = (plgpu.load(x, layout=rows_layout)
                                        for x in (qs_smem, lse_smem, delta_smem))
-        p, ds, _, _ = cotangents(q_smem, k_smem, v_smem, do_smem, *t_smem or [None], q_seg,
-                                 k_seg, lse_rows, delta_rows, qi * BLOCK_Q, kj * BLOCK_Q,
-                                 seed_value, b, h)
-        p_smem[...] = p.astype(dtype)
-        ds_smem[...] = ds.astype(dtype)
+        p, ds, _, _ = cotangents(q_tile, k_tile, v_tile, do_tile, bias, q_seg, k_seg,
+                                 lse_rows, delta_rows, qi * BLOCK_Q, kj * BLOCK_Q,
+                                 seed_ref[0] if dropout_rate else None, b, h)
+        p_tile[...] = p.astype(dtype)
+        ds_tile[...] = ds.astype(dtype)
         plgpu.commit_smem()
-        return (dk + _product(ds_smem.T, q_smem, (BLOCK_Q, qk_dim)),
-                dv + _product(p_smem.T, do_smem, (BLOCK_Q, v_dim)))
+        return (dk + _product(ds_tile.T, q_tile, (BLOCK_Q, qk_dim)),
+                dv + _product(p_tile.T, do_tile, (BLOCK_Q, v_dim)), k_seg)
 
-      if causal:  # query blocks wholly before the key block are masked whole
-        return lax.cond(qi >= kj, attend, lambda c: c, carry)
-      return attend(carry)
+      run = live & (qi >= kj) if causal else live  # causal: earlier query blocks masked whole
+      return lax.cond(run, attend, lambda c: c, carry)
 
     specs = [spec(qk_dim, lambda qi: (qi, 0)), spec(v_dim, lambda qi: (qi, 0))]
     specs += [row_spec(lambda qi: (qi,))] * 3
     sources = [q_ref.at[b, h], do_ref.at[b, h], qs_ref.at[b], lse_ref.at[b, h],
                delta_ref.at[b, h]]
-    if has_bias:
-      specs.append(spec(BLOCK_Q, lambda qi: (0, kj - qi + nq - 1), operand=False))
+    if has_bias:  # units cta G - qi + nq - 1 + [0, G) of a band trailed by the idle ones
+      specs.append(window_spec(lambda qi: cta * groups - qi + nq - 1))
       sources.append(band_ref.at[h])
-    dk, dv = plgpu.emit_pipeline(step, grid=(nq,), in_specs=specs,
-                                 init_carry=(zeros(qk_dim), zeros(v_dim)),
-                                 max_concurrent_steps=min(STAGES, nq))(*sources)
-    store(dk * scale, dk_smem, dk_ref.at[b, h, keys])
-    store(dv, dv_smem, dv_ref.at[b, h, keys])
-    plgpu.wait_smem_to_gmem(0)
+    specialised(step, specs, compute, nq)(*sources)
 
   def du_kernel(q_ref, k_ref, v_ref, band_ref, qs_ref, ks_ref, seed_ref, lse_ref, delta_ref,
                 do_ref, du_ref, t_smem, du_smem, barrier):
@@ -548,21 +593,30 @@ def backward(q: Array, k: Array, v: Array, offset_bias: Array, q_segments: Array
     store(du, du_smem, du_ref.at[b, h, n])
     plgpu.wait_smem_to_gmem(0)
 
+  def band(**pad):  # the band's units, padded for idle warpgroups; a placeholder without
+    return (hopper_band(offset_bias, q_len, k_len, **pad) if has_bias
+            else jnp.zeros((1, BLOCK_Q, BLOCK_Q), jnp.float32))
+
+  def tiles(cols, dtype=dtype):  # one [64, cols] buffer per consumer warpgroup
+    return plgpu.SMEM((groups, BLOCK_Q, cols), dtype, transforms=_transforms(cols, dtype))
+
   grid = (b_size, heads)
-  dq = call(dq_kernel, (*grid, nq), jax.ShapeDtypeStruct(q.shape, dtype),
-            [smem(qk_dim), smem(v_dim), smem(BLOCK_Q), smem(qk_dim),
-             plgpu.Barrier(num_barriers=2)], "relative_flash_dq_hopper")
-  dk, dv = call(dkv_kernel, (*grid, nk),
+  dq = call(dq_kernel, (*grid, q_ctas), jax.ShapeDtypeStruct(q.shape, dtype),
+            [tiles(qk_dim), tiles(v_dim), tiles(BLOCK_Q), tiles(qk_dim),
+             plgpu.Barrier(num_barriers=2 * groups)], "relative_flash_dq_hopper",
+            band(lead=q_ctas * groups - nq), groups)
+  dk, dv = call(dkv_kernel, (*grid, k_ctas),
                 (jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype)),
-                [smem(qk_dim), smem(v_dim), plgpu.SMEM((BLOCK_Q,), jnp.int32), smem(BLOCK_Q),
-                 smem(BLOCK_Q), smem(qk_dim), smem(v_dim), plgpu.Barrier(num_barriers=3)],
-                "relative_flash_dkv_hopper")
+                [tiles(qk_dim), tiles(v_dim), plgpu.SMEM((groups, BLOCK_Q), jnp.int32),
+                 tiles(BLOCK_Q), tiles(BLOCK_Q), tiles(qk_dim), tiles(v_dim),
+                 plgpu.Barrier(num_barriers=3 * groups)], "relative_flash_dkv_hopper",
+                band(trail=k_ctas * groups - nk), groups)
   if not has_bias:
     return dq, dk, dv, jnp.zeros((heads, 1, offset_bias.shape[-1]), jnp.float32)
   du = call(du_kernel, (*grid, units),
             jax.ShapeDtypeStruct((b_size, heads, units, BLOCK_Q, BLOCK_Q), jnp.float32),
             [smem(BLOCK_Q, jnp.float32), smem(BLOCK_Q, jnp.float32), plgpu.Barrier()],
-            "relative_flash_dbias_hopper")
+            "relative_flash_dbias_hopper", band())
   # Unit n is band columns 64 n + [0, 64): [B, H, N, 64, 64] -> the band's [H, 64, 64 N].
   dband = jnp.sum(du, axis=0).transpose(0, 2, 1, 3).reshape(heads, BLOCK_Q, units * BLOCK_Q)
   return dq, dk, dv, band_gradient(dband, offset_bias.shape[-1])[:, None, :]
