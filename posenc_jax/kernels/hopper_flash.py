@@ -382,8 +382,10 @@ def backward(q: Array, k: Array, v: Array, offset_bias: Array, q_segments: Array
   rows_layout, cols_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
   groups = backward_warpgroups(qk_dim=qk_dim, v_dim=v_dim)
   q_ctas, k_ctas = -(-nq // groups), -(-nk // groups)
-  inputs = (q, k, v, None, q_segments[:, :, 0], kv_segments[:, 0, :], jnp.reshape(seed, (1,)),
-            lse[..., 0], delta[..., 0], do)
+  # Every kernel's inputs, its band (padded for its idle warpgroups) between the two.
+  before_band = (q, k, v)
+  after_band = (q_segments[:, :, 0], kv_segments[:, 0, :], jnp.reshape(seed, (1,)), lse[..., 0],
+                delta[..., 0], do)
 
   def cotangents(q_tile, k_tile, v_tile, do_tile, bias_tile, q_seg, k_seg, lse_rows,
                  delta_rows, q0, k0, seed_value, b, h):
@@ -421,13 +423,13 @@ def backward(q: Array, k: Array, v: Array, offset_bias: Array, q_segments: Array
     return plgpu.layout_cast(jnp.zeros((BLOCK_Q, cols), jnp.float32), plgpu.Layout.WGMMA)
 
   def call(kernel, grid, out_type, scratch, name, band, groups=None):
-    """``kernel`` on ``inputs`` with ``band``; ``groups``: consumer warpgroups (plus the
+    """``kernel`` on the inputs with ``band``; ``groups``: consumer warpgroups (plus the
     memory one) per block of the grid, None for one warpgroup."""
     threads = {} if groups is None else dict(num_threads=groups + 1, thread_name="wg")
     return plgpu.kernel(kernel, out_type=out_type, scratch_types=scratch, grid=grid,
                         grid_names=("batch", "heads", "blocks"), **threads,
                         interpret=plgpu.InterpretGPUParams() if interpret else False,
-                        kernel_name=name)(*inputs[:3], band, *inputs[4:])
+                        kernel_name=name)(*before_band, band, *after_band)
 
   def specialised(step, specs, compute, steps):
     """The warp-specialised pipeline of ``groups`` consumers over ``steps`` blocks."""
