@@ -141,6 +141,32 @@ def _transforms(cols: int, dtype) -> tuple:
   return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
 
 
+def _warpgroup_buffers(groups: int, cols: int, dtype):
+  """``[G, 64, cols]`` shared memory: one ``[64, cols]`` ``wgmma`` operand buffer per
+  consumer warpgroup."""
+  plgpu = _mosaic_gpu()
+  return plgpu.SMEM((groups, BLOCK_Q, cols), dtype, transforms=_transforms(cols, dtype))
+
+
+def _window_spec(units: int, first):
+  """Pipeline block of ``units`` band units (``[64, 64 units]`` float32 columns) from unit
+  ``first(step)``: the units a step's warpgroups read."""
+  plgpu = _mosaic_gpu()
+  return plgpu.BlockSpec((BLOCK_Q, pl.Element(units * BLOCK_Q)),
+                         lambda n: (0, first(n) * BLOCK_Q))
+
+
+def _specialised_pipeline(step, specs, compute, *, steps: int, groups: int):
+  """The warp-specialised pipeline over ``steps`` blocks: a memory warpgroup copying
+  ``specs``' blocks (``STAGES`` in flight) for ``groups`` consumer warpgroups that run
+  ``step`` inside ``compute`` (``emit_pipeline_warp_specialized``'s arguments)."""
+  plgpu = _mosaic_gpu()
+  return plgpu.emit_pipeline_warp_specialized(
+      step, grid=(steps,), in_specs=specs, max_concurrent_steps=min(STAGES, steps),
+      wg_axis="wg", num_compute_wgs=groups, memory_registers=MEMORY_REGISTERS,
+      compute_context=compute)
+
+
 def _product(a_ref, b_ref, shape: tuple[int, int]) -> Array:
   """``a @ b`` of two shared-memory ``wgmma`` operands (either may be a ``.T`` view) as a
   ``shape`` float32 array in the WGMMA layout."""
@@ -300,17 +326,12 @@ def forward(q: Array, k: Array, v: Array, offset_bias: Array, q_segments: Array,
     sources = [k_ref.at[b, h], v_ref.at[b, h], ks_ref.at[b]]
     if has_bias:
       # The step's window: units first + kj * s + [0, G + s - 1) of the band (hopper_band).
-      first = (ctas - 1 - cta) * groups
-      specs.append(plgpu.BlockSpec((BLOCK_Q, pl.Element(window * BLOCK_Q)),
-                                   lambda kj: (0, (first + kj * units) * BLOCK_Q)))
+      specs.append(_window_spec(window, lambda kj: (ctas - 1 - cta) * groups + kj * units))
       sources.append(band_ref.at[h])
-    pipeline = plgpu.emit_pipeline_warp_specialized(
-        step, grid=(nk,), in_specs=specs, max_concurrent_steps=min(STAGES, nk), wg_axis="wg",
-        num_compute_wgs=groups, memory_registers=MEMORY_REGISTERS, compute_context=compute)
-    pipeline(*sources)
+    _specialised_pipeline(step, specs, compute, steps=nk, groups=groups)(*sources)
 
-  def tile(cols):  # one [64, cols] operand buffer per consumer warpgroup
-    return plgpu.SMEM((groups, BLOCK_Q, cols), dtype, transforms=_transforms(cols, dtype))
+  def tile(cols):
+    return _warpgroup_buffers(groups, cols, dtype)
 
   out, lse = plgpu.kernel(
       kernel,
@@ -382,10 +403,13 @@ def backward(q: Array, k: Array, v: Array, offset_bias: Array, q_segments: Array
   rows_layout, cols_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
   groups = backward_warpgroups(qk_dim=qk_dim, v_dim=v_dim)
   q_ctas, k_ctas = -(-nq // groups), -(-nk // groups)
-  # Every kernel's inputs, its band (padded for its idle warpgroups) between the two.
-  before_band = (q, k, v)
-  after_band = (q_segments[:, :, 0], kv_segments[:, 0, :], jnp.reshape(seed, (1,)), lse[..., 0],
-                delta[..., 0], do)
+  # One band for the three kernels, padded for dq's idle warpgroups (the last grid block's
+  # query blocks past the end: before the first unit) and dk/dv's (after the last unit).
+  lead = q_ctas * groups - nq
+  band = (hopper_band(offset_bias, q_len, k_len, lead=lead, trail=k_ctas * groups - nk)
+          if has_bias else jnp.zeros((1, BLOCK_Q, BLOCK_Q), jnp.float32))
+  inputs = (q, k, v, band, q_segments[:, :, 0], kv_segments[:, 0, :], jnp.reshape(seed, (1,)),
+            lse[..., 0], delta[..., 0], do)
 
   def cotangents(q_tile, k_tile, v_tile, do_tile, bias_tile, q_seg, k_seg, lse_rows,
                  delta_rows, q0, k0, seed_value, b, h):
@@ -422,26 +446,14 @@ def backward(q: Array, k: Array, v: Array, offset_bias: Array, q_segments: Array
   def zeros(cols):
     return plgpu.layout_cast(jnp.zeros((BLOCK_Q, cols), jnp.float32), plgpu.Layout.WGMMA)
 
-  def call(kernel, grid, out_type, scratch, name, band, groups=None):
-    """``kernel`` on the inputs with ``band``; ``groups``: consumer warpgroups (plus the
-    memory one) per block of the grid, None for one warpgroup."""
+  def call(kernel, grid, out_type, scratch, name, groups=None):
+    """``kernel`` on ``inputs``; ``groups``: consumer warpgroups (plus the memory one) per
+    block of the grid, None for one warpgroup."""
     threads = {} if groups is None else dict(num_threads=groups + 1, thread_name="wg")
     return plgpu.kernel(kernel, out_type=out_type, scratch_types=scratch, grid=grid,
                         grid_names=("batch", "heads", "blocks"), **threads,
                         interpret=plgpu.InterpretGPUParams() if interpret else False,
-                        kernel_name=name)(*before_band, band, *after_band)
-
-  def specialised(step, specs, compute, steps):
-    """The warp-specialised pipeline of ``groups`` consumers over ``steps`` blocks."""
-    return plgpu.emit_pipeline_warp_specialized(
-        step, grid=(steps,), in_specs=specs, max_concurrent_steps=min(STAGES, steps),
-        wg_axis="wg", num_compute_wgs=groups, memory_registers=MEMORY_REGISTERS,
-        compute_context=compute)
-
-  def window_spec(first):
-    """The ``groups`` band units of a step from unit ``first(step)``."""
-    return plgpu.BlockSpec((BLOCK_Q, pl.Element(groups * BLOCK_Q)),
-                           lambda n: (0, first(n) * BLOCK_Q))
+                        kernel_name=name)(*inputs)
 
   def dq_kernel(q_ref, k_ref, v_ref, band_ref, qs_ref, ks_ref, seed_ref, lse_ref, delta_ref,
                 do_ref, dq_ref, q_smem, do_smem, ds_smem, out_smem, barriers):
@@ -489,10 +501,10 @@ def backward(q: Array, k: Array, v: Array, offset_bias: Array, q_segments: Array
     specs = [spec(qk_dim, lambda kj: (kj, 0)), spec(v_dim, lambda kj: (kj, 0)),
              row_spec(lambda kj: (kj,))]
     sources = [k_ref.at[b, h], v_ref.at[b, h], ks_ref.at[b]]
-    if has_bias:  # units kj + (ctas - 1 - cta) G + [0, G) of a band led by the idle ones
-      specs.append(window_spec(lambda kj: kj + (q_ctas - 1 - cta) * groups))
+    if has_bias:  # units kj + (ctas - 1 - cta) G + [0, G) of the band (after its lead)
+      specs.append(_window_spec(groups, lambda kj: kj + (q_ctas - 1 - cta) * groups))
       sources.append(band_ref.at[h])
-    specialised(step, specs, compute, nk)(*sources)
+    _specialised_pipeline(step, specs, compute, steps=nk, groups=groups)(*sources)
 
   def dkv_kernel(q_ref, k_ref, v_ref, band_ref, qs_ref, ks_ref, seed_ref, lse_ref, delta_ref,
                  do_ref, dk_ref, dv_ref, k_smem, v_smem, ks_smem, p_smem, ds_smem, dk_smem,
@@ -547,16 +559,17 @@ def backward(q: Array, k: Array, v: Array, offset_bias: Array, q_segments: Array
     specs += [row_spec(lambda qi: (qi,))] * 3
     sources = [q_ref.at[b, h], do_ref.at[b, h], qs_ref.at[b], lse_ref.at[b, h],
                delta_ref.at[b, h]]
-    if has_bias:  # units cta G - qi + nq - 1 + [0, G) of a band trailed by the idle ones
-      specs.append(window_spec(lambda qi: cta * groups - qi + nq - 1))
+    if has_bias:  # units cta G - qi + nq - 1 + [0, G) past the band's lead
+      specs.append(_window_spec(groups, lambda qi: lead + cta * groups - qi + nq - 1))
       sources.append(band_ref.at[h])
-    specialised(step, specs, compute, nq)(*sources)
+    _specialised_pipeline(step, specs, compute, steps=nq, groups=groups)(*sources)
 
   def du_kernel(q_ref, k_ref, v_ref, band_ref, qs_ref, ks_ref, seed_ref, lse_ref, delta_ref,
                 do_ref, du_ref, t_smem, du_smem, barrier):
     b, h, n = (lax.axis_index(a) for a in ("batch", "heads", "blocks"))
     shift = n - (nq - 1)  # kj - qi on this unit
-    plgpu.copy_gmem_to_smem(band_ref.at[h, :, pl.ds(n * BLOCK_Q, BLOCK_Q)], t_smem, barrier)
+    plgpu.copy_gmem_to_smem(band_ref.at[h, :, pl.ds((lead + n) * BLOCK_Q, BLOCK_Q)], t_smem,
+                            barrier)
     seed_value = seed_ref[0] if dropout_rate else None
     plgpu.barrier_wait(barrier)
 
@@ -595,30 +608,25 @@ def backward(q: Array, k: Array, v: Array, offset_bias: Array, q_segments: Array
     store(du, du_smem, du_ref.at[b, h, n])
     plgpu.wait_smem_to_gmem(0)
 
-  def band(**pad):  # the band's units, padded for idle warpgroups; a placeholder without
-    return (hopper_band(offset_bias, q_len, k_len, **pad) if has_bias
-            else jnp.zeros((1, BLOCK_Q, BLOCK_Q), jnp.float32))
-
-  def tiles(cols, dtype=dtype):  # one [64, cols] buffer per consumer warpgroup
-    return plgpu.SMEM((groups, BLOCK_Q, cols), dtype, transforms=_transforms(cols, dtype))
+  def tiles(cols):
+    return _warpgroup_buffers(groups, cols, dtype)
 
   grid = (b_size, heads)
   dq = call(dq_kernel, (*grid, q_ctas), jax.ShapeDtypeStruct(q.shape, dtype),
             [tiles(qk_dim), tiles(v_dim), tiles(BLOCK_Q), tiles(qk_dim),
-             plgpu.Barrier(num_barriers=2 * groups)], "relative_flash_dq_hopper",
-            band(lead=q_ctas * groups - nq), groups)
+             plgpu.Barrier(num_barriers=2 * groups)], "relative_flash_dq_hopper", groups)
   dk, dv = call(dkv_kernel, (*grid, k_ctas),
                 (jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype)),
                 [tiles(qk_dim), tiles(v_dim), plgpu.SMEM((groups, BLOCK_Q), jnp.int32),
                  tiles(BLOCK_Q), tiles(BLOCK_Q), tiles(qk_dim), tiles(v_dim),
                  plgpu.Barrier(num_barriers=3 * groups)], "relative_flash_dkv_hopper",
-                band(trail=k_ctas * groups - nk), groups)
+                groups)
   if not has_bias:
     return dq, dk, dv, jnp.zeros((heads, 1, offset_bias.shape[-1]), jnp.float32)
   du = call(du_kernel, (*grid, units),
             jax.ShapeDtypeStruct((b_size, heads, units, BLOCK_Q, BLOCK_Q), jnp.float32),
             [smem(BLOCK_Q, jnp.float32), smem(BLOCK_Q, jnp.float32), plgpu.Barrier()],
-            "relative_flash_dbias_hopper", band())
+            "relative_flash_dbias_hopper")
   # Unit n is band columns 64 n + [0, 64): [B, H, N, 64, 64] -> the band's [H, 64, 64 N].
   dband = jnp.sum(du, axis=0).transpose(0, 2, 1, 3).reshape(heads, BLOCK_Q, units * BLOCK_Q)
   return dq, dk, dv, band_gradient(dband, offset_bias.shape[-1])[:, None, :]
