@@ -49,3 +49,12 @@ def band_gradient(dband: Array, length: int, lead: int = 0) -> Array:
   sums = flat.reshape(heads, rows, width + rows - 1).sum(axis=1)  # [H, width + rows - 1]
   sums = jnp.pad(sums, ((0, 0), (0, max(0, lead + length - sums.shape[1]))))
   return sums[:, lead:lead + length]
+
+
+def unit_gradient(du: Array, length: int) -> Array:
+  """The cotangent ``[H, length]`` of :func:`bias_band`'s ``vector`` (``lead`` 0) from
+  per-unit sums ``du [B, H, N, b, b]``: the band's cotangent summed over the batch, unit
+  ``n`` being its columns ``n b + [0, b)`` of a band of ``b`` rows."""
+  _, heads, units, rows, _ = du.shape
+  dband = jnp.sum(du, axis=0).transpose(0, 2, 1, 3).reshape(heads, rows, units * rows)
+  return band_gradient(dband, length)

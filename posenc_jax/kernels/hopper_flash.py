@@ -55,7 +55,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from posenc_jax.kernels.band import band_gradient, bias_band
+from posenc_jax.kernels.band import bias_band, unit_gradient
 from posenc_jax.kernels.dropout import dropout_multiplier
 
 Array = jax.Array
@@ -627,6 +627,4 @@ def backward(q: Array, k: Array, v: Array, offset_bias: Array, q_segments: Array
             jax.ShapeDtypeStruct((b_size, heads, units, BLOCK_Q, BLOCK_Q), jnp.float32),
             [smem(BLOCK_Q, jnp.float32), smem(BLOCK_Q, jnp.float32), plgpu.Barrier()],
             "relative_flash_dbias_hopper")
-  # Unit n is band columns 64 n + [0, 64): [B, H, N, 64, 64] -> the band's [H, 64, 64 N].
-  dband = jnp.sum(du, axis=0).transpose(0, 2, 1, 3).reshape(heads, BLOCK_Q, units * BLOCK_Q)
-  return dq, dk, dv, band_gradient(dband, offset_bias.shape[-1])[:, None, :]
+  return dq, dk, dv, unit_gradient(du, offset_bias.shape[-1])[:, None, :]

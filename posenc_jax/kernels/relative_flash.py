@@ -92,7 +92,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plt
 
 from posenc_jax.kernels import hopper_flash
-from posenc_jax.kernels.band import band_gradient, bias_band
+from posenc_jax.kernels.band import bias_band, unit_gradient
 from posenc_jax.kernels.dropout import dropout_multiplier
 
 Array = jax.Array
@@ -518,6 +518,16 @@ def _dropped(x, keep):
   return x if keep is None else x * keep
 
 
+def _cotangent(cfg, q, k, v, do, ob_ref, qseg, kseg, lse, delta, stream, qi, kj):
+  """One tile's probabilities ``p``, its dropout multipliers ``keep`` (None without) and
+  logit cotangent ``ds = p * (keep * dO v^T - delta)``, all ``[bq, bk]`` float32, from the
+  tile's rows of q/dO/lse/delta and columns of k/v (what the backward kernels share)."""
+  s, valid = _tile(cfg, q, k, ob_ref, qseg, kseg, qi, kj)
+  p = jnp.where(valid, jnp.exp(s - lse), 0.0)
+  keep = _dropout(cfg, stream, qi, kj)
+  return p, keep, p * (_dropped(_dot(cfg, do, v, (1, 1)), keep) - delta)
+
+
 def _num_k_blocks(cfg, qi):
   """k-blocks a query block needs (causal: up to the diagonal)."""
   bq, bk = cfg.blocks.block_q, cfg.blocks.block_k
@@ -583,10 +593,8 @@ def _dq_kernel(cfg, q_ref, k_ref, v_ref, ob_ref, qseg_ref, kseg_ref, seed_ref, d
 
   def body(kj, dq):
     k = k_ref[pl.ds(kj * bk, bk), :]
-    v = v_ref[pl.ds(kj * bk, bk), :]
-    s, valid = _tile(cfg, q, k, ob_ref, qseg, kseg_ref[:, pl.ds(kj * bk, bk)], qi, kj)
-    p = jnp.where(valid, jnp.exp(s - lse), 0.0)
-    ds = p * (_dropped(_dot(cfg, do, v, (1, 1)), _dropout(cfg, stream, qi, kj)) - delta)
+    _, _, ds = _cotangent(cfg, q, k, v_ref[pl.ds(kj * bk, bk), :], do, ob_ref, qseg,
+                          kseg_ref[:, pl.ds(kj * bk, bk)], lse, delta, stream, qi, kj)
     if dob_ref is not None:
       window = (slice(None), pl.ds(cfg.window_start(qi, kj), cfg.window))
       dbias = _cls_reset(cfg, ds, *_positions(cfg, qi, kj))
@@ -608,10 +616,8 @@ def _dkv_kernel(cfg, q_ref, k_ref, v_ref, ob_ref, qseg_ref, kseg_ref, seed_ref, 
     dk, dv = carry
     rows = pl.ds(qi * bq, bq)
     q, do = q_ref[rows, :], do_ref[rows, :]
-    s, valid = _tile(cfg, q, k, ob_ref, qseg_ref[rows, :], kseg, qi, kj)
-    p = jnp.where(valid, jnp.exp(s - lse_ref[rows, :]), 0.0)
-    keep = _dropout(cfg, stream, qi, kj)
-    ds = p * (_dropped(_dot(cfg, do, v, (1, 1)), keep) - delta_ref[rows, :])
+    p, keep, ds = _cotangent(cfg, q, k, v, do, ob_ref, qseg_ref[rows, :], kseg,
+                             lse_ref[rows, :], delta_ref[rows, :], stream, qi, kj)
     return (dk + _dot(cfg, ds.astype(q.dtype), q, (0, 0)),
             dv + _dot(cfg, _dropped(p, keep).astype(do.dtype), do, (0, 0)))
 
@@ -629,7 +635,7 @@ def _dbias_kernel(cfg, q_ref, k_ref, v_ref, band_ref, qseg_ref, kseg_ref, seed_r
   all of which read the same band columns ``n b + [0, b)`` (square ``b x b`` tiles).
 
   Each pair's cotangent is recomputed (``q k^T`` and ``dO v^T``) and accumulated in
-  registers, ``du_ref`` ``[b, b]`` takes the sum; :func:`band.band_gradient` turns the
+  registers, ``du_ref`` ``[b, b]`` takes the sum; :func:`band.unit_gradient` turns the
   units into the offset vector's gradient outside the kernel, so no kernel sums diagonals.
   """
   n = pl.program_id(2)
@@ -644,11 +650,9 @@ def _dbias_kernel(cfg, q_ref, k_ref, v_ref, band_ref, qseg_ref, kseg_ref, seed_r
   def body(qi, du):
     kj = qi + n - (nq - 1)
     rows, cols = pl.ds(qi * side, side), pl.ds(kj * side, side)
-    q, do, k, v = q_ref[rows, :], do_ref[rows, :], k_ref[cols, :], v_ref[cols, :]
-    s, valid = _tile(cfg, q, k, band_ref, qseg_ref[rows, :], kseg_ref[:, cols], qi, kj)
-    p = jnp.where(valid, jnp.exp(s - lse_ref[rows, :]), 0.0)
-    ds = p * (_dropped(_dot(cfg, do, v, (1, 1)), _dropout(cfg, stream, qi, kj))
-              - delta_ref[rows, :])
+    _, _, ds = _cotangent(cfg, q_ref[rows, :], k_ref[cols, :], v_ref[cols, :],
+                          do_ref[rows, :], band_ref, qseg_ref[rows, :], kseg_ref[:, cols],
+                          lse_ref[rows, :], delta_ref[rows, :], stream, qi, kj)
     return du + _cls_reset(cfg, ds, *_positions(cfg, qi, kj))
 
   du_ref[...] = lax.fori_loop(first, last, body, jnp.zeros(du_ref.shape, jnp.float32))
@@ -794,9 +798,7 @@ def _backward(cfg, q, k, v, ob, qseg, kseg, seed, out, lse, do):
       compiler_params=cfg.compiler_params,
       name="relative_flash_dbias",
   )(*args)
-  # Unit n is band columns n bq + [0, bq): [B, H, N, bq, bq] -> the band's [H, bq, N bq].
-  dband = jnp.sum(du, axis=0).transpose(0, 2, 1, 3).reshape(h, bq, units * bq)
-  return dq, dk, dv, band_gradient(dband, cfg.offset_len)[:, None, :].astype(ob.dtype)
+  return dq, dk, dv, unit_gradient(du, cfg.offset_len)[:, None, :].astype(ob.dtype)
 
 
 def _band(cfg, ob):
