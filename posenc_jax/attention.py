@@ -57,7 +57,7 @@ from jax import lax
 
 from posenc_jax import route_table
 from posenc_jax.cli import nearest
-from posenc_jax.kernels import hopper_flash, relative_flash, relative_flash_attention
+from posenc_jax.kernels import relative_flash, relative_flash_attention
 from posenc_jax.kernels.dropout import dropout_multipliers, dropout_seed
 from posenc_jax.kernels.relative_flash import PRECISIONS, dot_precision
 from posenc_jax.schemes.base import is_finite_number, is_int
@@ -309,7 +309,8 @@ def _fused(q, k, v, terms, mask, causal, scale, *, implementation, backend=None,
               and relative_flash.hopper_fits(q_len, k_len, q.shape[-1], head_dim, q.dtype)
               and route_table.hopper_way(dtype=jnp.dtype(q.dtype).name,
                                          length=math.sqrt(q_len * k_len), head_dim=head_dim))
-    both = hopper == "both" and max(q.shape[-1], v.shape[-1]) <= hopper_flash.BACKWARD_MAX_DIM
+    both = hopper == "both" and relative_flash.hopper_backward_fits(
+        q_len, k_len, q.shape[-1], head_dim, q.dtype)
     return relative_flash_attention(
         q, k, v, offset_bias, mask=mask, q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
         causal=causal, scale=scale, zero_first=bool(toeplitz) and toeplitz[0].zero_first,

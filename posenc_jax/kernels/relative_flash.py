@@ -830,14 +830,34 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 # Public entry point.
 
 
+def _hopper_blocks(q_len: int, k_len: int, qk_dim: int, v_dim: int, dtype,
+                   has_bias: bool) -> KernelBlocks:
+  """The default blocks with the Hopper forward's query block."""
+  return kernel_blocks(q_len, k_len, qk_dim, v_dim, itemsize=jnp.dtype(dtype).itemsize,
+                       has_bias=has_bias, block_q=hopper_flash.BLOCK_Q)
+
+
+def _hopper_backward_takes(dtype, blocks: KernelBlocks) -> bool:
+  """Whether :func:`hopper_flash.backward` takes these blocks' padded head dims and sizes."""
+  return (hopper_flash.backward_fits(dtype=dtype, qk_dim=blocks.qk_dim, v_dim=blocks.v_dim)
+          and blocks.block_q % 64 == 0 and blocks.block_k % 64 == 0)
+
+
 def hopper_fits(q_len: int, k_len: int, qk_dim: int, v_dim: int, dtype,
                 has_bias: bool = True) -> bool:
   """Whether :func:`relative_flash_attention` can run ``forward="hopper"`` at these shapes
   with its default key blocks (gather tiles, this device's shared memory)."""
-  blocks = kernel_blocks(q_len, k_len, qk_dim, v_dim, itemsize=jnp.dtype(dtype).itemsize,
-                         has_bias=has_bias, block_q=hopper_flash.BLOCK_Q)
+  blocks = _hopper_blocks(q_len, k_len, qk_dim, v_dim, dtype, has_bias)
   return hopper_flash.fits(dtype=dtype, block_q=blocks.block_q, block_k=blocks.block_k,
                            qk_dim=blocks.qk_dim, v_dim=blocks.v_dim, has_bias=has_bias)
+
+
+def hopper_backward_fits(q_len: int, k_len: int, qk_dim: int, v_dim: int, dtype,
+                         has_bias: bool = True) -> bool:
+  """Whether :func:`relative_flash_attention` can run ``backward="hopper"`` beside
+  ``forward="hopper"`` at these shapes with its default blocks."""
+  return _hopper_backward_takes(dtype, _hopper_blocks(q_len, k_len, qk_dim, v_dim, dtype,
+                                                      has_bias))
 
 
 def relative_flash_attention(
@@ -954,9 +974,7 @@ def relative_flash_attention(
                      f"{hopper_flash.SMEM_BYTES} bytes of shared memory; got {q.dtype}, "
                      f"head dims {blocks.qk_dim}/{blocks.v_dim}, blocks "
                      f"{blocks.block_q}x{blocks.block_k}")
-  if backward == "hopper" and not (
-      hopper_flash.backward_fits(dtype=q.dtype, qk_dim=blocks.qk_dim, v_dim=blocks.v_dim)
-      and blocks.block_q % 64 == 0 and blocks.block_k % 64 == 0):
+  if backward == "hopper" and not _hopper_backward_takes(q.dtype, blocks):
     raise ValueError(f"backward: 'hopper' takes bfloat16/float16 q, k, v, head dims padded to "
                      f"multiples of 64 up to {hopper_flash.BACKWARD_MAX_DIM} and blocks of "
                      f"multiples of 64; got {q.dtype}, head dims {blocks.qk_dim}/"
