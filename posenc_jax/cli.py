@@ -159,8 +159,9 @@ def exit_with(prog: str, error: BaseException) -> NoReturn:
   """Ends the process with ``<prog>: <error>`` as its last line on stderr (exit status 1).
 
   An error whose class sets ``abandon_threads`` (a failed background checkpoint write)
-  ends it at once: Orbax's save threads would otherwise wait minutes for signals that
-  never come before the interpreter may exit.
+  ends it at once: with several processes, Orbax's save threads would otherwise wait
+  minutes for signals that never come before the interpreter may exit (one process
+  releases them itself).
   """
   print(f"{prog}: {error}", file=sys.stderr, flush=True)
   sys.stdout.flush()

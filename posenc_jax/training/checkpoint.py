@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import threading
 from typing import Any
 
 import jax
@@ -38,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
+from orbax.checkpoint._src.futures import future, synchronization
 from jax.experimental import multihost_utils
 
 from posenc_jax.cli import absolute, first_line
@@ -51,9 +53,25 @@ class CheckpointError(ValueError):
 
 
 class BackgroundSaveError(CheckpointError):
-  """An asynchronous save failed; Orbax's threads of that save never finish."""
+  """An asynchronous save failed. With one process its waiting Orbax threads are released
+  (:func:`_release_waiting_writers`); with several they stay blocked for Orbax's
+  coordination timeout, so an entry point ends the process at once."""
 
   abandon_threads = True
+
+
+def _release_waiting_writers(operation_id: str) -> None:
+  """Ends the writer threads of a failed single-process save: each waits for a signal (its
+  step or item directory created) that the failed save never sends, and would hold the
+  interpreter's exit for Orbax's coordination timeout (300 s). Each is cancelled, then its
+  signals are sent (keys of this operation only, in this process's own store), so it
+  returns without writing. Reads Orbax internals (``_SignalingThread``), pinned by
+  ``tests/test_checkpoint.py``."""
+  for thread in threading.enumerate():
+    if (isinstance(thread, future._SignalingThread)  # noqa: SLF001
+        and thread._operation_id == operation_id):  # noqa: SLF001
+      thread.cancel()
+      future.set_signals(thread._receive_signals, operation_id=operation_id)  # noqa: SLF001
 
 
 def _leaf_name(path: tuple) -> str:
@@ -224,6 +242,7 @@ class Checkpointer:
     self.manager = ocp.CheckpointManager(self.directory, options=options,
                                          item_names=("state", "data", "input"))
     self.last_saved: int | None = None
+    self._operation: str | None = None  # Orbax's operation id of the newest save
 
   def check(self) -> None:
     """Raises :class:`BackgroundSaveError` if a background save failed (does not wait for one
@@ -237,6 +256,8 @@ class Checkpointer:
     try:
       self.manager.wait_until_finished()
     except Exception as e:  # noqa: BLE001 - any failed write stops the run with one line
+      if jax.process_count() == 1 and self._operation is not None:
+        _release_waiting_writers(self._operation)
       self.manager.reload()
       newest = self.manager.latest_step()
       raise BackgroundSaveError(
@@ -260,6 +281,7 @@ class Checkpointer:
       items["input"] = InputSave(input_iterator)
     try:
       saved = self.manager.save(step, args=ocp.args.Composite(**items), force=True)
+      self._operation = synchronization.OperationIdGenerator.get_current_operation_id()
     except Exception as e:  # noqa: BLE001 - a failed write stops the run with one line
       raise CheckpointError(f"checkpoints: saving step {step} to {self.directory} failed "
                             f"({first_line(e)})") from None
