@@ -39,8 +39,8 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
-from orbax.checkpoint._src.futures import future, synchronization
 from jax.experimental import multihost_utils
+from orbax.checkpoint._src.futures import future, synchronization
 
 from posenc_jax.cli import absolute, first_line
 from posenc_jax.models.scan import match_layout
