@@ -309,8 +309,8 @@ def _fused(q, k, v, terms, mask, causal, scale, *, implementation, backend=None,
               and relative_flash.hopper_fits(q_len, k_len, q.shape[-1], head_dim, q.dtype)
               and route_table.hopper_way(dtype=jnp.dtype(q.dtype).name,
                                          length=math.sqrt(q_len * k_len), head_dim=head_dim))
-    both = hopper == "both" and relative_flash.hopper_backward_fits(
-        q_len, k_len, q.shape[-1], head_dim, q.dtype)
+    both = hopper == "both" and relative_flash.hopper_fits(
+        q_len, k_len, q.shape[-1], head_dim, q.dtype, backward=True)
     return relative_flash_attention(
         q, k, v, offset_bias, mask=mask, q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
         causal=causal, scale=scale, zero_first=bool(toeplitz) and toeplitz[0].zero_first,

@@ -354,7 +354,7 @@ def test_hopper_backward_errors_are_one_line():
   with pytest.raises(ValueError, match=r"^backward: 'hopper' .* up to 128 .*head dims 256/256"):
     relative_flash_attention(*wide, backward="hopper", block_q=64, block_k=64)
   # What the fused route asks before it runs both Hopper passes: the same refusals.
-  assert rf.hopper_backward_fits(512, 512, 64, 64, jnp.bfloat16)
-  assert rf.hopper_backward_fits(256, 200, 40, 64, jnp.float16)  # padded 64/64
-  assert not rf.hopper_backward_fits(512, 512, 64, 64, jnp.float32)
-  assert not rf.hopper_backward_fits(512, 512, 64, 192, jnp.bfloat16)
+  assert rf.hopper_fits(512, 512, 64, 64, jnp.bfloat16, backward=True)
+  assert rf.hopper_fits(256, 200, 40, 64, jnp.float16, backward=True)  # padded 64/64
+  assert not rf.hopper_fits(512, 512, 64, 64, jnp.float32, backward=True)
+  assert not rf.hopper_fits(512, 512, 64, 192, jnp.bfloat16, backward=True)

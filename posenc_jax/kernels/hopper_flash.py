@@ -42,7 +42,8 @@ and the band's diagonals are summed outside, without a scatter
 
 Limits (:func:`fits`): 16-bit q/k/v, query blocks of 64 rows, key blocks of 64 or 128 rows,
 head dims a multiple of 64, and shared memory for at least one consumer warpgroup
-(:func:`smem_bytes`); the backward's: head dims up to 128 (:func:`backward_fits`). Tested
+(:func:`smem_bytes`); the backward's: head dims up to 128, blocks multiples of 64
+(:func:`backward_fits`). Tested
 in Mosaic GPU's interpret mode on CPU (values, lse, gradients through the Triton backward
 and through this one, one and two warpgroups) and lowered for CUDA; their speed is read
 from ``python -m posenc_jax.bench --attention`` on a Hopper GPU.
@@ -368,10 +369,11 @@ def backward_warpgroups(*, qk_dim: int, v_dim: int) -> int:
   return 2 if max(qk_dim, v_dim) <= 64 else 1
 
 
-def backward_fits(*, dtype, qk_dim: int, v_dim: int) -> bool:
-  """Whether :func:`backward` takes these (padded) head dims and dtype: 16-bit, multiples of
-  64 up to ``BACKWARD_MAX_DIM``."""
+def backward_fits(*, dtype, block_q: int, block_k: int, qk_dim: int, v_dim: int) -> bool:
+  """Whether :func:`backward` takes these (padded) shapes: 16-bit inputs, blocks multiples
+  of 64 (its tiles), head dims multiples of 64 up to ``BACKWARD_MAX_DIM``."""
   return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+          and block_q % BLOCK_Q == 0 and block_k % BLOCK_Q == 0
           and all(d % 64 == 0 and d <= BACKWARD_MAX_DIM for d in (qk_dim, v_dim)))
 
 

@@ -830,34 +830,23 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 # Public entry point.
 
 
-def _hopper_blocks(q_len: int, k_len: int, qk_dim: int, v_dim: int, dtype,
-                   has_bias: bool) -> KernelBlocks:
-  """The default blocks with the Hopper forward's query block."""
-  return kernel_blocks(q_len, k_len, qk_dim, v_dim, itemsize=jnp.dtype(dtype).itemsize,
-                       has_bias=has_bias, block_q=hopper_flash.BLOCK_Q)
-
-
-def _hopper_backward_takes(dtype, blocks: KernelBlocks) -> bool:
-  """Whether :func:`hopper_flash.backward` takes these blocks' padded head dims and sizes."""
-  return (hopper_flash.backward_fits(dtype=dtype, qk_dim=blocks.qk_dim, v_dim=blocks.v_dim)
-          and blocks.block_q % 64 == 0 and blocks.block_k % 64 == 0)
+def _hopper_takes(dtype, blocks: KernelBlocks, *, has_bias: bool, backward: bool) -> bool:
+  """Whether the Hopper forward (``backward`` False: :func:`hopper_flash.fits`) or backward
+  (:func:`hopper_flash.backward_fits`) takes these blocks and padded head dims."""
+  shapes = dict(dtype=dtype, block_q=blocks.block_q, block_k=blocks.block_k,
+                qk_dim=blocks.qk_dim, v_dim=blocks.v_dim)
+  return (hopper_flash.backward_fits(**shapes) if backward
+          else hopper_flash.fits(**shapes, has_bias=has_bias))
 
 
 def hopper_fits(q_len: int, k_len: int, qk_dim: int, v_dim: int, dtype,
-                has_bias: bool = True) -> bool:
-  """Whether :func:`relative_flash_attention` can run ``forward="hopper"`` at these shapes
-  with its default key blocks (gather tiles, this device's shared memory)."""
-  blocks = _hopper_blocks(q_len, k_len, qk_dim, v_dim, dtype, has_bias)
-  return hopper_flash.fits(dtype=dtype, block_q=blocks.block_q, block_k=blocks.block_k,
-                           qk_dim=blocks.qk_dim, v_dim=blocks.v_dim, has_bias=has_bias)
-
-
-def hopper_backward_fits(q_len: int, k_len: int, qk_dim: int, v_dim: int, dtype,
-                         has_bias: bool = True) -> bool:
-  """Whether :func:`relative_flash_attention` can run ``backward="hopper"`` beside
-  ``forward="hopper"`` at these shapes with its default blocks."""
-  return _hopper_backward_takes(dtype, _hopper_blocks(q_len, k_len, qk_dim, v_dim, dtype,
-                                                      has_bias))
+                has_bias: bool = True, *, backward: bool = False) -> bool:
+  """Whether :func:`relative_flash_attention` can run ``forward="hopper"`` (``backward``:
+  ``backward="hopper"`` beside it) at these shapes with its default blocks (gather tiles,
+  this device's shared memory)."""
+  blocks = kernel_blocks(q_len, k_len, qk_dim, v_dim, itemsize=jnp.dtype(dtype).itemsize,
+                         has_bias=has_bias, block_q=hopper_flash.BLOCK_Q)
+  return _hopper_takes(dtype, blocks, has_bias=has_bias, backward=backward)
 
 
 def relative_flash_attention(
@@ -965,16 +954,16 @@ def relative_flash_attention(
           else jnp.reshape(dropout_seed, (1, 1)).astype(jnp.int32))
 
   has_bias = offset_bias is not None
-  if forward == "hopper" and not hopper_flash.fits(
-      dtype=q.dtype, block_q=blocks.block_q, block_k=blocks.block_k, qk_dim=blocks.qk_dim,
-      v_dim=blocks.v_dim, has_bias=has_bias):
+  if forward == "hopper" and not _hopper_takes(q.dtype, blocks, has_bias=has_bias,
+                                              backward=False):
     raise ValueError(f"forward: 'hopper' takes bfloat16/float16 q, k, v, head dims padded to "
                      f"multiples of 64 and {hopper_flash.BLOCK_Q}-row query blocks, key blocks "
                      f"of {' or '.join(map(str, hopper_flash.BLOCK_KS))} and buffers within "
                      f"{hopper_flash.SMEM_BYTES} bytes of shared memory; got {q.dtype}, "
                      f"head dims {blocks.qk_dim}/{blocks.v_dim}, blocks "
                      f"{blocks.block_q}x{blocks.block_k}")
-  if backward == "hopper" and not _hopper_backward_takes(q.dtype, blocks):
+  if backward == "hopper" and not _hopper_takes(q.dtype, blocks, has_bias=has_bias,
+                                               backward=True):
     raise ValueError(f"backward: 'hopper' takes bfloat16/float16 q, k, v, head dims padded to "
                      f"multiples of 64 up to {hopper_flash.BACKWARD_MAX_DIM} and blocks of "
                      f"multiples of 64; got {q.dtype}, head dims {blocks.qk_dim}/"
