@@ -20,8 +20,10 @@ drifts cancel. ``--route`` sets the attention route of every model
 ``--route fused --baseline none --schemes diet_rel`` measures the Pallas
 Toeplitz kernel against itself without a bias.
 It prints milliseconds, the ratio to the baseline, tokens/s, peak device
-memory where the device reports it, and MFU (analytic FLOPs over the
-device's peak) on accelerators; ``--json`` writes the same rows.
+memory where the device reports it, MFU (analytic FLOPs over the
+device's peak) on accelerators, and the seconds of the first train step and
+inference pass (compile and one run, layers scanned); ``--json`` writes the
+same rows. A scheme that is also the baseline is compiled once.
 
 ``--attention`` times attention alone, q/k/v ``[B, L, H, D]`` (``--batch``,
 ``--length``, ``--heads``, ``--head_dim``; self-attention, ``Lq = Lk = L``), once
@@ -139,7 +141,8 @@ def model_steps(size: str, scheme: str, *, batch: int, length: int, dtype: str,
 
 def compiled_steps(size: str, scheme: str, *, batch: int, length: int, dtype: str,
                    route: str = "auto"):
-  """Zero-argument (train step, inference) callables of the compiled model, and its config."""
+  """Zero-argument (train step, inference) callables of the compiled model, its config, and
+  the seconds of the first train step and inference pass (compile, then one run each)."""
   cfg, train, infer, init = model_steps(size, scheme, batch=batch, length=length, dtype=dtype,
                                         route=route)
   train, infer = jax.jit(train), jax.jit(infer)
@@ -152,9 +155,12 @@ def compiled_steps(size: str, scheme: str, *, batch: int, length: int, dtype: st
   def infer_step():
     jax.block_until_ready(infer(state[0]))
 
+  start = time.perf_counter()
   train_step()  # compile and warm up
+  first = time.perf_counter()
   infer_step()
-  return train_step, infer_step, cfg
+  return train_step, infer_step, cfg, {"train_s": first - start,
+                                       "infer_s": time.perf_counter() - first}
 
 
 def compile_seconds(size: str, scheme: str, *, batch: int, length: int, dtype: str,
@@ -633,13 +639,16 @@ def main(argv=None):
         f"L={args.length} {args.dtype}, route {args.route}; median of {args.repeats}, each "
         f"timed alternately with the '{args.baseline}' baseline; train = fwd+bwd+AdamW, "
         f"infer = fwd")
-  base_train, base_infer, _ = compiled_steps(args.size, args.baseline, **dims)
+  compiled = {args.baseline: compiled_steps(args.size, args.baseline, **dims)}
+  base_train, base_infer, _, _ = compiled[args.baseline]
   ratio = f"x {args.baseline}"[:8]
   print(f"{'scheme':<16}{'train ms':>10}{ratio:>8}{'infer ms':>10}{ratio:>8}"
-        f"{'tokens/s':>11}{'peak MB':>9}{'MFU':>7}")
+        f"{'tokens/s':>11}{'peak MB':>9}{'MFU':>7}{'compile s':>11}")
   rows = []
   for scheme in args.schemes:
-    train, infer, cfg = compiled_steps(args.size, scheme, **dims)
+    if scheme not in compiled:  # the baseline's row times it against itself, compiled once
+      compiled[scheme] = compiled_steps(args.size, scheme, **dims)
+    train, infer, cfg, first = compiled[scheme]
     train_s, train_base = timed_against(train, base_train, args.repeats)
     infer_s, infer_base = timed_against(infer, base_infer, args.repeats)
     flops = train_flops_per_step(cfg, args.batch, args.length)  # the MLM head at every token
@@ -647,13 +656,14 @@ def main(argv=None):
     row = {"scheme": scheme, "train_ms": 1e3 * train_s, "train_ratio": train_s / train_base,
            "infer_ms": 1e3 * infer_s, "infer_ratio": infer_s / infer_base,
            "tokens_per_s": tokens / train_s, "peak_bytes": memory,
-           "mfu": flops / train_s / peak if peak else None}
+           "mfu": flops / train_s / peak if peak else None,
+           "first_train_s": first["train_s"], "first_infer_s": first["infer_s"]}
     rows.append(row)
     mem = f"{memory / 2**20:>9.0f}" if memory else f"{'n/a':>9}"
     mfu = f"{row['mfu']:>7.1%}" if row["mfu"] is not None else f"{'n/a':>7}"
     print(f"{scheme:<16}{row['train_ms']:>10.2f}{row['train_ratio']:>8.2f}"
           f"{row['infer_ms']:>10.2f}{row['infer_ratio']:>8.2f}{row['tokens_per_s']:>11.0f}"
-          f"{mem}{mfu}", flush=True)
+          f"{mem}{mfu}{row['first_train_s'] + row['first_infer_s']:>11.1f}", flush=True)
   if args.json:
     with open(args.json, "w") as f:
       json.dump({"device": jax.devices()[0].device_kind, "size": args.size,

@@ -5,14 +5,17 @@
 
 Phases (each fits the device tool's 10-minute call):
 
-- ``kernels``: the Hopper and Triton kernels compiled on the GPU against their float32
-  references (``tests/test_hopper_flash.py``, ``tests/test_relative_flash.py``, without the
-  lowering-only tests), then ``bench --attention`` in bfloat16 at L = 512, 2048, 8192 and
-  16384 (``B L = 16384`` tokens), with the DIET-ABS rank 128 rows, adding every point to
-  the route table ``--routes``.
+- ``kernels``: ``bench --attention`` in bfloat16 at L = 512, 2048, 8192 and 16384
+  (``B L = 16384`` tokens; ``--lengths`` picks some), with the DIET-ABS rank 128 rows,
+  adding every point to the route table ``--routes``, then the Hopper and Triton kernels
+  compiled on the GPU against their float32 references (``tests/test_hopper_flash.py``,
+  ``tests/test_relative_flash.py``, without the lowering-only tests) in what is left of the
+  budget (the table first: it is what the package ships; the tests print each case's name,
+  so a run stopped at the budget still says which cases passed).
 - ``model_relative``, ``model_absolute``: whole BERT-base, L=512, B=32, bfloat16, each
   scheme against the input-APE baseline, with the route table (the relative schemes, then
-  the absolute and rotary ones; each BERT-base compile takes about a minute).
+  the absolute and rotary ones; ``--schemes`` picks others), with each model's compile
+  seconds and the baseline's MFU.
 - ``compile``: compile seconds of BERT-base with unrolled and scanned layers.
 
 The device image has JAX, Flax, Optax, Orbax, chex and pytest but not ml-collections:
@@ -55,26 +58,30 @@ PHASES = ("kernels", *SCHEMES, "compile")
 KERNEL_TESTS = ["tests/test_hopper_flash.py", "tests/test_relative_flash.py", "-k", "not lower"]
 
 
-def commands(phase: str, routes: str) -> list[tuple[str, list[str]]]:
+def commands(phase: str, routes: str, lengths=LENGTHS,
+             schemes: str | None = None) -> list[tuple[str, list[str]]]:
   """``(name, argv)`` of each command of ``phase``; bench commands are ``posenc_jax.bench``
-  argument lists after ``-m posenc_jax.bench``, the others whole argvs."""
+  argument lists after ``-m posenc_jax.bench``, the others whole argvs. ``lengths`` are the
+  kernels phase's attention lengths, ``schemes`` a model phase's (default its own)."""
   bench = [sys.executable, "-m", "posenc_jax.bench"]
   if phase == "kernels":
-    return [("kernel_tests", [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p",
-                              "no:cacheprovider", *KERNEL_TESTS])] + [
-        (f"attention_{length}", bench + [
-            "--attention", "--batch", str(TOKENS // length), "--length", str(length),
-            "--dtype", "bfloat16", "--rank", "128", "--route_table", routes])
-        for length in LENGTHS]
+    return [(f"attention_{length}", bench + [
+        "--attention", "--batch", str(TOKENS // length), "--length", str(length),
+        "--dtype", "bfloat16", "--rank", "128", "--route_table", routes])
+        for length in lengths] + [
+        ("kernel_tests", [sys.executable, "-m", "pytest", "-v", "-n", "0", "-p",
+                          "no:cacheprovider", *KERNEL_TESTS])]
   if phase in SCHEMES:
-    return [(phase, bench + MODEL + ["--schemes", SCHEMES[phase]])]
+    return [(phase, bench + MODEL + ["--schemes", schemes or SCHEMES[phase]])]
   if phase == "compile":
     return [("compile", bench + ["--compile"] + MODEL)]
   raise ValueError(f"phase: got {phase!r}; allowed: {', '.join(PHASES)}")
 
 
-def run(phase: str, out: pathlib.Path, routes: str, budget: float) -> int:
-  """Runs ``phase``'s commands in turn within ``budget`` seconds; prints the summary."""
+def run(phase: str, out: pathlib.Path, routes: str, budget: float,
+        **options) -> int:
+  """Runs ``phase``'s commands (``options``: :func:`commands`' ``lengths`` and ``schemes``)
+  in turn within ``budget`` seconds; prints the summary."""
   env = dict(os.environ, POSENC_JAX_ROUTE_TABLE=routes)
   wheels = sorted(glob.glob(str(WHEELS / "*.whl")))
   if wheels:
@@ -84,7 +91,8 @@ def run(phase: str, out: pathlib.Path, routes: str, budget: float) -> int:
   out.mkdir(parents=True, exist_ok=True)
   pathlib.Path(routes).parent.mkdir(parents=True, exist_ok=True)
   start, summary, failed = time.monotonic(), [], False
-  for name, argv in commands(phase, routes):
+  steps = commands(phase, routes, **options)
+  for name, argv in steps:
     left = budget - (time.monotonic() - start)
     log = out / f"{name}.log"
     if left < 1:
@@ -103,12 +111,12 @@ def run(phase: str, out: pathlib.Path, routes: str, budget: float) -> int:
   if os.path.exists(routes):  # back with the call's files, for the next phase to carry
     shutil.copy(routes, out / "routes.json")
   print(f"== {phase}: summary", *summary, sep="\n")
-  for name, _ in commands(phase, routes):
+  for name, _ in steps:
     log = out / f"{name}.log"
     if log.exists():  # each command's markdown table, else its last lines
       lines = log.read_text(errors="replace").splitlines()
-      print(f"== {name}", *[line for line in lines if line.startswith("|")] or lines[-25:],
-            sep="\n")
+      table = [line for line in lines if line.startswith(("|", "route table"))]
+      print(f"== {name}", *table or lines[-25:], sep="\n")
   return 1 if failed else 0
 
 
@@ -120,14 +128,26 @@ def main(argv=None) -> int:
                       help="route table the attention benches add to and the models read")
   parser.add_argument("--budget", type=float, default=570.0,
                       help="seconds the phase may take (the device call's limit is 600)")
+  parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)),
+                      help="kernels: comma-separated attention lengths, each dividing "
+                      f"{TOKENS}")
+  parser.add_argument("--schemes", default=None,
+                      help="model phases: comma-separated scheme presets (default the phase's)")
   parser.add_argument("--dry_run", action="store_true", help="print the commands only")
   args = parser.parse_args(argv)
+  try:
+    lengths = tuple(int(n) for n in args.lengths.split(","))
+  except ValueError:
+    lengths = ()
+  if not lengths or any(n <= 0 or TOKENS % n for n in lengths):
+    parser.error(f"--lengths: got {args.lengths!r}; allowed: positive divisors of {TOKENS}")
+  options = {"lengths": lengths, "schemes": args.schemes}
   if args.dry_run:
-    for name, command in commands(args.phase, args.routes):
+    for name, command in commands(args.phase, args.routes, **options):
       print(name, " ".join(command))
     return 0
   out = pathlib.Path(args.out or os.environ.get("OUT") or "/tmp") / args.phase
-  return run(args.phase, out, args.routes, args.budget)
+  return run(args.phase, out, args.routes, args.budget, **options)
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ def test_a_phase_keeps_to_its_budget_and_prints_its_summary_last(tmp_path, monke
   steps = [("quick", [sys.executable, "-c", "print('| row | 1 |')"]),
            ("slow", [sys.executable, "-c", "import time; time.sleep(30)"]),
            ("late", [sys.executable, "-c", "print('never')"])]
-  monkeypatch.setattr(gpu_session, "commands", lambda phase, routes: steps)
+  monkeypatch.setattr(gpu_session, "commands", lambda phase, routes, **options: steps)
   monkeypatch.setattr(gpu_session, "WHEELS", tmp_path / "no_wheels")
   routes = tmp_path / "gpu" / "routes.json"
   code = gpu_session.run("kernels", tmp_path / "out", str(routes), budget=3.0)
