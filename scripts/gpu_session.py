@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import json
 import os
 import pathlib
 import shutil
@@ -110,6 +111,10 @@ def run(phase: str, out: pathlib.Path, routes: str, budget: float,
     summary.append(f"{name}: exit {code}, {time.monotonic() - began:.0f} s, log {log}")
   if os.path.exists(routes):  # back with the call's files, for the next phase to carry
     shutil.copy(routes, out / "routes.json")
+    with open(routes) as f:
+      summary.append(f"route table: {len(json.load(f).get('points', []))} points in {routes}")
+  else:  # a model phase without it times the packaged table's routes alone: say so
+    summary.append(f"route table: no file at {routes} (the packaged table alone)")
   print(f"== {phase}: summary", *summary, sep="\n")
   for name, _ in steps:
     log = out / f"{name}.log"

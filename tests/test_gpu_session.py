@@ -40,6 +40,15 @@ def test_the_kernel_tests_are_the_compiled_value_tests():
   assert not any("lower" in i for i in ids) and len(ids) > 100
 
 
+def test_the_kernel_tests_leave_interpret_mode_to_the_backend():
+  """On the GPU they must compile: a test that forced ``interpret=True`` ran Pallas' interpreter
+  there instead, and one such case took over 150 s on an H100 (2026-11-25) and stopped the
+  phase at its budget."""
+  for path in gpu_session.KERNEL_TESTS[:2]:
+    text = (ROOT / path).read_text()
+    assert "interpret=True" not in text.replace(" ", ""), path
+
+
 def test_a_phase_keeps_to_its_budget_and_prints_its_summary_last(tmp_path, monkeypatch,
                                                                   capsys):
   steps = [("quick", [sys.executable, "-c", "print('| row | 1 |')"]),
@@ -55,4 +64,5 @@ def test_a_phase_keeps_to_its_budget_and_prints_its_summary_last(tmp_path, monke
   assert summary[1].startswith("quick: exit 0,")
   assert summary[2].startswith("slow: exit stopped at the budget,")
   assert summary[3] == "late: skipped (budget of 3 s spent)"
+  assert summary[4] == f"route table: no file at {routes} (the packaged table alone)"
   assert "== quick\n| row | 1 |" in text and not (tmp_path / "out" / "late.log").exists()

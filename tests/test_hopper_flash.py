@@ -104,7 +104,8 @@ def _padded_call(length, block_k=64, causal=False, dropout=0.0):
                             block_k=block_k)
   cfg = rf._Config(has_bias=True, tiles="gather", zero_first=False, causal=causal,
                    scale=0.125, precision="float32", dropout_rate=dropout, blocks=blocks,
-                   q_len=length, k_len=length, interpret=True)
+                   q_len=length, k_len=length,
+                   interpret=jax.default_backend() == "cpu")
   head_major = [jnp.swapaxes(x, 1, 2) for x in (q, k, v)]
   loff = cfg.offset_len
   obp = jnp.pad(ob, ((0, 0), (0, loff - ob.shape[1])))[:, None, :]
