@@ -1,0 +1,18 @@
+"""Evaluation of trained workdirs (``python -m posenc_jax.evaluate``), as a library.
+
+  from posenc_jax import evaluation
+  doc = evaluation.evaluate_workdir("/tmp/run", "extrapolation", lengths=[64, 128, 256],
+                                    out="/tmp/run/eval")
+  doc["rows"][-1]["value"]          # perplexity (causal LM) or masked-LM loss at 256
+
+Protocols (:data:`PROTOCOLS`): ``loss`` and ``extrapolation``
+(:mod:`posenc_jax.evaluation.runs`); windows: :mod:`posenc_jax.evaluation.windows`;
+files and tables: :mod:`posenc_jax.evaluation.report`.
+"""
+
+from posenc_jax.evaluation.runs import (PROTOCOLS, EvaluationError, Run, evaluate_workdir,
+                                        load_run, model_at, protocol_options)
+from posenc_jax.evaluation.windows import WINDOWS, Windows, window_arrays, windows
+
+__all__ = ["PROTOCOLS", "WINDOWS", "EvaluationError", "Run", "Windows", "evaluate_workdir",
+           "load_run", "model_at", "protocol_options", "window_arrays", "windows"]

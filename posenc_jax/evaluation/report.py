@@ -1,0 +1,108 @@
+"""What an evaluation leaves behind: ``<out>/<protocol>.json``, a console table, and for
+``extrapolation`` a PNG of the curve (matplotlib, the ``analysis`` extra; without it the plot
+is skipped with one line). Files go through ``etils.epath``, so ``gs://`` folders work.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from collections.abc import Callable
+from typing import Any
+
+from etils import epath
+
+from posenc_jax.cli import OutputPathError, absolute, check_output_dir
+
+PROTECTED = ("checkpoints", "best")  # a workdir's folders an evaluation never writes into
+PLOT_HINT = 'the plot needs matplotlib: pip install "posenc-jax[analysis]"'
+
+
+def check_out(out: str, workdir: str) -> str:
+  """``out`` (absolute, or a URI), created and writable, outside ``<workdir>/checkpoints``
+  and ``<workdir>/best``; else one :class:`~posenc_jax.cli.OutputPathError` line naming
+  ``out``."""
+  out = absolute(out)
+  for name in PROTECTED:
+    protected = os.path.join(absolute(workdir), name)
+    if out == protected or out.startswith(protected.rstrip("/") + "/"):
+      raise OutputPathError(f"out: {out!r} is inside {protected!r}, which an evaluation "
+                            "never writes into; pick another folder")
+  return check_output_dir("out", out)
+
+
+def table(document: dict[str, Any]) -> str:
+  """The document as console lines: a header stating the protocol, then one row per
+  metric (``loss``) or per length (``extrapolation``)."""
+  head = (f"{document['protocol']}: {document['workdir']} step {document['step']} "
+          f"(checkpoint {document['checkpoint']}), objective {document['objective']}")
+  if document["protocol"] == "loss":
+    width = max(map(len, document["metrics"]), default=0)
+    return "\n".join([f"{head}, split {document['split']}"] + [
+        f"  {name:<{width}}  {value:.6g}" for name, value in document["metrics"].items()])
+  stride = f", stride {document['stride']}" if document["stride"] is not None else ""
+  lines = [f"{head}, split {document['split']}",
+           f"  windows {document['windows']}{stride}, the first {document['tokens']} tokens "
+           f"at every length, trained at length {document['train_length']}",
+           f"  {'length':>7}  {document['metric']:>10}  {'loss':>8}  {'accuracy':>8}  "
+           f"{'scored':>7}"]
+  for row in document["rows"]:
+    if row["value"] is None:
+      lines.append(f"  {row['length']:>7}  {'n/a':>10}  {row['na']}")
+    else:
+      lines.append(f"  {row['length']:>7}  {row['value']:>10.4f}  {row['loss']:>8.4f}  "
+                   f"{row['accuracy']:>8.4f}  {row['scored_tokens']:>7}")
+  return "\n".join(lines)
+
+
+def plot_extrapolation(document: dict[str, Any]):
+  """The metric against the evaluation length (log2 axis), the training length marked:
+  a matplotlib ``Figure`` (Agg canvas; pyplot untouched)."""
+  from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: PLC0415
+  from matplotlib.figure import Figure  # noqa: PLC0415
+
+  fig = Figure(figsize=(5, 3.5), dpi=110, layout="constrained")
+  FigureCanvasAgg(fig)
+  ax = fig.add_subplot()
+  rows = [r for r in document["rows"] if r["value"] is not None]
+  ax.plot([r["length"] for r in rows], [r["value"] for r in rows], marker="o")
+  ax.axvline(document["train_length"], color="grey", linestyle="--", linewidth=1,
+             label=f"training length {document['train_length']}")
+  ax.set_xscale("log", base=2)
+  ax.set_xlabel("evaluation length (tokens)")
+  ax.set_ylabel(document["metric"])
+  stride = f", stride {document['stride']}" if document["stride"] is not None else ""
+  ax.set_title(f"{os.path.basename(str(document['workdir']).rstrip('/'))} step "
+               f"{document['step']}: {document['windows']}{stride}, {document['tokens']} "
+               "tokens", fontsize=8)
+  ax.legend(fontsize=7)
+  return fig
+
+
+PLOTS: dict[str, Callable[[dict[str, Any]], Any]] = {"extrapolation": plot_extrapolation}
+
+
+def write(document: dict[str, Any], out: str,
+          progress: Callable[[str], None] = lambda message: None) -> list[str]:
+  """Writes ``<out>/<protocol>.json`` and, for a protocol of :data:`PLOTS` with
+  matplotlib installed, ``<out>/<protocol>.png``; returns the paths written."""
+  folder = epath.Path(out)
+  folder.mkdir(parents=True, exist_ok=True)
+  path = folder / f"{document['protocol']}.json"
+  path.write_text(json.dumps(document, indent=2) + "\n")
+  written = [os.fspath(path)]
+  if document["protocol"] in PLOTS:
+    try:
+      figure = PLOTS[document["protocol"]](document)
+    except ImportError:
+      progress(PLOT_HINT)
+      return written
+    png = io.BytesIO()
+    figure.savefig(png, format="png")
+    picture = folder / f"{document['protocol']}.png"
+    picture.write_bytes(png.getvalue())
+    written.append(os.fspath(picture))
+  for item in written:
+    progress(f"wrote {item}")
+  return written

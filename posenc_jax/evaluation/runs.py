@@ -1,0 +1,489 @@
+"""A trained workdir's model, restored read-only, and the evaluation protocols run on it.
+
+``evaluate_workdir(workdir, protocol, ...)`` restores the newest good checkpoint (or
+``best/``, or a step), builds the model from the workdir's ``config.json``, runs one protocol
+of :data:`PROTOCOLS` and returns its JSON document (and, given ``out``, writes it there with
+a plot: :mod:`posenc_jax.evaluation.report`). Nothing is ever written under
+``<workdir>/checkpoints`` or ``<workdir>/best``.
+
+Protocols (each a function ``(run, *, progress, **options) -> document``; a new one is one
+entry of :data:`PROTOCOLS`):
+
+* ``loss``: the objective's metrics on a split, as the trainer's periodic evaluation
+  computes them (``eval_loss``, ``eval_accuracy``; ``eval_perplexity`` for a causal LM), and
+  for fine-tuned runs the task's own metrics (:func:`~posenc_jax.training.loop.task_evaluation`).
+* ``extrapolation``: causal-LM perplexity or masked-LM loss at several evaluation lengths, on
+  the same first ``tokens`` tokens of the split's stream at every length
+  (:mod:`posenc_jax.evaluation.windows`). The causal-LM stream is the task's lines joined with
+  EOS, exactly as :func:`posenc_jax.data.causal_lm.packed_epoch` packs them; the masked-LM
+  stream is the lines joined with [SEP] as :func:`posenc_jax.data.preprocessors.pack_lines`
+  packs them, corrupted once as a whole by :func:`~posenc_jax.data.preprocessors.bert_mask`
+  with a fixed seed, and each window is [CLS] and ``L - 1`` stream tokens. A length the model
+  cannot reach is a row with ``value`` None and the reason in ``na``.
+
+A length past ``model.max_len`` runs the trained model when it accepts that length (a
+relative table clipped at a distance, T5 buckets, ALiBi); else the model rebuilt with
+``max_len`` = that length when its parameters have the same shapes (sinusoidal tables, a
+scheme whose fixed tables ``max_len`` sizes); else it is ``n/a`` (a learned table of
+``max_len`` rows).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import itertools
+import math
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import ml_collections
+import numpy as np
+from etils import epath
+
+from posenc_jax.cli import absolute, first_line
+from posenc_jax.evaluation import windows as windows_lib
+from posenc_jax.models.build import abstract_params, build_model
+from posenc_jax.models.config import model_config
+from posenc_jax.training import checkpoint as checkpoint_lib
+from posenc_jax.training.objectives import objective
+from posenc_jax.training.workdir import CONFIG_FILE, saved_config
+
+PRETRAINING = ("lm", "mlm")
+CHUNK = 1024  # tokens per packed example read while collecting a stream
+MASK_SEED = 0  # the masked-LM stream's masking seed: the same masks for every run
+DEFAULT_TOKENS = 16_384
+
+
+class EvaluationError(ValueError):
+  """An evaluation cannot run as asked (one line naming the field)."""
+
+
+@dataclasses.dataclass
+class Run:
+  """A workdir's trained model.
+
+  Attributes:
+    workdir: the run's folder (absolute, or a URI).
+    config: its ``config.json`` as a ConfigDict.
+    model: the module built from it.
+    params: the restored parameters (on the first local device).
+    step: the step they were saved at.
+    checkpoint: what was asked: ``"latest"``, ``"best"`` or a step.
+  """
+
+  workdir: str
+  config: ml_collections.ConfigDict
+  model: nn.Module
+  params: Any
+  step: int
+  checkpoint: str | int
+
+  def build(self, **overrides) -> nn.Module:
+    """The run's model, its model config changed by ``overrides`` (e.g. ``max_len=``)."""
+    return build_model(model_config(self.config.model, **overrides), self.config.head,
+                       num_labels=self.config.get("num_labels", 2))
+
+
+def parse_checkpoint(text: str | int) -> str | int:
+  """``"latest"``, ``"best"`` or a step (a non-negative integer, from an int or its text)."""
+  if text in ("latest", "best"):
+    return text
+  try:
+    step = int(text)
+  except (TypeError, ValueError):
+    step = -1
+  if step < 0:
+    raise EvaluationError(f"checkpoint: got {text!r}; allowed: latest, best or a saved step")
+  return step
+
+
+def _restore_best(workdir: str, abstract: Any) -> tuple[int, Any]:
+  """``(step, params)`` kept in ``<workdir>/best`` by
+  :class:`~posenc_jax.training.loop.BestKeeper` (read-only)."""
+  import orbax.checkpoint as ocp  # noqa: PLC0415
+
+  folder = epath.Path(workdir) / "best"
+  if not folder.is_dir():
+    raise EvaluationError(f"checkpoint: 'best' needs {folder} (kept by runs with a "
+                          "best_metric); this workdir has none: use latest or a step")
+  manager = ocp.CheckpointManager(folder, options=ocp.CheckpointManagerOptions(
+      create=False, read_only=True))
+  try:
+    step = manager.latest_step()
+    if step is None:
+      raise EvaluationError(f"checkpoint: {folder} holds no complete checkpoint")
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
+                          abstract)
+    try:
+      params = manager.restore(step, args=ocp.args.StandardRestore(target))
+    except Exception as e:  # noqa: BLE001 - any unreadable checkpoint is one line
+      raise EvaluationError(f"checkpoint: {folder}/{step} does not restore: "
+                            f"{first_line(e)}") from None
+  finally:
+    manager.close()
+  problem = checkpoint_lib.damage(params, None)
+  if problem:
+    raise EvaluationError(f"checkpoint: {folder}/{step} is damaged ({problem})")
+  return step, params
+
+
+def load_run(workdir: str, checkpoint: str | int = "latest") -> Run:
+  """The model of ``workdir`` (its ``config.json``) with the parameters of ``checkpoint``:
+  ``"latest"`` (the newest that restores and verifies; damaged ones are skipped, never
+  moved), ``"best"`` (``<workdir>/best``) or a saved step.
+
+  Raises:
+    EvaluationError, CheckpointError, TrainConfigError, ModelConfigError: one line.
+  """
+  workdir = absolute(workdir)
+  checkpoint = parse_checkpoint(checkpoint)
+  saved = saved_config(workdir)
+  if saved is None:
+    raise EvaluationError(f"workdir: {workdir} has no {CONFIG_FILE} (train.py and "
+                          "finetune.py write it), so its model is unknown")
+  config = ml_collections.ConfigDict(saved)
+  model = build_model(saved["model"], config.head, num_labels=config.get("num_labels", 2))
+  abstract = abstract_params(model)
+  if checkpoint == "best":
+    step, params = _restore_best(workdir, abstract)
+  else:
+    step, params = checkpoint_lib.restore_params(
+        workdir, abstract, step=None if checkpoint == "latest" else checkpoint)
+  return Run(workdir, config, model, params, step, checkpoint)
+
+
+def _quiet(message: str) -> None:
+  del message
+
+
+# ---------------------------------------------------------------------------- loss protocol
+
+
+def loss_protocol(run: Run, *, split: str = "validation", eval_steps: int | None = None,
+                  progress: Callable[[str], None] = _quiet) -> dict[str, Any]:
+  """The objective's metrics on ``split`` over ``eval_steps`` batches (default the run's),
+  as the trainer's evaluation computes them, and for fine-tuned runs the task's metrics."""
+  from posenc_jax.training.input_pipeline import check_data_config, make_batches  # noqa: PLC0415
+  from posenc_jax.training.loop import (evaluate, make_eval_step,  # noqa: PLC0415
+                                        task_evaluation)
+
+  config = ml_collections.ConfigDict(run.config.to_dict())
+  if eval_steps is not None:
+    config.eval_steps = eval_steps
+  config.eval_split = split
+  check_data_config(config)
+  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  batches = make_batches(config, split, 0)
+  if config.objective in PRETRAINING or config.objective == "translation":
+    batches = itertools.islice(batches, config.eval_steps)  # the train split is endless
+  total = config.eval_steps if config.objective in PRETRAINING else None
+
+  def counted(items: Iterator) -> Iterator:
+    every = max(1, total // 4) if total else 50
+    for i, batch in enumerate(items, 1):
+      if i % every == 0:
+        progress(f"loss: batch {i}{f'/{total}' if total else ''} of split {split!r}")
+      yield batch
+
+  metrics = evaluate(jax.jit(make_eval_step(run.model, config)), run.params,
+                     counted(batches), device, perplexity=config.objective == "lm")
+  if not metrics:
+    raise EvaluationError(f"split: {split!r} of task {config.task!r} gave no batch")
+  progress("loss: task metrics" if config.objective not in PRETRAINING else "loss: done")
+  metrics |= task_evaluation(config, run.model, run.params, make_batches)
+  return {"protocol": "loss", "workdir": run.workdir, "step": run.step,
+          "checkpoint": run.checkpoint, "objective": config.objective, "split": split,
+          "metrics": {k: float(v) for k, v in metrics.items()}}
+
+
+# --------------------------------------------------------------------- extrapolation protocol
+
+
+def _packed_examples(objective_name: str, task: str, split: str) -> Iterator[np.ndarray]:
+  """The split's token stream in pieces (numpy int32), in source order, no padding."""
+  if objective_name == "lm":
+    from posenc_jax.data import causal_lm  # noqa: PLC0415
+    for example in causal_lm.packed_epoch(task, split, CHUNK).as_numpy_iterator():
+      yield example["targets"][example["targets"] > 0]
+  else:
+    from posenc_jax.data import preprocessors  # noqa: PLC0415
+    packed = preprocessors.packed_epoch(task, split, CHUNK)  # [CLS] + CHUNK - 1 tokens
+    for example in packed.as_numpy_iterator():
+      yield example["input_ids"][1:][example["mask"][1:] > 0]
+
+
+def token_stream(config: ml_collections.ConfigDict, split: str, tokens: int,
+                 mask_seed: int = MASK_SEED) -> dict[str, np.ndarray]:
+  """The first ``tokens`` tokens of the split's stream (fewer if the split is shorter),
+  ``[N]`` arrays (read-only: one copy per process serves every run of the same task):
+  ``targets`` (causal LM), or ``input_ids`` (corrupted), ``mlm_targets`` and
+  ``mlm_weights`` (masked LM, masked with ``mask_seed``)."""
+  from posenc_jax.training.input_pipeline import check_data_config  # noqa: PLC0415
+
+  check_data_config(config)  # registers the tasks; the task has the objective's feature
+  return _token_stream(config.objective, config.task, split, tokens, mask_seed,
+                       config.mask_rate)
+
+
+@functools.lru_cache(maxsize=8)
+def _token_stream(objective_name: str, task: str, split: str, tokens: int, mask_seed: int,
+                  mask_rate: float) -> dict[str, np.ndarray]:
+  pieces, have = [], 0
+  for piece in _packed_examples(objective_name, task, split):
+    pieces.append(piece)
+    have += len(piece)
+    if have >= tokens:
+      break
+  stream = np.concatenate(pieces)[:tokens].astype(np.int32) if pieces else np.zeros(0, np.int32)
+  if not len(stream):
+    raise EvaluationError(f"split: {split!r} of task {task!r} holds no tokens")
+  if objective_name == "lm":
+    arrays = {"targets": stream}
+  else:
+    import seqio  # noqa: PLC0415
+    import tensorflow as tf  # noqa: PLC0415
+
+    from posenc_jax.data.preprocessors import bert_mask  # noqa: PLC0415
+    vocab_size = seqio.get_mixture_or_task(task).output_features["text"].vocabulary.vocab_size
+    masked = bert_mask({"input_ids": tf.constant(stream), "mask": tf.ones_like(stream)},
+                       tf.constant([mask_seed, 0], tf.int64), vocab_size, mask_rate)
+    arrays = {k: masked[k].numpy() for k in ("input_ids", "mlm_targets", "mlm_weights")}
+  for array in arrays.values():
+    array.flags.writeable = False
+  return arrays
+
+
+def window_batches(stream: dict[str, np.ndarray], objective_name: str, length: int,
+                   kind: str, stride: int | None) -> tuple[dict[str, np.ndarray], int]:
+  """``(batch, scored)``: every window of ``length`` model positions over ``stream`` as one
+  batch of ``[W, length]`` arrays (causal LM: ``targets`` and ``loss_weights``; masked LM:
+  :func:`~posenc_jax.training.objectives.mlm_objective`'s features, [CLS] and ``length - 1``
+  stream tokens per window, ``mlm_weights`` at the masked positions it scores), and the
+  number of stream tokens scored."""
+  if objective_name == "lm":
+    cut = windows_lib.windows(len(stream["targets"]), length, kind, stride)
+    ids, _, scored = windows_lib.window_arrays(stream["targets"], cut)
+    return {"targets": ids, "loss_weights": scored.astype(np.float32)}, int(scored.sum())
+  from posenc_jax.data.vocab import CLS_ID  # noqa: PLC0415
+  if length < 2:
+    raise EvaluationError(f"lengths: got {length}; allowed for a masked LM: at least 2 "
+                          "([CLS] and one token)")
+  cut = windows_lib.windows(len(stream["input_ids"]), length - 1, kind, stride)
+  ids, valid, scored = windows_lib.window_arrays(stream["input_ids"], cut)
+  targets = windows_lib.window_arrays(stream["mlm_targets"], cut)[0]
+  weights = windows_lib.window_arrays(stream["mlm_weights"], cut)[0] * scored
+
+  def with_cls(x: np.ndarray, first: int) -> np.ndarray:
+    return np.concatenate([np.full((len(x), 1), first, x.dtype), x], axis=1)
+
+  batch = {"input_ids": with_cls(ids, CLS_ID), "segment_ids": np.zeros((len(ids), length),
+                                                                       np.int32),
+           "mask": with_cls(valid.astype(np.int32), 1), "mlm_targets": with_cls(targets, 0),
+           "mlm_weights": with_cls(weights.astype(np.float32), 0)}
+  return batch, int(scored.sum())
+
+
+def model_at(run: Run, length: int) -> tuple[nn.Module | None, str | None]:
+  """``(model, None)``: the model that evaluates ``length`` tokens (module docstring), or
+  ``(None, reason)`` when the scheme cannot reach ``length``."""
+  max_len = model_config(run.config.model).max_len
+  if length <= max_len:
+    return run.model, None
+  name = run.config.objective
+  loss_fn = objective(name)
+  keys = ("targets",) if name == "lm" else ("input_ids", "mlm_targets", "mlm_weights")
+  zeros = {k: np.zeros(length - (name != "lm"), np.int32) for k in keys}  # one window of 0s
+  probe = window_batches(zeros, name, length, "non_overlapping", None)[0]
+  try:
+    jax.eval_shape(lambda p: loss_fn(run.model, p, probe, None), run.params)
+    return run.model, None
+  except ValueError as e:
+    refusal = first_line(e)
+  try:
+    longer = run.build(max_len=length)
+  except ValueError as e:
+    return None, f"{refusal}; model.max_len={length} is refused: {first_line(e)}"
+  shapes = checkpoint_lib._shapes  # noqa: SLF001 - the checkpoint's own shape comparison
+  mismatch = checkpoint_lib._compare(shapes(run.params),  # noqa: SLF001
+                                     shapes(abstract_params(longer)))
+  if mismatch:
+    return None, (f"{refusal}; its parameters depend on max_len (trained {max_len} vs "
+                  f"{length}: {mismatch.partition(': ')[2]})")
+  return longer, None
+
+
+def score(model: nn.Module, params: Any, objective_name: str, batch: dict[str, np.ndarray],
+          batch_size: int, progress: Callable[[str], None] = _quiet) -> dict[str, float]:
+  """Summed ``loss``, ``weight`` and ``correct`` (float64 on the host) of the objective
+  over ``batch`` ``[W, L]``, in jitted batches of ``batch_size`` windows (the last padded
+  with weight-0 copies of the first window); ``progress`` hears of every quarter."""
+  loss_fn = objective(objective_name)  # masked LM: logits at every position
+  step = jax.jit(lambda p, b: loss_fn(model, p, b, None)[1])
+  weight_key = "loss_weights" if objective_name == "lm" else "mlm_weights"
+  count = len(batch[weight_key])
+  totals = {"loss": 0.0, "weight": 0.0, "correct": 0.0}
+  report_every = max(1, -(-count // batch_size) // 4) * batch_size
+  for first in range(0, count, batch_size):
+    rows = {k: v[first:first + batch_size] for k, v in batch.items()}
+    missing = batch_size - len(rows[weight_key])
+    if missing:
+      rows = {k: np.concatenate([v, np.repeat(batch[k][:1], missing, axis=0)])
+              for k, v in rows.items()}
+      rows[weight_key][-missing:] = 0
+    sums = jax.device_get(step(params, rows))
+    for key in totals:
+      totals[key] += float(sums[key])
+    if (first + batch_size) % report_every == 0 and first + batch_size < count:
+      progress(f"{first + batch_size}/{count} windows")
+  return totals
+
+
+def extrapolation_protocol(run: Run, *, split: str = "validation",
+                           lengths: Sequence[int] | None = None,
+                           windows: str = "non_overlapping",
+                           stride: int | None = None, tokens: int = DEFAULT_TOKENS,
+                           batch_size: int | None = None, mask_seed: int | None = None,
+                           progress: Callable[[str], None] = _quiet) -> dict[str, Any]:
+  """Perplexity (causal LM) or masked-LM loss at each of ``lengths`` (default 1, 2, 4 and 8
+  times the training length) over the first ``tokens`` tokens of ``split``, cut into
+  ``windows`` (``non_overlapping``, or ``sliding`` with ``stride``, causal LM only);
+  ``batch_size`` windows per step (default: the training batch's tokens per step);
+  ``mask_seed`` (masked LM only) the stream's masking seed (default :data:`MASK_SEED`)."""
+  config = run.config
+  name = config.objective
+  if name not in PRETRAINING:
+    raise EvaluationError(f"protocol: 'extrapolation' needs a pre-training run (objective "
+                          f"lm or mlm); {run.workdir} has objective {name!r}")
+  if windows == "sliding" and name != "lm":
+    raise EvaluationError("windows: 'sliding' scores a token with the context before it, "
+                          f"for a causal LM (objective lm); this run's objective is {name!r}")
+  if mask_seed is not None and name != "mlm":
+    raise EvaluationError("mask_seed: only for a masked-LM run (objective mlm); this run's "
+                          f"objective is {name!r}")
+  train_length = config.seq_len
+  lengths = check_lengths(lengths or [train_length * k for k in (1, 2, 4, 8)])
+  check_windows(windows, stride, lengths)
+  if int(tokens) != tokens or tokens < 1:
+    raise EvaluationError(f"tokens: got {tokens!r}; allowed: a positive integer")
+  if batch_size is not None and (int(batch_size) != batch_size or batch_size < 1):
+    raise EvaluationError(f"batch_size: got {batch_size!r}; allowed: a positive integer")
+  progress(f"extrapolation: reading the first {tokens} tokens of split {split!r} of "
+           f"{config.task!r}")
+  stream = token_stream(config, split, tokens,
+                        MASK_SEED if mask_seed is None else mask_seed)
+  tokens = len(next(iter(stream.values())))
+  rows = []
+  for index, length in enumerate(lengths, 1):
+    start = time.perf_counter()
+    model, reason = model_at(run, length)
+    row = {"length": length, "value": None, "loss": None, "accuracy": None,
+           "scored_tokens": 0, "na": reason}
+    if model is not None:
+      batch, scored = window_batches(stream, name, length, windows, stride)
+      rows_per_step = batch_size or max(1, config.batch_size * train_length // length)
+      sums = score(model, run.params, name, batch, rows_per_step,
+                   lambda text, length=length: progress(f"extrapolation: length {length} "
+                                                        f"({index}/{len(lengths)}): {text}"))
+      weight = max(sums["weight"], 1.0)
+      loss = sums["loss"] / weight
+      row |= {"value": math.exp(min(loss, 700.0)) if name == "lm" else loss, "loss": loss,
+              "accuracy": sums["correct"] / weight, "scored_tokens": scored}
+    rows.append(row)
+    value = "n/a" if row["value"] is None else f"{row['value']:.4g}"
+    progress(f"extrapolation: length {length} ({index}/{len(lengths)}): {value} "
+             f"({time.perf_counter() - start:.1f} s)")
+  return {"protocol": "extrapolation", "workdir": run.workdir, "step": run.step,
+          "checkpoint": run.checkpoint, "objective": name,
+          "metric": "perplexity" if name == "lm" else "mlm_loss", "split": split,
+          "train_length": train_length, "windows": windows, "stride": stride,
+          "tokens": tokens, "mask_seed": (MASK_SEED if mask_seed is None else mask_seed)
+          if name == "mlm" else None, "rows": rows}
+
+
+def check_lengths(lengths: Sequence[int]) -> list[int]:
+  """``lengths`` as a list, after checking they are positive integers, increasing."""
+  lengths = list(lengths)
+  for length in lengths:
+    if isinstance(length, bool) or int(length) != length or length < 1:
+      raise EvaluationError(f"lengths: got {length!r} in {lengths}; allowed: positive integers")
+  if any(b <= a for a, b in zip(lengths, lengths[1:])):
+    raise EvaluationError(f"lengths: got {','.join(map(str, lengths))}; allowed: increasing, "
+                          "no repeats")
+  return [int(length) for length in lengths]
+
+
+def check_windows(kind: str, stride: int | None, lengths: Sequence[int]) -> None:
+  """``windows`` and ``stride`` fit together and every length (one line naming the field)."""
+  if kind not in windows_lib.WINDOWS:
+    raise EvaluationError(f"windows: got {kind!r}; allowed: {', '.join(windows_lib.WINDOWS)}")
+  if kind == "non_overlapping" and stride is not None:
+    raise EvaluationError(f"stride: got {stride}; allowed only with windows 'sliding'")
+  if kind == "sliding" and (stride is None or int(stride) != stride or stride < 1
+                            or stride > min(lengths)):
+    given = "required" if stride is None else f"got {stride!r}"
+    raise EvaluationError(f"stride: {given}; allowed with windows 'sliding': an integer in "
+                          f"[1, {min(lengths)}] (the smallest length)")
+
+
+PROTOCOLS: dict[str, Callable[..., dict[str, Any]]] = {
+    "loss": loss_protocol,
+    "extrapolation": extrapolation_protocol,
+}
+
+
+def protocol_options(protocol: str) -> list[str]:
+  """The keyword options of ``protocol`` (its function's, ``progress`` aside)."""
+  params = inspect.signature(PROTOCOLS[protocol]).parameters
+  return [p for p in params if params[p].kind == inspect.Parameter.KEYWORD_ONLY
+          and p != "progress"]
+
+
+def check_protocol(protocol: str, options: dict[str, Any]) -> None:
+  """``protocol`` is known and takes every one of ``options`` (one line naming the first
+  that is not)."""
+  from posenc_jax.cli import nearest  # noqa: PLC0415
+  if protocol not in PROTOCOLS:
+    raise EvaluationError(f"protocol: got {protocol!r}{nearest(protocol, list(PROTOCOLS))} "
+                          f"allowed: {', '.join(PROTOCOLS)}")
+  allowed = protocol_options(protocol)
+  for option in options:
+    if option not in allowed:
+      raise EvaluationError(f"{option}: not an option of protocol {protocol!r} (its options: "
+                            f"{', '.join(allowed)})")
+
+
+def evaluate_workdir(workdir: str, protocol: str = "loss", *, checkpoint: str | int = "latest",
+                     out: str | None = None, progress: Callable[[str], None] | None = None,
+                     **options) -> dict[str, Any]:
+  """Runs ``protocol`` on ``workdir``'s model and returns its document (module docstring);
+  given ``out`` (e.g. ``<workdir>/eval``), also writes ``<out>/<protocol>.json`` and, where
+  it makes sense, ``<out>/<protocol>.png`` (:func:`posenc_jax.evaluation.report.write`).
+
+  Args:
+    workdir: a train.py or finetune.py workdir (local or a URI such as ``gs://...``).
+    protocol: a name in :data:`PROTOCOLS`.
+    checkpoint: ``"latest"``, ``"best"`` or a saved step.
+    out: the folder to write into (checked, and created, once the run is restored, before
+      the protocol runs); never inside ``<workdir>/checkpoints`` or ``<workdir>/best``.
+    progress: called with one line per stage (None: silent).
+    options: the protocol's keyword options (:func:`protocol_options`).
+
+  Raises:
+    EvaluationError and the trainer's one-line errors (``USER_ERRORS``).
+  """
+  from posenc_jax.evaluation import report  # noqa: PLC0415
+
+  check_protocol(protocol, options)
+  run = load_run(workdir, checkpoint)
+  if out is not None:
+    out = report.check_out(out, run.workdir)
+  document = PROTOCOLS[protocol](run, progress=progress or _quiet, **options)
+  if out is not None:
+    report.write(document, out, progress=progress or _quiet)
+  return document

@@ -1,0 +1,349 @@
+"""``python -m posenc_jax.evaluate`` and :mod:`posenc_jax.evaluation`: the windows cover every
+token once, the scores equal a float64 numpy computation from the model's logits, lengths
+past ``max_len`` run or are n/a as each scheme allows, the workdir's checkpoints are never
+written, and every bad input is one line.
+
+The workdirs are faked: a tiny model's fresh parameters saved through the trainer's
+:class:`~posenc_jax.training.checkpoint.Checkpointer` beside its ``config.json``.
+"""
+
+import json
+import os
+
+import flax.linen as nn
+import jax
+import numpy as np
+import pytest
+from etils import epath
+
+from posenc_jax import evaluate as evaluate_cli
+from posenc_jax.configs import lm as lm_config
+from posenc_jax.configs import pretrain as pretrain_config
+from posenc_jax.data.vocab import CLS_ID
+from posenc_jax.evaluation import (EvaluationError, Run, evaluate_workdir, load_run, model_at,
+                                   window_arrays, windows)
+from posenc_jax.evaluation.runs import token_stream, window_batches
+from posenc_jax.models.build import build_model, init_inputs
+from posenc_jax.models.transformer import shift_right
+from posenc_jax.schemes.absolute import SinusoidalAPE
+from posenc_jax.training.checkpoint import Checkpointer
+from posenc_jax.training.loop import BestKeeper
+from posenc_jax.training.workdir import resolved_config
+from tests.test_remote_workdir import bucket  # noqa: F401 - the fake gs:// fixture
+
+TRAIN_LEN, TOKENS = 16, 300
+TINY = dict(d_model=32, num_layers=1, num_heads=2, mlp_dim=64, max_len=TRAIN_LEN)
+
+
+# ------------------------------------------------------------------------------- windows
+
+
+@pytest.mark.parametrize("tokens,length,kind,stride", [
+    (100, 16, "non_overlapping", None), (96, 16, "non_overlapping", None),
+    (5, 16, "non_overlapping", None), (100, 16, "sliding", 4), (100, 16, "sliding", 16),
+    (100, 16, "sliding", 5), (10, 16, "sliding", 4), (17, 16, "sliding", 1)])
+def test_windows_score_every_token_once_with_closed_form_counts(tokens, length, kind, stride):
+  cut = windows(tokens, length, kind, stride)
+  stream = np.arange(1, tokens + 1)  # a token's id is its place + 1
+  ids, valid, scored = window_arrays(stream, cut)
+  assert ids.shape == valid.shape == scored.shape == (len(cut.starts), length)
+  expected = (-(-tokens // length) if kind == "non_overlapping"
+              else 1 + -(-max(0, tokens - length) // stride))
+  assert len(cut.starts) == expected
+  assert sorted(ids[scored]) == list(stream)  # every token scored exactly once
+  assert np.all(ids[~valid] == 0) and not np.any(scored & ~valid)
+  if kind == "sliding":  # past the first window a token sees at least L - S before it
+    rows, cols = np.nonzero(scored)
+    assert np.all((rows == 0) | (cols >= length - stride))
+    assert np.all(scored[1:].sum(1) <= stride)
+
+
+def test_windows_hold_the_same_tokens_at_every_length():
+  stream = np.random.default_rng(0).integers(6, 100, 250)
+  for kind, stride in (("non_overlapping", None), ("sliding", 8)):
+    scored = []
+    for length in (16, 32, 64, 128):
+      ids, _, mask = window_arrays(stream, windows(len(stream), length, kind, stride))
+      scored.append(ids[mask])
+    assert all(np.array_equal(s, stream) for s in scored)  # in stream order, each once
+
+
+@pytest.mark.parametrize("args,message", [
+    ((0, 8), "tokens: got 0"), ((8, 0), "length: got 0"),
+    ((8, 4, "overlapping"), "windows: got 'overlapping'"),
+    ((8, 4, "non_overlapping", 2), "stride: got 2; allowed only with windows 'sliding'"),
+    ((8, 4, "sliding"), "stride: got None"), ((8, 4, "sliding", 5), "stride: got 5")])
+def test_windows_refuse_bad_arguments_in_one_line(args, message):
+  with pytest.raises(ValueError, match=message):
+    windows(*args)
+
+
+# ------------------------------------------------------------------------------ workdirs
+
+
+def _config(module, scheme: str, **model):
+  config = module.get_config(f"bert_tiny,{scheme}")
+  config.model.update(TINY | model)
+  config.seq_len, config.batch_size, config.eval_steps = TRAIN_LEN, 4, 2
+  return config
+
+
+def _fake_workdir(path, config, step: int = 3, best: bool = False):
+  """``path`` made a workdir of ``config``: fresh parameters saved at ``step``."""
+  model = build_model(config.model, config.head)
+  params = nn.unbox(jax.jit(model.init)(jax.random.key(1), *init_inputs(model)))["params"]
+  path = epath.Path(path)
+  path.mkdir(parents=True, exist_ok=True)
+  (path / "config.json").write_text(json.dumps(resolved_config(config)))
+  checkpointer = Checkpointer(os.fspath(path), save_interval_steps=1, async_save=False)
+  checkpointer.save(step, {"params": params}, {"step": step}, force=True)
+  checkpointer.close()
+  if best:
+    keeper = BestKeeper(os.fspath(path), "eval_accuracy")
+    keeper.update(step - 1, {"eval_accuracy": 0.5}, params)
+    keeper.close()
+  return model, params
+
+
+@pytest.fixture(scope="module")
+def lm_run(tmp_path_factory):
+  """A causal-LM RoPE workdir (``max_len`` = the training length), with a ``best/``."""
+  path = tmp_path_factory.mktemp("lm_rope")
+  model, params = _fake_workdir(path, _config(lm_config, "rope"), best=True)
+  return str(path), model, params
+
+
+@pytest.fixture(scope="module")
+def mlm_run(tmp_path_factory):
+  """A masked-LM workdir with BERT's learned table of ``2 * TRAIN_LEN`` rows."""
+  path = tmp_path_factory.mktemp("mlm_bert")
+  model, params = _fake_workdir(path, _config(pretrain_config, "bert",
+                                              max_len=2 * TRAIN_LEN))
+  return str(path), model, params
+
+
+def _listing(folder) -> dict[str, tuple[int, int]]:
+  return {os.path.relpath(os.path.join(d, f), folder): (os.stat(os.path.join(d, f)).st_size,
+                                                         os.stat(os.path.join(d, f)).st_mtime_ns)
+          for d, _, files in os.walk(folder) for f in files}
+
+
+def _log_softmax_loss(logits: np.ndarray, targets: np.ndarray, weights: np.ndarray):
+  """Summed float64 cross-entropy, weight and correct predictions."""
+  logits = logits.astype(np.float64)
+  top = logits.max(-1, keepdims=True)
+  log_probs = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
+  picked = np.take_along_axis(log_probs, targets[..., None], -1)[..., 0]
+  correct = logits.argmax(-1) == targets
+  return -(picked * weights).sum(), weights.sum(), (correct * weights).sum()
+
+
+# ------------------------------------------------------------------------------ scoring
+
+
+def test_lm_perplexity_equals_numpy_on_the_same_windows(lm_run, tmp_path):
+  workdir, model, params = lm_run
+  before = _listing(workdir)
+  lengths = [TRAIN_LEN, 4 * TRAIN_LEN]
+  doc = evaluate_workdir(workdir, "extrapolation", lengths=lengths, tokens=TOKENS,
+                         out=str(tmp_path / "eval"))
+  sliding = evaluate_workdir(workdir, "extrapolation", lengths=lengths, tokens=TOKENS,
+                             windows="sliding", stride=8, batch_size=3)
+  assert _listing(workdir) == before  # nothing written in the workdir (out is elsewhere)
+  stream = token_stream(load_run(workdir).config, "validation", TOKENS)["targets"]
+  assert len(stream) == TOKENS and doc["tokens"] == TOKENS
+  for result, kind, stride in ((doc, "non_overlapping", None), (sliding, "sliding", 8)):
+    assert (result["windows"], result["stride"], result["train_length"]) == (kind, stride,
+                                                                            TRAIN_LEN)
+    for row, length in zip(result["rows"], lengths):
+      ids, _, scored = window_arrays(stream, windows(TOKENS, length, kind, stride))
+      logits = np.asarray(jax.jit(model.apply)({"params": params}, shift_right(ids)))
+      loss, weight, correct = _log_softmax_loss(logits, ids, scored.astype(np.float64))
+      assert row["scored_tokens"] == weight == TOKENS and row["na"] is None
+      np.testing.assert_allclose(row["loss"], loss / weight, rtol=2e-6)
+      np.testing.assert_allclose(row["value"], np.exp(loss / weight), rtol=2e-5)
+      assert row["accuracy"] == correct / weight
+  assert sliding["rows"][0]["loss"] != doc["rows"][0]["loss"]  # more context, another score
+  saved = json.loads((tmp_path / "eval" / "extrapolation.json").read_text())
+  assert saved == json.loads(json.dumps(doc))
+
+
+def test_mlm_loss_equals_numpy_at_the_training_length_and_past_it(mlm_run):
+  workdir, model, params = mlm_run
+  lengths = [TRAIN_LEN, 2 * TRAIN_LEN]
+  doc = evaluate_workdir(workdir, "extrapolation", lengths=lengths, tokens=TOKENS)
+  assert (doc["objective"], doc["metric"], doc["mask_seed"]) == ("mlm", "mlm_loss", 0)
+  stream = token_stream(load_run(workdir).config, "validation", TOKENS)
+  masked = stream["mlm_weights"]
+  assert 0.1 < masked.mean() < 0.2 and len(masked) == TOKENS
+  for row, length in zip(doc["rows"], lengths):
+    batch, scored = window_batches(stream, "mlm", length, "non_overlapping", None)
+    assert batch["input_ids"].shape[1] == length and np.all(batch["input_ids"][:, 0] == CLS_ID)
+    logits = np.asarray(jax.jit(model.apply)({"params": params}, batch["input_ids"],
+                                             batch["segment_ids"], batch["mask"]))
+    loss, weight, _ = _log_softmax_loss(logits, batch["mlm_targets"], batch["mlm_weights"])
+    assert weight == masked.sum() and row["scored_tokens"] == scored == TOKENS
+    np.testing.assert_allclose(row["value"], loss / weight, rtol=2e-6)
+
+
+def test_loss_protocol_is_the_trainers_evaluation_and_extrapolation_agrees(lm_run, tmp_path):
+  workdir, _, _ = lm_run
+  loss = evaluate_workdir(workdir, "loss", out=str(tmp_path))
+  assert set(loss["metrics"]) == {"eval_loss", "eval_accuracy", "eval_perplexity"}
+  assert (loss["split"], loss["step"], loss["checkpoint"]) == ("validation", 3, "latest")
+  # The trainer's evaluation batches are the stream's first eval_steps * batch_size windows.
+  same = evaluate_workdir(workdir, "extrapolation", lengths=[TRAIN_LEN],
+                          tokens=2 * 4 * TRAIN_LEN)
+  np.testing.assert_allclose(same["rows"][0]["loss"], loss["metrics"]["eval_loss"], rtol=1e-6)
+  assert json.loads((tmp_path / "loss.json").read_text())["metrics"] == loss["metrics"]
+
+
+# --------------------------------------------------------------------------- extrapolation
+
+
+def _run(module, scheme: str) -> Run:
+  config = _config(module, scheme)
+  model = build_model(config.model, config.head)
+  params = nn.unbox(jax.jit(model.init)(jax.random.key(0), *init_inputs(model)))["params"]
+  return Run("fresh", config, model, params, 0, "latest")
+
+
+@pytest.mark.parametrize("module,scheme", [(lm_config, "rope"), (lm_config, "alibi"),
+                                           (lm_config, "t5"), (pretrain_config, "diet_rel")])
+def test_relative_schemes_evaluate_at_four_times_the_training_length(module, scheme):
+  run = _run(module, scheme)
+  model, reason = model_at(run, 4 * TRAIN_LEN)
+  assert model is run.model and reason is None  # max_len bounds no table of theirs
+  stream = {"targets": np.arange(6, 6 + 3 * TRAIN_LEN, dtype=np.int32)}
+  if run.config.objective == "mlm":
+    stream = {"input_ids": stream["targets"], "mlm_targets": stream["targets"],
+              "mlm_weights": np.ones(3 * TRAIN_LEN, np.float32)}
+  from posenc_jax.evaluation.runs import score  # noqa: PLC0415
+  batch, _ = window_batches(stream, run.config.objective, 4 * TRAIN_LEN, "non_overlapping",
+                            None)
+  sums = score(model, run.params, run.config.objective, batch, 2)
+  assert np.isfinite(sums["loss"]) and sums["weight"] == 3 * TRAIN_LEN
+
+
+@pytest.mark.parametrize("module,scheme,table", [
+    (lm_config, "bert", "position_embedding"), (pretrain_config, "tupe_a", "position_embedding"),
+    (pretrain_config, "diet_abs", "p_query")])
+def test_a_learned_table_past_max_len_is_na_with_the_reason(module, scheme, table):
+  model, reason = model_at(_run(module, scheme), 4 * TRAIN_LEN)
+  assert model is None
+  assert f"exceeds max_len={TRAIN_LEN}" in reason and table in reason
+  assert f"trained {TRAIN_LEN} vs {4 * TRAIN_LEN}" in reason
+
+
+def test_a_fixed_table_sized_by_max_len_is_rebuilt_longer(monkeypatch):
+  # A sinusoidal table that refuses lengths past max_len (as a scheme that precomputes it
+  # would): same parameters at any max_len, so the model is rebuilt at the longer length.
+  monkeypatch.setattr(SinusoidalAPE, "absolute_table", True)
+  run = _run(lm_config, "sinusoidal")
+  model, reason = model_at(run, 4 * TRAIN_LEN)
+  assert reason is None and model.config.max_len == 4 * TRAIN_LEN
+  ids = np.arange(6, 6 + 4 * TRAIN_LEN, dtype=np.int32)[None]
+  assert np.all(np.isfinite(model.apply({"params": run.params}, ids)))
+
+
+def test_mlm_extrapolation_reports_na_past_the_table_and_never_crashes(mlm_run, tmp_path):
+  workdir, _, _ = mlm_run
+  doc = evaluate_workdir(workdir, "extrapolation", lengths=[TRAIN_LEN, 8 * TRAIN_LEN],
+                         tokens=64, out=str(tmp_path))
+  last = doc["rows"][-1]
+  assert last["value"] is None and last["loss"] is None and last["scored_tokens"] == 0
+  assert "exceeds max_len=32" in last["na"]
+  from posenc_jax.evaluation.report import table  # noqa: PLC0415
+  assert f"{8 * TRAIN_LEN}         n/a  scheme 'learned_ape'" in table(doc)
+
+
+# ---------------------------------------------------------------- checkpoints and storage
+
+
+def test_best_and_a_step_restore_and_nothing_is_written_under_checkpoints(lm_run):
+  workdir, _, params = lm_run
+  before = {name: _listing(os.path.join(workdir, name)) for name in ("checkpoints", "best")}
+  best = evaluate_workdir(workdir, "extrapolation", checkpoint="best", lengths=[TRAIN_LEN],
+                          tokens=64, out=os.path.join(workdir, "eval"))
+  step = evaluate_workdir(workdir, "extrapolation", checkpoint=3, lengths=[TRAIN_LEN],
+                          tokens=64)
+  assert (best["checkpoint"], best["step"], step["checkpoint"], step["step"]) == ("best", 2,
+                                                                                 3, 3)
+  assert best["rows"] == step["rows"]  # the same parameters were saved in both
+  after = {name: _listing(os.path.join(workdir, name)) for name in ("checkpoints", "best")}
+  assert after == before
+  assert sorted(os.listdir(os.path.join(workdir, "eval")))[0] == "extrapolation.json"
+
+
+def test_a_gs_workdir_is_read_and_written_through_epath(bucket, tmp_path):  # noqa: F811
+  root, _ = bucket
+  _fake_workdir(root / "run", _config(lm_config, "alibi"))
+  doc = evaluate_workdir("gs://bucket/run", "extrapolation", lengths=[TRAIN_LEN, 32],
+                         tokens=64, out="gs://bucket/run/eval")
+  assert doc["workdir"] == "gs://bucket/run"
+  saved = json.loads((root / "run" / "eval" / "extrapolation.json").read_text())
+  assert [r["length"] for r in saved["rows"]] == [TRAIN_LEN, 32]
+
+
+# ------------------------------------------------------------------------------- the CLI
+
+
+def _cli(argv, capsys) -> tuple[int, str]:
+  with pytest.raises(SystemExit) as exit_info:
+    evaluate_cli.main(argv)
+  return exit_info.value.code, capsys.readouterr().err.strip()
+
+
+def test_cli_runs_and_prints_the_protocol(lm_run, tmp_path, capsys):
+  workdir, _, _ = lm_run
+  doc = evaluate_cli.main([f"--workdir={workdir}", "--protocol=extrapolation",
+                           f"--lengths={TRAIN_LEN},{2 * TRAIN_LEN}", "--windows=sliding",
+                           "--stride=8", "--tokens=64", f"--out={tmp_path}"])
+  out = capsys.readouterr().out
+  assert "windows sliding, stride 8, the first 64 tokens at every length" in out
+  assert f"extrapolation: length {2 * TRAIN_LEN} (2/2)" in out
+  assert json.loads((tmp_path / "extrapolation.json").read_text())["rows"] == doc["rows"]
+
+
+def test_cli_errors_are_one_line_naming_the_field(lm_run, mlm_run, tmp_path, capsys):
+  lm, mlm = lm_run[0], mlm_run[0]
+  (tmp_path / "empty").mkdir()
+  no_checkpoints = tmp_path / "no_checkpoints"
+  no_checkpoints.mkdir()
+  (no_checkpoints / "config.json").write_text((epath.Path(lm) / "config.json").read_text())
+  (tmp_path / "file").write_text("")
+  cases = [
+      ([f"--workdir={lm}", "--protocol=probe"], 2, "evaluate: --protocol: got 'probe'"),
+      ([f"--workdir={lm}", "--lengths=64,32"], 2, "evaluate: --lengths: got 64,32; allowed: "
+       "increasing"),
+      ([f"--workdir={lm}", "--lengths=32,32"], 2, "evaluate: --lengths: got 32,32"),
+      ([f"--workdir={lm}", "--lengths=0,32"], 2, "evaluate: --lengths: got 0"),
+      ([f"--workdir={lm}", "--checkpoint=last"], 2, "evaluate: --checkpoint: got 'last'"),
+      ([f"--workdir={lm}", "--lengths=32"], 1, "evaluate: lengths: not an option of protocol "
+       "'loss'"),
+      ([f"--workdir={tmp_path / 'empty'}"], 1, "evaluate: workdir: "),
+      ([f"--workdir={no_checkpoints}"], 1, "evaluate: workdir: "),
+      ([f"--workdir={mlm}", "--checkpoint=best"], 1, "evaluate: checkpoint: 'best' needs"),
+      ([f"--workdir={lm}", "--checkpoint=9"], 1, "evaluate: step: 9 is not saved"),
+      ([f"--workdir={mlm}", "--protocol=extrapolation", "--windows=sliding", "--stride=4"], 1,
+       "evaluate: windows: 'sliding' "),
+      ([f"--workdir={lm}", "--protocol=extrapolation", "--mask_seed=1"], 1,
+       "evaluate: mask_seed: only for a masked-LM run"),
+      ([f"--workdir={lm}", "--protocol=extrapolation", "--windows=sliding"], 1,
+       "evaluate: stride: required"),
+      ([f"--workdir={lm}", f"--out={tmp_path / 'file' / 'x'}"], 1, "evaluate: out: "),
+      ([f"--workdir={lm}", f"--out={lm}/checkpoints/eval"], 1, "evaluate: out: "),
+  ]
+  for argv, code, start in cases:
+    status, err = _cli(argv, capsys)
+    assert (status, err.startswith(start), len(err.splitlines())) == (code, True, 1), (argv,
+                                                                                      err)
+  assert "no config.json" in _cli([f"--workdir={tmp_path / 'empty'}"], capsys)[1]
+  assert not (tmp_path / "empty" / "eval").exists()  # nothing made for a refused workdir
+
+
+def test_an_unknown_protocol_or_option_is_refused_by_the_api(lm_run):
+  with pytest.raises(EvaluationError, match="protocol: got 'probes'.*allowed: loss, "):
+    evaluate_workdir(lm_run[0], "probes")
+  with pytest.raises(EvaluationError, match="stride: not an option of protocol 'loss'"):
+    evaluate_workdir(lm_run[0], "loss", stride=4)
