@@ -1,0 +1,145 @@
+"""A grid of schemes x seeds (x sizes) run through train.py, finetune.py and the evaluate
+tool, and the papers' tables built from the runs:
+
+  python -m posenc_jax.compare --config=configs/compare.py:extrapolation --workdir=/tmp/cmp
+  python -m posenc_jax.compare --config=configs/compare.py:glue_table --workdir=/tmp/glue \
+      --config.seeds=0,1,2,3,4 --dry_run            # the command lines, nothing run
+  python -m posenc_jax.compare --collect --workdir=/tmp/table gs://bucket/runs/*
+  python -m posenc_jax.compare --collect --config=configs/compare.py:glue_table \
+      --workdir=/tmp/glue                           # the table again from ROOT's cells
+
+Each cell runs in ``ROOT/<scheme>/seed<k>`` (see :mod:`posenc_jax.comparison.plan`) as
+subprocesses whose output goes to ``ROOT/<scheme>/seed<k>/log.txt``; one progress line per
+cell. A finished cell (``cell.json``) is not rerun and an unfinished one resumes, so a
+killed compare is restarted with the same command; a failed cell is reported and the others
+go on (exit status 1 at the end). Then ``ROOT/results.json`` (every run's numbers and the
+tables), ``ROOT/results.md`` (median (min-max) over seeds per scheme and task or length,
+cost beside it) and PNG curves are written. ``--collect [DIR...]`` builds the same from
+workdirs made elsewhere (a cluster; ``gs://`` works), written into ``--workdir``.
+``--dry_run`` prints each cell's commands, to submit to a scheduler, and writes nothing.
+"""
+
+import json
+import os
+import shlex
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from absl import app, flags
+
+from posenc_jax import cli
+
+_CONFIG = cli.define_config("config", None, "configs/compare.py:<experiment>")
+_WORKDIR = flags.DEFINE_string("workdir", None, "ROOT: the cells' folders and the results")
+_COLLECT = flags.DEFINE_bool("collect", False, "build the tables from the workdirs given as "
+                             "arguments (default: ROOT's cells), running nothing")
+_DRY_RUN = flags.DEFINE_bool("dry_run", False, "print each cell's command lines, run nothing")
+PROG = "compare"
+COST_FILE = "cost.json"
+
+
+def summarise(records, failed, config=None, cost=None):
+  """``results.json``'s document: the runs' records, the failed cells, the tables."""
+  from posenc_jax.comparison import plan, report  # noqa: PLC0415
+
+  checked = plan.check(config) if config is not None else {"schemes": [], "tasks": []}
+  return {"experiment": config.experiment if config is not None else None,
+          "config": config.to_dict() if config is not None else None,
+          "records": records, "failed": failed, "cost": cost,
+          "tables": report.tables(records, checked["schemes"], checked["tasks"])}
+
+
+def measure_cost(config, root: str, say=None):
+  """The cost rows of ``config`` (:func:`posenc_jax.comparison.cost.measure`), kept in
+  ``ROOT/cost.json`` for reruns; None when ``config.cost.enabled`` is off."""
+  from etils import epath  # noqa: PLC0415
+
+  from posenc_jax.comparison import cost, plan, report, run  # noqa: PLC0415
+
+  say = say or run.progress
+  if not config.cost.enabled:
+    return None
+  path = epath.Path(root) / COST_FILE
+  checked = plan.check(config)
+  if path.exists():
+    kept = json.loads(path.read_text())
+    asked = dict(baseline=checked["baseline"], size=checked["sizes"][0], batch=config.cost.batch,
+                 length=config.cost.length, dtype=config.cost.dtype)
+    if sorted(kept["rows"]) == sorted(checked["schemes"]) and all(
+        kept.get(k) == v for k, v in asked.items()):
+      return kept
+  say(f"cost: timing {', '.join(checked['schemes'])} against {checked['baseline']}")
+  try:
+    rows = cost.measure(checked["sizes"][0], checked["schemes"], checked["baseline"],
+                        config.cost)
+  except Exception as e:  # noqa: BLE001 - the tables are written without cost
+    return {"baseline": checked["baseline"], "rows": {},
+            "note": f"Cost: not measured: {cli.first_line(e)}"}
+  report.write_atomic(path, json.dumps(rows, indent=2))
+  return rows
+
+
+def compare(config, root: str, run_cell=None, say=None):
+  """Runs ``config``'s grid under ``root`` (:func:`posenc_jax.comparison.run.run_grid`;
+  ``run_cell`` defaults to the subprocesses), measures the cost, writes the results;
+  returns the summary."""
+  from posenc_jax.comparison import plan, report, run  # noqa: PLC0415
+
+  say = say or run.progress
+  cells = plan.cells(config, root)
+  records, failed = run.run_grid(cells, run_cell or run.run_steps, say)
+  summary = summarise(records, failed, config, measure_cost(config, root, say))
+  for path in report.write(root, summary):
+    say(f"wrote {path}")
+  return summary
+
+
+def main(argv):
+  from etils import epath  # noqa: PLC0415
+
+  from posenc_jax.comparison import collect, plan, report  # noqa: PLC0415
+
+  folders, config, root = argv[1:], _CONFIG.value, _WORKDIR.value
+  if folders and not _COLLECT.value:
+    sys.exit(f"{PROG}: unexpected arguments {' '.join(folders)}; folders to read go after "
+             "--collect")
+  if not root:
+    sys.exit(f"{PROG}: --workdir: required (the cells' folders and the results go there)")
+  root = cli.absolute(root)
+  try:
+    if _COLLECT.value:
+      records = collect.collect(folders or [root])
+      cli.check_output_dir("workdir", root)
+      kept = epath.Path(root) / COST_FILE
+      summary = summarise(records, [], config,
+                          json.loads(kept.read_text()) if kept.exists() else None)
+      for path in report.write(root, summary):
+        print(f"wrote {path}")
+    else:
+      if config is None:
+        sys.exit(f"{PROG}: --config: required, e.g. configs/compare.py:extrapolation")
+      cells = plan.cells(config, root)
+      if _DRY_RUN.value:
+        for cell in cells:
+          print(f"# {cell.name}")
+          for step in cell.steps:
+            print(shlex.join(step.command()))
+        return
+      cli.check_output_dir("workdir", root)
+      summary = compare(config, root)
+  except (plan.PlanError, collect.CollectError, cli.OutputPathError) as e:
+    cli.exit_with(PROG, e)
+  print(report.markdown(summary))
+  if summary["failed"]:
+    cli.exit_with(PROG, f"{len(summary['failed'])} cell(s) failed: "
+                  + ", ".join(f["cell"] for f in summary["failed"]))
+
+
+def run() -> None:
+  """The command line, ``python -m posenc_jax.compare``."""
+  app.run(main, flags_parser=cli.flags_parser(PROG))
+
+
+if __name__ == "__main__":
+  run()

@@ -1,0 +1,62 @@
+"""Each scheme's training cost against the baseline's (DIET Table 1), with the functions of
+:mod:`posenc_jax.bench`: the masked-LM BERT of the experiment's size at ``cost.batch`` x
+``cost.length``, its train step (forward, backward, AdamW) timed alternately with the
+baseline's in this process, and the peak memory XLA plans for that step (compiled memory
+analysis: on every backend, and per scheme, unlike a device's running peak).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ml_collections
+
+from posenc_jax.cli import first_line
+
+
+def peak_bytes(size: str, scheme: str, **dims) -> int | None:
+  """The peak memory of the compiled train step of :func:`posenc_jax.bench.model_steps`."""
+  import jax  # noqa: PLC0415
+
+  from posenc_jax import bench  # noqa: PLC0415
+
+  _, train, _, init = bench.model_steps(size, scheme, **dims)
+  stats = jax.jit(train).lower(*jax.eval_shape(init)).compile().memory_analysis()
+  if stats is None:
+    return None
+  peak = getattr(stats, "peak_memory_in_bytes", None)
+  return peak or (stats.argument_size_in_bytes + stats.output_size_in_bytes
+                  + stats.temp_size_in_bytes - stats.alias_size_in_bytes)
+
+
+def measure(size: str, schemes: list[str], baseline: str,
+            cost: ml_collections.ConfigDict) -> dict[str, Any]:
+  """``{"baseline", "size", "batch", "length", "rows": {scheme: {"train_ms", "train_ratio",
+  "peak_bytes", "memory_ratio"} or {"na": reason}}, "note"}``."""
+  from posenc_jax import bench  # noqa: PLC0415
+
+  sizes = {preset: name for name, preset in bench.SIZES.items()}
+  dims = dict(batch=cost.batch, length=cost.length, dtype=cost.dtype)
+  note = (f"Cost: BERT MLM train step at {size}, batch {cost.batch}, length {cost.length}, "
+          f"{cost.dtype}; median of {cost.repeats} runs timed alternately with {baseline}; "
+          "peak memory as XLA plans the compiled step.")
+  out = {"baseline": baseline, "size": size, **dims, "note": note, "rows": {}}
+  if size not in sizes:
+    return out | {"note": f"Cost: not measured: {size} is no size of posenc_jax.bench "
+                          f"({', '.join(sizes)})"}
+  base_train = bench.compiled_steps(sizes[size], baseline, **dims)[0]
+  base_bytes = peak_bytes(sizes[size], baseline, **dims)
+  for scheme in schemes:
+    try:
+      train = base_train if scheme == baseline else bench.compiled_steps(sizes[size], scheme,
+                                                                         **dims)[0]
+      train_s, base_s = bench.timed_against(train, base_train, cost.repeats)
+      memory = peak_bytes(sizes[size], scheme, **dims)
+    except Exception as e:  # noqa: BLE001 - one scheme that does not build is one n/a row
+      out["rows"][scheme] = {"na": first_line(e)}
+      continue
+    out["rows"][scheme] = {"train_ms": 1e3 * train_s, "train_ratio": train_s / base_s,
+                           "peak_bytes": memory,
+                           "memory_ratio": memory / base_bytes if memory and base_bytes
+                           else None}
+  return out

@@ -1,0 +1,173 @@
+"""The cells of an experiment (``configs/compare.py``) and the command lines that make each.
+
+A cell is one ``(size, scheme, seed)``: its folder is ``ROOT/<scheme>/seed<k>``
+(``ROOT/<size>,<scheme>/seed<k>`` with several sizes). Inside it each step has its own
+workdir: ``train`` (the pre-training or LM run), ``<task>`` (a fine-tuning run from
+``train``; or, for probes, the probe's training run), and the evaluate tool writes into
+the workdir it scores.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import Any
+
+import ml_collections
+
+from posenc_jax.cli import nearest
+from posenc_jax.presets import SCHEMES, SIZES
+
+PROTOCOLS = ("finetune", "extrapolation", "probes")
+# Presets that set a position scheme (not the modifiers).
+POSITION_SCHEMES = tuple(name for name, preset in SCHEMES.items() if "scheme" in preset)
+
+
+class PlanError(ValueError):
+  """An experiment config that cannot be planned; the message names the field."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+  """One command of a cell: ``argv`` (after ``python -m``) that writes ``workdir``."""
+
+  name: str
+  workdir: str
+  argv: tuple[str, ...]
+
+  def command(self) -> list[str]:
+    return [sys.executable, "-m", *self.argv]
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+  """One ``(size, scheme, seed)`` of the grid, made by ``steps`` in order, in ``folder``."""
+
+  size: str
+  scheme: str
+  seed: int
+  folder: str
+  steps: tuple[Step, ...]
+
+  @property
+  def name(self) -> str:
+    """``<scheme>/seed<k>`` (or ``<size>,<scheme>/seed<k>``): the folder under ROOT."""
+    return self.folder.rstrip("/").rsplit("/", 2)[-2] + f"/seed{self.seed}"
+
+
+def names(config: ml_collections.ConfigDict, field: str) -> list[str]:
+  """The comma-separated list ``config.<field>``, without blanks."""
+  return [n.strip() for n in str(config.get(field) or "").split(",") if n.strip()]
+
+
+def integers(config: ml_collections.ConfigDict, field: str, *, positive: bool) -> list[int]:
+  """``config.<field>`` as integers (> 0 with ``positive``, else >= 0), or one line naming it."""
+  values = names(config, field)
+  allowed = "positive" if positive else "non-negative"
+  try:
+    numbers = [int(v) for v in values]
+  except ValueError:
+    numbers = None
+  if not values or numbers is None or min(numbers) < (1 if positive else 0):
+    raise PlanError(f"{field}: got {config.get(field)!r}; allowed: comma-separated {allowed} "
+                    "integers")
+  if len(set(numbers)) != len(numbers):
+    raise PlanError(f"{field}: got {config.get(field)!r}; each value once")
+  return numbers
+
+
+def lengths(config: ml_collections.ConfigDict) -> list[int]:
+  """``config.lengths``: positive and increasing, or one line naming the field."""
+  values = integers(config, "lengths", positive=True)
+  if values != sorted(values):
+    raise PlanError(f"lengths: got {config.lengths!r}; allowed: increasing lengths")
+  return values
+
+
+def _one_of(config, field: str, allowed) -> list[str]:
+  values = names(config, field)
+  if not values:
+    raise PlanError(f"{field}: empty; allowed: comma-separated names of {', '.join(allowed)}")
+  for value in values:
+    if value not in allowed:
+      raise PlanError(f"{field}: {value!r} is unknown{nearest(value, allowed)} allowed: "
+                      f"{', '.join(allowed)}")
+  return values
+
+
+def check(config: ml_collections.ConfigDict) -> dict[str, Any]:
+  """The experiment's lists, checked: ``{"protocol", "sizes", "schemes", "baseline", "seeds",
+  "tasks", "lengths"}``; raises :class:`PlanError` naming the first bad field."""
+  if config.get("protocol") not in PROTOCOLS:
+    raise PlanError(f"protocol: got {config.get('protocol')!r}; allowed: {', '.join(PROTOCOLS)}")
+  schemes = _one_of(config, "schemes", POSITION_SCHEMES)
+  baseline = config.get("baseline") or schemes[0]
+  if baseline not in schemes:
+    raise PlanError(f"baseline: {baseline!r} is not among the schemes{nearest(baseline, schemes)}"
+                    f" schemes: {', '.join(schemes)}")
+  plan = {"protocol": config.protocol, "sizes": _one_of(config, "sizes", tuple(SIZES)),
+          "schemes": schemes, "baseline": baseline,
+          "seeds": integers(config, "seeds", positive=False), "tasks": names(config, "tasks"),
+          "lengths": lengths(config) if config.protocol != "finetune" else []}
+  if config.protocol != "extrapolation" and not plan["tasks"]:
+    raise PlanError(f"tasks: empty; the {config.protocol} protocol runs one per task")
+  for field in ("train_config", "finetune_config") if config.protocol == "finetune" else (
+      "train_config",):
+    if not config.get(field):
+      raise PlanError(f"{field}: empty; allowed: a config spec such as configs/pretrain.py:"
+                      "{size},{scheme}")
+  return plan
+
+
+def overrides(values: ml_collections.ConfigDict, prefix: str = "--config.") -> list[str]:
+  """``--config.<a.b>=<value>`` for every leaf of ``values`` (nested fields dotted)."""
+  flags = []
+  for key, value in values.items():
+    if isinstance(value, ml_collections.ConfigDict):
+      flags += overrides(value, f"{prefix}{key}.")
+    else:
+      flags.append(f"{prefix}{key}={value}")
+  return flags
+
+
+def _evaluate(workdir: str, protocol: str, lengths_: list[int], extra) -> Step:
+  argv = ("posenc_jax.evaluate", f"--workdir={workdir}", f"--protocol={protocol}",
+          f"--lengths={','.join(map(str, lengths_))}", *overrides(extra, "--"))
+  return Step(f"evaluate {protocol}", workdir, argv)
+
+
+def cells(config: ml_collections.ConfigDict, root: str) -> list[Cell]:
+  """Every cell of the experiment under ``root``, sizes outermost, then schemes, then seeds."""
+  plan = check(config)
+  out = []
+  for size in plan["sizes"]:
+    for scheme in plan["schemes"]:
+      label = scheme if len(plan["sizes"]) == 1 else f"{size},{scheme}"
+      for seed in plan["seeds"]:
+        folder = f"{root.rstrip('/')}/{label}/seed{seed}"
+        fill = dict(size=size, scheme=scheme)
+        train = overrides(config.train) + [f"--config.seed={seed}"]
+        steps = []
+        if plan["protocol"] == "probes":
+          for task in plan["tasks"]:
+            workdir = f"{folder}/{task}"
+            spec = config.train_config.format(**fill, task=task)
+            steps += [Step(f"train {task}", workdir, ("posenc_jax.train", f"--config={spec}",
+                                                      f"--workdir={workdir}", *train)),
+                      _evaluate(workdir, "probes", plan["lengths"], config.evaluate)]
+        else:
+          workdir = f"{folder}/train"
+          spec = config.train_config.format(**fill, task="")
+          steps.append(Step("train", workdir, ("posenc_jax.train", f"--config={spec}",
+                                               f"--workdir={workdir}", *train)))
+        if plan["protocol"] == "extrapolation":
+          steps.append(_evaluate(workdir, "extrapolation", plan["lengths"], config.evaluate))
+        if plan["protocol"] == "finetune":
+          for task in plan["tasks"]:
+            spec = config.finetune_config.format(**fill, task=task)
+            steps.append(Step(f"finetune {task}", f"{folder}/{task}", (
+                "posenc_jax.finetune", f"--config={spec}", f"--init_checkpoint={workdir}",
+                f"--workdir={folder}/{task}", *overrides(config.finetune),
+                f"--config.seed={seed}")))
+        out.append(Cell(size, scheme, seed, folder, tuple(steps)))
+  return out

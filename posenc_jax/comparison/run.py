@@ -1,0 +1,97 @@
+"""Runs an experiment's cells in sequence, each step a subprocess (``python -m
+posenc_jax.train``, ``posenc_jax.finetune``, ``posenc_jax.evaluate``) whose output goes to
+``<cell>/log.txt``, so that a crashing cell is reported and the others go on.
+
+A cell that completes gets ``<cell>/cell.json`` (written atomically: its records, read from
+its workdirs by :mod:`~posenc_jax.comparison.collect`); a rerun skips it. An unfinished
+cell runs again: train.py and finetune.py resume from their checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from collections.abc import Callable
+from typing import IO, Any
+
+from etils import epath
+
+from posenc_jax.comparison.collect import collect
+from posenc_jax.comparison.plan import Cell
+from posenc_jax.comparison.report import write_atomic
+
+MARKER = "cell.json"
+LOG = "log.txt"
+
+
+def progress(line: str) -> None:
+  """Prints a progress line at once (a log file or a pipe would otherwise buffer it)."""
+  print(line, flush=True)
+
+
+class CellFailed(RuntimeError):
+  """A step of a cell exited non-zero; the message says which and its last output line."""
+
+
+def subprocess_status(command: list[str], out: IO[str]) -> int:
+  """Runs ``command`` with its output (stdout and stderr) in ``out``; returns its status."""
+  return subprocess.run(command, stdout=out, stderr=subprocess.STDOUT,
+                        stdin=subprocess.DEVNULL, check=False).returncode
+
+
+def run_steps(cell: Cell, log: epath.Path,
+              launch: Callable[[list[str], IO[str]], int] = subprocess_status) -> None:
+  """Runs ``cell``'s steps in order through ``launch`` (default: subprocesses), their
+  output appended to ``log`` after each command line.
+
+  Raises:
+    CellFailed: ``<step> exited <status>: <its last output line>``.
+  """
+  for step in cell.steps:
+    command = step.command()
+    with log.open("a") as out:
+      out.write(f"$ {' '.join(command)}\n")
+      out.flush()
+      status = launch(command, out)
+    if status:
+      lines = [line for line in log.read_text().splitlines() if line.strip()]
+      raise CellFailed(f"{step.name} exited {status}: {lines[-1] if lines else 'no output'}")
+
+
+def cell_records(cell: Cell) -> list[dict[str, Any]]:
+  """The records of ``cell``'s workdirs, labelled with the cell's size, scheme and seed."""
+  return [r | {"size": cell.size, "scheme": cell.scheme, "seed": cell.seed}
+          for r in collect([cell.folder])]
+
+
+def run_grid(cells: list[Cell], run_cell: Callable[[Cell, epath.Path], None] = run_steps,
+             say: Callable[[str], None] = progress) -> tuple[list[dict[str, Any]], list[dict]]:
+  """Runs every cell without a ``cell.json`` through ``run_cell(cell, log_path)``, one
+  progress line each; returns the records of all finished cells and the failed cells
+  (``{"cell", "reason", "log"}``)."""
+  records, failed = [], []
+  for index, cell in enumerate(cells, 1):
+    folder = epath.Path(cell.folder)
+    marker, log = folder / MARKER, folder / LOG
+    prefix = f"[{index}/{len(cells)}] {cell.name}"
+    if marker.exists():
+      records += json.loads(marker.read_text())["records"]
+      say(f"{prefix}: finished before ({marker}), not rerun")
+      continue
+    folder.mkdir(parents=True, exist_ok=True)
+    say(f"{prefix}: running {len(cell.steps)} step(s), output in {log}")
+    start = time.perf_counter()
+    try:
+      run_cell(cell, log)
+      mine = cell_records(cell)
+    except (CellFailed, ValueError) as e:  # ValueError: a run that does not read (collect)
+      failed.append({"cell": cell.name, "reason": str(e), "log": str(log)})
+      say(f"{prefix}: FAILED: {e} (log: {log})")
+      continue
+    seconds = time.perf_counter() - start
+    write_atomic(marker, json.dumps({"cell": cell.name, "seconds": seconds, "records": mine},
+                                    indent=2, sort_keys=True))
+    records += mine
+    say(f"{prefix}: done in {seconds:.0f} s")
+  return records, failed

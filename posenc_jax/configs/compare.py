@@ -1,0 +1,86 @@
+"""The experiments of ``python -m posenc_jax.compare``: a grid of schemes x seeds (x sizes),
+each cell trained and scored through train.py, finetune.py and the evaluate tool.
+
+  python -m posenc_jax.compare --config=configs/compare.py:extrapolation --workdir=/tmp/cmp
+  python -m posenc_jax.compare --config=configs/compare.py:glue_table --workdir=/tmp/glue \
+      --config.schemes=bert,diet_abs_share,diet_rel --config.seeds=0,1,2,3,4
+
+The argument is the experiment:
+
+* ``glue_table`` (DIET Tables 2-9, TUPE Table 2): pre-train each scheme
+  (``train_config``), fine-tune every task from it (``finetune_config``), and
+  report per task the median over seeds of each run's best dev score. The
+  default is the bundled WordNet tasks; at scale, e.g.
+  ``--config.train_config=configs/pretrain.py:{size},{scheme},diet_protocol
+  --config.finetune_config=configs/finetune_glue.py:{task}
+  --config.tasks=glue_cola,glue_sst2,glue_mrpc,glue_stsb,glue_qqp,glue_mnli,glue_qnli,glue_rte``.
+* ``extrapolation`` (Press et al.): a causal LM per scheme at a short length,
+  then perplexity at each of ``lengths`` (1x, 2x, 4x, 8x the training length).
+* ``synthetic``: the probes (``tasks``: copy, reverse, mqar, passkey), one
+  training run per probe, accuracy per length.
+
+Lists (``schemes``, ``seeds``, ``sizes``, ``tasks``, ``lengths``) are comma-separated
+strings. ``train_config``, ``finetune_config`` are config specs where ``{size}``,
+``{scheme}`` and ``{task}`` are filled in per cell; ``train`` and ``finetune`` hold
+``--config.<field>`` overrides for every run (the budgets); ``evaluate`` holds extra
+flags of the evaluate tool. ``cost`` times each scheme's training step and its peak
+memory against ``baseline`` (default: the first scheme) with ``posenc_jax.bench``.
+The defaults run on the bundled data on a laptop CPU in minutes.
+"""
+
+from ml_collections import config_dict
+
+from posenc_jax.cli import nearest
+
+# The probe tool's config (helper "probes"): one place to update.
+PROBE_CONFIG = "configs/probe.py:{size},{scheme},{task}"
+EXPERIMENTS = ("glue_table", "extrapolation", "synthetic")
+
+
+def _base(experiment: str, protocol: str, schemes: str, seeds: str) -> config_dict.ConfigDict:
+  config = config_dict.ConfigDict()
+  config.experiment = experiment
+  config.protocol = protocol  # finetune, extrapolation or probes
+  config.schemes = schemes
+  config.baseline = ""  # empty: the first scheme
+  config.seeds = seeds
+  config.sizes = "bert_tiny"
+  config.train_config = ""
+  config.train = config_dict.ConfigDict()
+  config.tasks = ""
+  config.finetune_config = ""
+  config.finetune = config_dict.ConfigDict()
+  config.lengths = ""
+  config.evaluate = config_dict.ConfigDict()
+  config.cost = config_dict.ConfigDict(dict(enabled=True, batch=8, length=64, repeats=5,
+                                            dtype="float32"))
+  return config
+
+
+def get_config(arg="extrapolation"):
+  if arg not in EXPERIMENTS:
+    raise ValueError(f"config argument: experiment {arg!r} is unknown{nearest(arg, EXPERIMENTS)} "
+                     f"allowed: {', '.join(EXPERIMENTS)}")
+  short = dict(total_steps=100, log_every=50, eval_every=50, checkpoint_every=50,
+               optimizer=dict(warmup_steps=10))
+  if arg == "glue_table":
+    config = _base(arg, "finetune", "bert,diet_abs_share", "0,1,2")
+    config.train_config = "configs/pretrain.py:{size},{scheme}"
+    config.train.update(short)
+    config.tasks = "wordnet_supersense,wordnet_hypernym"
+    config.finetune_config = "configs/finetune_wordnet.py:{task}"
+    config.finetune.update(short)
+    return config
+  if arg == "extrapolation":
+    config = _base(arg, "extrapolation", "bert,sinusoidal,rope,alibi,t5,diet_rel", "0")
+    config.train_config = "configs/lm.py:{size},{scheme}"
+    config.train.update(short | dict(seq_len=32))
+    config.lengths = "32,64,128,256"
+    config.cost.length = 32
+    return config
+  config = _base(arg, "probes", "bert,rope,alibi", "0")
+  config.train_config = PROBE_CONFIG
+  config.train.update(short)
+  config.tasks = "copy,reverse"
+  config.lengths = "64,128,256"
+  return config

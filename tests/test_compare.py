@@ -1,0 +1,270 @@
+"""python -m posenc_jax.compare: the median-over-seeds tables, collecting workdirs (local and
+``gs://``), dry runs, resuming a killed grid, failed cells and the one-line errors.
+
+Cells are faked (a runner that writes the files train.py, finetune.py and the evaluate tool
+write: config.json, best.json, eval/*.json), except in the one end-to-end grid.
+"""
+
+import dataclasses
+import importlib.util
+import json
+import shutil
+import sys
+
+import pytest
+from etils import epath
+
+from posenc_jax import compare as compare_cli
+from posenc_jax.comparison import collect, plan, report, run
+from posenc_jax.configs.compare import get_config
+from posenc_jax.presets import preset_config
+from posenc_jax.training.workdir import resolved_model
+from tests import forked_cli
+from tests.test_remote_workdir import bucket  # noqa: F401 - the fake gs:// fixture
+
+# Each (scheme, seed, task)'s best dev score; bert's supersense seeds: 0.5, 0.7, 0.6.
+SCORES = {("bert", 0): (0.5, 0.8), ("bert", 1): (0.7, 0.9), ("bert", 2): (0.6, 0.85),
+          ("diet_abs_share", 0): (0.55, 0.9), ("diet_abs_share", 1): (0.65, 0.7),
+          ("diet_abs_share", 2): (0.6, 0.8)}
+TASKS = ("wordnet_supersense", "wordnet_hypernym")
+
+
+def fake_run(folder, scheme, seed, *, task, objective, best=None, evals=None):
+  """A workdir as train.py / finetune.py / evaluate leave it: config.json, best.json, eval/."""
+  folder.mkdir(parents=True, exist_ok=True)
+  model = resolved_model(preset_config(f"bert_tiny,{scheme}").model)
+  config = {"model": model, "seed": seed, "task": task, "objective": objective,
+            "best_metric": "task_accuracy" if best is not None else None}
+  (folder / "config.json").write_text(json.dumps(config))
+  if best is not None:
+    (folder / "best.json").write_text(json.dumps({"step": 50, "metric": "task_accuracy",
+                                                  "score": best}))
+  for protocol, doc in (evals or {}).items():
+    (folder / "eval").mkdir(exist_ok=True)
+    (folder / "eval" / f"{protocol}.json").write_text(json.dumps(doc))
+
+
+def fake_glue_cell(cell, log):
+  """A runner: the cell's pre-training and fine-tuning workdirs, scores from SCORES."""
+  log.write_text("fake\n")
+  fake_run(log.parent / "train", cell.scheme, cell.seed, task="wordnet_glosses",
+           objective="mlm")
+  for task, score in zip(TASKS, SCORES[(cell.scheme, cell.seed)]):
+    fake_run(log.parent / task, cell.scheme, cell.seed, task=task, objective="classification",
+             best=score)
+
+
+def glue_config(**fields):
+  config = get_config("glue_table")
+  config.cost.enabled = False
+  config.update(fields)
+  return config
+
+
+def test_spread_is_the_median_and_range_over_seeds():
+  assert report.spread([0.5, 0.7, 0.6]) == {"median": 0.6, "min": 0.5, "max": 0.7, "n": 3}
+
+
+def test_table_has_a_row_per_scheme_a_column_per_task_and_the_average(tmp_path):
+  summary = compare_cli.compare(glue_config(), str(tmp_path), fake_glue_cell, say=lambda s: None)
+  (table,) = summary["tables"]
+  assert table["columns"] == list(TASKS)
+  assert [r["label"] for r in table["rows"]] == ["bert", "diet_abs_share"]
+  lines = (tmp_path / "results.md").read_text().splitlines()
+  assert "| scheme | seeds | wordnet_supersense | wordnet_hypernym | average |" in lines
+  assert "| bert | 3 | 0.6000 (0.5000-0.7000) | 0.8500 (0.8000-0.9000) | 0.7250 |" in lines
+  assert ("| diet_abs_share | 3 | 0.6000 (0.5500-0.6500) | 0.8000 (0.7000-0.9000) | 0.7000 |"
+          in lines)
+  saved = json.loads((tmp_path / "results.json").read_text())
+  assert saved["tables"] == summary["tables"] and len(saved["records"]) == 6 * 3
+
+
+EXTRAPOLATION = {"protocol": "extrapolation", "metric": "perplexity", "train_length": 32,
+                 "rows": [{"length": 32, "value": 20.0}, {"length": 64, "value": 25.0},
+                          {"length": 128, "value": None, "na": "exceeds max_len"}]}
+
+
+def test_extrapolation_table_shows_lengths_and_na(tmp_path):
+  for seed, shift in ((0, 0.0), (1, 2.0)):
+    doc = json.loads(json.dumps(EXTRAPOLATION))
+    for row in doc["rows"]:
+      row["value"] = row["value"] and row["value"] + shift
+    fake_run(tmp_path / "bert" / f"seed{seed}" / "train", "bert", seed, task="wordnet_glosses_lm",
+             objective="lm", evals={"extrapolation": doc})
+  summary = compare_cli.summarise(collect.collect([str(tmp_path)]), [])
+  text = report.markdown(summary)
+  assert "| scheme | seeds | 32 (1x) | 64 (2x) | 128 (4x) |" in text
+  assert "| bert | 2 | 21.0000 (20.0000-22.0000) | 26.0000 (25.0000-27.0000) | n/a |" in text
+  assert "n/a: bert at 128: exceeds max_len" in text
+  written = report.write(str(tmp_path / "out"), summary)
+  assert (tmp_path / "out" / "extrapolation.png").stat().st_size > 1000, written
+
+
+def test_collect_from_copied_workdirs_and_a_gs_bucket_gives_the_same_table(
+    tmp_path, bucket):  # noqa: F811 - the fixture
+  root, _ = bucket
+  summary = compare_cli.compare(glue_config(), str(tmp_path / "grid"), fake_glue_cell,
+                                say=lambda s: None)
+  shutil.copytree(tmp_path / "grid", tmp_path / "copied")
+  shutil.copytree(tmp_path / "grid", root / "runs")
+  local = compare_cli.summarise(collect.collect([str(tmp_path / "copied")]), [], glue_config())
+  remote = compare_cli.summarise(collect.collect(["gs://bucket/runs"]), [], glue_config())
+  assert local["tables"] == remote["tables"] == summary["tables"]
+  assert remote["records"][0]["workdir"].startswith("gs://bucket/runs/")
+
+
+def test_dry_run_prints_every_command_and_writes_nothing(tmp_path):
+  out = forked_cli.run(["-m", "posenc_jax.compare", "--config=configs/compare.py:glue_table",
+                        f"--workdir={tmp_path}/grid", "--dry_run", "--config.seeds=0,1"],
+                       cwd=str(tmp_path), timeout=60)
+  assert out.returncode == 0, out.stderr
+  lines = out.stdout.splitlines()
+  assert [line for line in lines if line.startswith("#")] == [
+      "# bert/seed0", "# bert/seed1", "# diet_abs_share/seed0", "# diet_abs_share/seed1"]
+  assert sum("-m posenc_jax.train" in line for line in lines) == 4
+  assert sum("-m posenc_jax.finetune" in line for line in lines) == 8
+  assert f"--init_checkpoint={tmp_path}/grid/bert/seed1/train" in lines[6]
+  assert not (tmp_path / "grid").exists()
+
+
+def test_a_killed_grid_resumes_without_rerunning_finished_cells(tmp_path):
+  compare_cli.compare(glue_config(), str(tmp_path / "whole"), fake_glue_cell, say=lambda s: None)
+
+  class Killed(Exception):
+    pass
+
+  ran = []
+
+  def dies_after_two(cell, log):
+    if len(ran) == 2:
+      raise Killed
+    ran.append(cell.name)
+    fake_glue_cell(cell, log)
+
+  with pytest.raises(Killed):
+    compare_cli.compare(glue_config(), str(tmp_path / "resumed"), dies_after_two,
+                        say=lambda s: None)
+  again, lines = [], []
+  compare_cli.compare(glue_config(), str(tmp_path / "resumed"),
+                      lambda cell, log: (again.append(cell.name), fake_glue_cell(cell, log)),
+                      say=lines.append)
+  assert ran == ["bert/seed0", "bert/seed1"]
+  assert again == ["bert/seed2", "diet_abs_share/seed0", "diet_abs_share/seed1",
+                   "diet_abs_share/seed2"]
+  assert "not rerun" in lines[0] and lines[0].startswith("[1/6] bert/seed0")
+  whole = (tmp_path / "whole" / "results.json").read_text()
+  resumed = (tmp_path / "resumed" / "results.json").read_text()
+  assert resumed == whole.replace(str(tmp_path / "whole"), str(tmp_path / "resumed"))
+
+
+def test_a_failed_cell_is_reported_and_the_others_finish(tmp_path):
+  def one_fails(cell, log):
+    if cell.name == "bert/seed1":
+      raise run.CellFailed("train exited 1: train.py: loss became NaN")
+    fake_glue_cell(cell, log)
+
+  lines = []
+  summary = compare_cli.compare(glue_config(), str(tmp_path), one_fails, say=lines.append)
+  assert summary["failed"] == [{"cell": "bert/seed1", "reason": "train exited 1: train.py: loss "
+                                "became NaN", "log": str(tmp_path / "bert/seed1/log.txt")}]
+  assert any(line.startswith("[2/6] bert/seed1: FAILED: train exited 1") for line in lines)
+  assert summary["tables"][0]["rows"][0]["cells"]["wordnet_supersense"]["n"] == 2
+  assert "Failed cells (not in the tables): bert/seed1" in (tmp_path / "results.md").read_text()
+  assert not (tmp_path / "bert/seed1/cell.json").exists()  # a rerun tries it again
+
+
+def test_a_failing_step_is_its_status_and_last_line_and_the_log_holds_its_output(tmp_path):
+  config = get_config("extrapolation")
+  config.update(dict(schemes="alibi", seeds="0"))
+  config.train.seq_lenn = 16  # train.py refuses the field
+  (cell,) = plan.cells(config, str(tmp_path))
+  log = tmp_path / "log.txt"
+  with pytest.raises(run.CellFailed, match=r"^train exited 1: train.py: config.seq_lenn: unknown "
+                     "field; did you mean 'seq_len'"):
+    run.run_steps(cell, epath.Path(log))
+  assert log.read_text().startswith(f"$ {sys.executable} -m posenc_jax.train --config=configs/")
+
+
+@pytest.mark.parametrize("field, value, expected", [
+    ("schemes", "bert,rop", "schemes: 'rop' is unknown; did you mean 'rope'?"),
+    ("lengths", "64,32", "lengths: got '64,32'; allowed: increasing lengths"),
+    ("lengths", "0,32", "lengths: got '0,32'; allowed: comma-separated positive integers"),
+    ("seeds", "0,0", "seeds: got '0,0'; each value once"),
+    ("baseline", "shaw", "baseline: 'shaw' is not among the schemes"),
+    ("sizes", "bert_huge", "sizes: 'bert_huge' is unknown"),
+])
+def test_bad_experiment_fields_are_one_line_naming_the_field(field, value, expected):
+  config = get_config("extrapolation")
+  config[field] = value
+  with pytest.raises(plan.PlanError, match="^" + expected.replace("(", r"\(").replace("?", r"\?")):
+    plan.cells(config, "/tmp/unused")
+
+
+def test_collect_of_a_folder_that_holds_no_workdir_names_it(tmp_path):
+  (tmp_path / "empty").mkdir()
+  with pytest.raises(collect.CollectError, match=f"^collect: '{tmp_path}/empty' holds no "):
+    collect.collect([str(tmp_path / "empty")])
+  with pytest.raises(collect.CollectError, match="does not exist"):
+    collect.collect([str(tmp_path / "missing")])
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--config=configs/compare.py:extrapolaton"],
+     "compare: config argument: experiment 'extrapolaton' is unknown; did you mean "
+     "'extrapolation'?"),
+    (["--config=configs/compare.py:extrapolation", "--config.schemes=bert,alibbi"],
+     "compare: schemes: 'alibbi' is unknown; did you mean 'alibi'?"),
+    (["--config=configs/compare.py:extrapolation", "--workdir=afile/root"],
+     "compare: workdir: "),
+    (["--collect", "empty"], "compare: collect: "),
+])
+def test_command_line_errors_are_one_line_and_write_nothing(tmp_path, args, expected):
+  (tmp_path / "afile").write_text("")
+  (tmp_path / "empty").mkdir()
+  args = args if any(a.startswith("--workdir") for a in args) else [*args, "--workdir=out"]
+  out = forked_cli.run(["-m", "posenc_jax.compare", *args], cwd=str(tmp_path), timeout=60)
+  assert out.returncode != 0
+  assert out.stderr.strip().splitlines()[-1].startswith(expected), out.stderr
+  assert "Traceback" not in out.stderr, out.stderr
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "empty"]
+
+
+def test_a_real_grid_of_two_schemes_and_two_seeds_trains_collects_and_costs(tmp_path):
+  """train.py (a few steps of a one-layer LM), then the evaluate tool's extrapolation where
+  it is installed, the cost, and the same table from --collect."""
+  config = get_config("extrapolation")
+  config.update(dict(schemes="alibi,rope", seeds="0,1", lengths="16,32"))
+  config.train.update(dict(total_steps=2, seq_len=16, log_every=1, eval_every=2,
+                           checkpoint_every=2, optimizer=dict(warmup_steps=1)))
+  config.train.batch_size = 4
+  config.train.eval_steps = 1
+  config.train.model = dict(d_model=32, num_heads=2, mlp_dim=64, num_layers=1)
+  config.evaluate.tokens = 64
+  config.cost.update(dict(batch=2, length=16, repeats=1))
+  evaluates = importlib.util.find_spec("posenc_jax.evaluate") is not None
+
+  def forked(command, out):  # the tools' own code, forked from a server that imported JAX
+    done = forked_cli.run(command[1:], cwd=str(tmp_path), timeout=300)
+    out.write(done.stdout + done.stderr)
+    return done.returncode
+
+  def runner(cell, log):
+    run.run_steps(cell if evaluates else dataclasses.replace(cell, steps=cell.steps[:1]), log,
+                  forked)
+
+  lines = []
+  summary = compare_cli.compare(config, str(tmp_path), runner, say=lines.append)
+  assert not summary["failed"], summary["failed"]
+  assert [(r["scheme"], r["seed"], r["objective"]) for r in summary["records"]] == [
+      ("alibi", 0, "lm"), ("alibi", 1, "lm"), ("rope", 0, "lm"), ("rope", 1, "lm")]
+  assert "$ " in (tmp_path / "rope/seed1/log.txt").read_text()
+  cost = summary["cost"]["rows"]
+  assert cost["alibi"]["memory_ratio"] == 1.0 and cost["rope"]["train_ratio"] > 0
+  collected = collect.collect([str(tmp_path)])
+  assert [(r["scheme"], r["seed"]) for r in collected] == [
+      (r["scheme"], r["seed"]) for r in summary["records"]]  # labels read from config.json
+  assert compare_cli.summarise(collected, [], config)["tables"] == summary["tables"]
+  if evaluates:
+    (table,) = summary["tables"]
+    assert table["columns"] == ["16", "32"] and [r["label"] for r in table["rows"]] == [
+        "alibi", "rope"]
