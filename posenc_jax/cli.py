@@ -5,6 +5,10 @@ flags are parsed so that every mistake a user can type (an unknown preset, a mis
 
   app.run(main, flags_parser=cli.flags_parser("train.py"))
 
+``flags_parser(prog, usage=__doc__, configs=(...))`` makes ``--help`` print
+:func:`help_text`: the usage, the tool's flags, the shipped configs, the presets and schemes,
+and the common ``--config.`` fields with their defaults (``argparse`` tools can print it too).
+
 Also: :func:`check_output_dir` and :func:`check_output_file`, which tools call on every
 path they will write before any work starts, and for ``argparse`` tools
 :class:`ArgumentParser` with the types :func:`positive_int` and :func:`one_of`:
@@ -18,9 +22,13 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import functools
 import logging
 import os
+import re
 import sys
+import tempfile
+import textwrap
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
@@ -68,19 +76,34 @@ def _unknown_override(config, argv: Sequence[str], name: str) -> str | None:
   return None
 
 
+def _given_config(argv: Sequence[str], config_flag: str | None) -> str | None:
+  """The value of ``--<config_flag>=`` in ``argv``, if any."""
+  if config_flag is None:
+    return None
+  return next((a.partition("=")[2] for a in argv if a.startswith(f"--{config_flag}=")), None)
+
+
+def _config_file(argv: Sequence[str], config_flag: str | None):
+  """The config file of ``--<config_flag>=`` in ``argv`` without the overrides, or None when
+  there is none or it fails to load."""
+  given = _given_config(argv, config_flag)
+  if not given:
+    return None
+  from ml_collections.config_flags import config_flags  # noqa: PLC0415
+  try:
+    config = config_flags.ConfigFileFlagParser(config_flag, lock_config=False).parse(given)
+    config.keys()
+  except Exception:  # noqa: BLE001 - a config that fails to load has no defaults to show
+    return None
+  return config
+
+
 def describe_flag_error(error: BaseException, argv: Sequence[str], fv: flags.FlagValues,
                         config_flag: str | None) -> str:
   """One line for an error raised while parsing ``argv``."""
   root = _root(error)
-  config = None
-  given = next((a.partition("=")[2] for a in argv if a.startswith(f"--{config_flag}=")), None)
-  if config_flag is not None and given:
-    from ml_collections.config_flags import config_flags  # noqa: PLC0415
-    try:  # the file alone, without the overrides
-      config = config_flags.ConfigFileFlagParser(config_flag, lock_config=False).parse(given)
-      config.keys()
-    except Exception:  # noqa: BLE001 - a config that fails to load is reported below
-      config = None
+  given = _given_config(argv, config_flag)
+  config = _config_file(argv, config_flag)
   if config is not None:
     line = _unknown_override(config, argv, config_flag)
     if line:
@@ -135,15 +158,132 @@ def define_config(name: str, default: str | None, help_text: str):
   return config_flags.DEFINE_config_file(name, None, f"{help_text} (default: {default})")
 
 
+# The ``--config.`` fields most runs set, with what each means (shown by :func:`help_text`).
+COMMON_FIELDS = (
+    ("total_steps", "training steps"),
+    ("batch_size", "examples per step (global)"),
+    ("seq_len", "tokens per example"),
+    ("optimizer.learning_rate", "peak learning rate"),
+    ("optimizer.warmup_steps", "linear warm-up steps"),
+    ("log_every", "steps between console lines"),
+    ("eval_every", "steps between evaluations (0: none)"),
+    ("eval_steps", "batches per evaluation"),
+    ("checkpoint_every", "steps between checkpoints"),
+    ("seed", "initialisation and data seed"),
+    ("task", "seqio task"),
+    ("model.scheme", "position scheme, e.g. \"{'name': 'alibi'}\""),
+    ("model.route", "attention kernel (auto picks per backend and length)"),
+    ("model.dtype", "compute dtype (float32, bfloat16)"),
+    ("model.max_len", "longest position the model covers"),
+    ("mesh.shape", "(data, model) devices; -1 takes the rest"),
+)
+
+HELP_FLAGS = ("--help", "--helpshort", "-?", "-h")
+
+
+def _first_sentence(path: str) -> str:
+  """The first sentence of the module docstring of the Python file ``path`` ("" if none)."""
+  import ast  # noqa: PLC0415
+
+  with open(path) as f:
+    doc = ast.get_docstring(ast.parse(f.read())) or ""
+  paragraph = " ".join(doc.strip().split("\n\n")[0].split())
+  return paragraph.partition(". ")[0].removesuffix(".") + "." if paragraph else ""
+
+
+def _field(config, path: str):
+  """``config``'s value at the dotted ``path``, or ``KeyError``."""
+  for key in path.split("."):
+    if not hasattr(config, "keys") or key not in config.keys():
+      raise KeyError(path)
+    config = config[key]
+  return config
+
+
+def help_text(prog: str, usage: str, *, configs: Sequence[str] | None = None, config=None,
+              fv: flags.FlagValues | None = None) -> str:
+  """The ``--help`` text of a command-line tool, for absl and ``argparse`` tools alike.
+
+  Args:
+    prog: the tool's name as typed (``train.py``, ``python -m posenc_jax.evaluate``).
+    usage: what the tool does and how it is called (its module docstring), printed first.
+    configs: the names (``pretrain``, ``lm``) of the shipped ``posenc_jax/configs`` files the
+      tool takes, listed with their docstrings' first sentences; None lists them all, ``()`` none
+      (nor the presets and fields).
+    config: a loaded config (``ConfigDict``) whose values of :data:`COMMON_FIELDS` are shown
+      as the defaults; None: those of ``training.config.base_train_config``.
+    fv: the absl flags whose non-absl flags are listed (``flags.FLAGS``); None lists none.
+
+  Returns:
+    ``usage``, the tool's flags, the configs, the presets (model sizes, position schemes,
+    modifiers) and the registered schemes, the common ``--config.`` fields with their
+    defaults, and (where absl's ``--helpfull`` is defined) that it lists every flag.
+  """
+  lines = [usage.strip("\n"), ""]
+  if fv is not None:
+    lines.append("Flags:")
+    for module, module_flags in fv.flags_by_module_dict().items():
+      if not module.startswith("absl."):
+        lines += [f"  --{f.name}: {f.help}" + (f" (default: {f.default})" if f.default not in
+                                               (None, False) else "") for f in module_flags]
+    lines.append("")
+  if configs != ():
+    from posenc_jax import presets  # noqa: PLC0415
+    from posenc_jax.schemes import SCHEMES  # noqa: PLC0415
+    from posenc_jax.training.config import base_train_config  # noqa: PLC0415
+
+    names = sorted(n[:-3] for n in os.listdir(PACKAGED_CONFIGS)
+                   if n.endswith(".py") and not n.startswith("_"))
+    shown = [n for n in names if configs is None or n in configs]
+    width = max(map(len, shown), default=0) + 13
+    lines.append("Configs (--config=configs/<file>.py[:<arguments>]):")
+    lines += [f"  {f'configs/{n}.py':<{width}}"
+              f"{_first_sentence(os.path.join(PACKAGED_CONFIGS, f'{n}.py'))}" for n in shown]
+    modifiers = [n for n, fields in presets.SCHEMES.items() if "scheme" not in fields]
+    wrap = functools.partial(textwrap.wrap, width=96, subsequent_indent=" " * 13)
+    lines += ["", "Presets (arguments: one size, then schemes and modifiers, applied in order):",
+              *wrap(f"  sizes:     {', '.join(presets.SIZES)}"),
+              *wrap(f"  schemes:   {', '.join(n for n in presets.SCHEMES if n not in modifiers)}"),
+              *wrap(f"  modifiers: {', '.join(modifiers)}"),
+              "", "Position schemes (--config.model.scheme.name=...):",
+              *textwrap.wrap(", ".join(SCHEMES), width=96, initial_indent="  ",
+                             subsequent_indent="  "), ""]
+    config = base_train_config() if config is None else config
+    fields = []
+    for path, meaning in COMMON_FIELDS:
+      try:
+        value = _field(config, path)
+      except KeyError:
+        continue
+      fields.append((f"--config.{path}={dict(value) if hasattr(value, 'keys') else value}",
+                     meaning))
+    width = max(len(f) for f, _ in fields)
+    lines.append("Common fields (--config.<field>=<value>; the value shown is this config's):")
+    lines += [f"  {f:<{width}}  {meaning}" for f, meaning in fields]
+    lines.append("")
+  if fv is not None and "helpfull" in fv:
+    lines.append(f"{prog} --helpfull lists every flag, including absl's.")
+  return "\n".join(lines).strip("\n")
+
+
 def flags_parser(prog: str, config_flag: str | None = "config",
-                 fv: flags.FlagValues | None = None) -> Callable[[list[str]], list[str]]:
+                 fv: flags.FlagValues | None = None, usage: str | None = None,
+                 configs: Sequence[str] | None = None) -> Callable[[list[str]], list[str]]:
   """An absl ``flags_parser``: parses ``argv`` into ``fv`` (default ``flags.FLAGS``) and exits
-  with ``<prog>: <one line>`` on any error, including a config that fails to load."""
+  with ``<prog>: <one line>`` on any error, including a config that fails to load.
+
+  With ``usage``, ``--help`` (``--helpshort``, ``-?``, ``-h``) prints :func:`help_text`
+  (``usage``, ``configs``, and the defaults of the ``--<config_flag>`` given) and exits with
+  status 0; ``--helpfull`` stays absl's list of every flag."""
   fv = flags.FLAGS if fv is None else fv
 
   def parse(argv: list[str]) -> list[str]:
     if config_flag is not None:
       argv = _with_config_path(argv, config_flag)
+    if usage is not None and any(a in HELP_FLAGS for a in argv[1:]):
+      print(help_text(prog, usage, configs=configs, config=_config_file(argv, config_flag),
+                      fv=fv))
+      sys.exit(0)
     try:
       rest = fv(argv)
       if config_flag is not None and fv[config_flag].value is not None:
@@ -183,6 +323,53 @@ def quiet_library_tracebacks() -> None:
   """Orbax logs a traceback for each failed background write; entry points keep its one-line
   messages and stop with their own line."""
   logging.getLogger("absl").addFilter(_OneLineLibraryErrors())
+
+
+class _InapplicableNotices(logging.Filter):
+  """Drops library warnings whose advice does not apply to this project's runs: seqio's
+  "Using an uncached FunctionDataset for training" (the bundled tasks are in memory, and a
+  resumed run restores its input iterator's state, so restarts do not reshuffle)."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return not (f"{os.sep}seqio{os.sep}" in record.pathname
+                and str(record.msg).startswith("Using an uncached FunctionDataset"))
+
+
+def quiet_library_notices() -> None:
+  """Entry points that read seqio tasks drop its warnings that ask the user for nothing
+  (:class:`_InapplicableNotices`); every other warning and error still prints."""
+  logging.getLogger("absl").addFilter(_InapplicableNotices())
+
+
+# TensorFlow's start-up lines that ask nothing of the user (it only feeds input, on the CPU):
+# absl's notice that logging is not initialised, INFO lines (oneDNN, "Could not find cuda
+# drivers", logged before TF_CPP_MIN_LOG_LEVEL applies) and a failed cuInit on a machine
+# without a usable GPU (JAX reports its own devices).
+_TF_START_NOISE = re.compile(r"WARNING: All log messages before absl::InitializeLog\(\)|"
+                             r"I\d{4} |E\d{4} .*failed call to cuInit")
+
+
+def start_tensorflow_quietly() -> None:
+  """Imports TensorFlow and hides the GPUs from it (its input pipelines run on the CPU and
+  leave the accelerators' memory to JAX), with the process's stderr captured meanwhile: the
+  captured lines are written back, except TensorFlow's start-up notices (``_TF_START_NOISE``),
+  also when starting fails (the error is then raised)."""
+  sys.stderr.flush()
+  saved = os.dup(2)
+  with tempfile.TemporaryFile() as captured:
+    os.dup2(captured.fileno(), 2)
+    try:
+      import tensorflow as tf  # noqa: PLC0415
+
+      tf.config.set_visible_devices([], "GPU")
+    finally:
+      os.dup2(saved, 2)
+      os.close(saved)
+      captured.seek(0)
+      text = captured.read().decode(errors="replace")
+      sys.stderr.write("".join(line for line in text.splitlines(keepends=True)
+                               if not _TF_START_NOISE.match(line)))
+      sys.stderr.flush()
 
 
 def is_remote(path: str | os.PathLike) -> bool:

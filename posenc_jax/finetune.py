@@ -3,9 +3,9 @@
 [--sweep]`` (or ``python finetune.py ...`` in a clone). Importing this module defines its
 command-line flags.
 
-  python finetune.py --config=configs/finetune_wordnet.py:wordnet_supersense \
+  python finetune.py --config=configs/finetune_wordnet.py:wordnet_supersense \\
       --init_checkpoint=/tmp/posenc_demo --workdir=/tmp/posenc_supersense
-  python finetune.py --config=configs/finetune_glue.py:glue_rte,bert_base,diet_abs_share \
+  python finetune.py --config=configs/finetune_glue.py:glue_rte,bert_base,diet_abs_share \\
       --init_checkpoint=/data/runs/diet_abs --workdir=/data/ft/rte --sweep
 
 ``--init_checkpoint`` is a train.py workdir or a Hugging Face BERT folder.
@@ -22,6 +22,9 @@ from absl import app, flags, logging
 
 from posenc_jax import cli
 
+# The configs/ files it takes, listed by --help.
+CONFIGS = ("finetune_glue", "finetune_wordnet", "finetune_xtreme")
+
 _CONFIG = cli.define_config("config", None, "configs/<file>.py:<task>[,...]")
 _WORKDIR = flags.DEFINE_string("workdir", None, "checkpoints, metrics and the best model")
 _INIT = flags.DEFINE_string("init_checkpoint", None, "train.py workdir or Hugging Face folder")
@@ -34,6 +37,8 @@ def main(argv):
     sys.exit("finetune.py: --config and --workdir are required")
   logging.set_verbosity(logging.WARNING)
   cli.quiet_library_tracebacks()
+  cli.quiet_library_notices()
+  cli.start_tensorflow_quietly()
   from posenc_jax.training.errors import USER_ERRORS  # noqa: PLC0415
   from posenc_jax.training.finetune import finetune, sweep, sweep_table  # noqa: PLC0415
 
@@ -49,7 +54,7 @@ def main(argv):
 
 def run() -> None:
   """The command line (``python -m posenc_jax.finetune``, or the repository's ``finetune.py``)."""
-  app.run(main, flags_parser=cli.flags_parser("finetune.py"))
+  app.run(main, flags_parser=cli.flags_parser("finetune.py", usage=__doc__, configs=CONFIGS))
 
 
 if __name__ == "__main__":

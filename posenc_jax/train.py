@@ -4,7 +4,7 @@ defines its command-line flags.
 
   python -m posenc_jax.train --workdir=/tmp/posenc_demo   # configs/pretrain.py, the demo
   python train.py --config=configs/pretrain.py --workdir=/tmp/posenc_demo
-  python train.py --config=configs/pretrain.py:bert_base,diet_rel,tupe_protocol \
+  python train.py --config=configs/pretrain.py:bert_base,diet_rel,tupe_protocol \\
       --config.batch_size=512 --workdir=/data/runs/diet_rel
   python train.py --config=configs/lm.py:bert_tiny,alibi --workdir=/tmp/posenc_lm
 
@@ -22,6 +22,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # quiet the input pipeline's
 from absl import app, flags, logging
 
 from posenc_jax import cli
+
+# The configs/ files it takes, listed by --help.
+CONFIGS = ("pretrain", "lm", "translate", "probe")
 
 _CONFIG = cli.define_config("config", "configs/pretrain.py", "configs/<file>.py[:<presets>]")
 _WORKDIR = flags.DEFINE_string("workdir", None, "checkpoints, metrics and events go here")
@@ -49,6 +52,8 @@ def main(argv):
     sys.exit("train.py: --workdir is required")
   logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO
   cli.quiet_library_tracebacks()
+  cli.quiet_library_notices()
+  cli.start_tensorflow_quietly()
   initialise_distributed()
   from posenc_jax.training.errors import USER_ERRORS  # noqa: PLC0415
   from posenc_jax.training.loop import train  # noqa: PLC0415
@@ -61,7 +66,7 @@ def main(argv):
 
 def run() -> None:
   """The command line (``python -m posenc_jax.train``, or the repository's ``train.py``)."""
-  app.run(main, flags_parser=cli.flags_parser("train.py"))
+  app.run(main, flags_parser=cli.flags_parser("train.py", usage=__doc__, configs=CONFIGS))
 
 
 if __name__ == "__main__":

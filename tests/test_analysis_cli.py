@@ -46,9 +46,16 @@ def workdir(tmp_path_factory):
   # As train.py's init_state: unboxed parameters, optimizer state beside them.
   state = TrainState.create(apply_fn=model.apply, params=nn.unbox(variables["params"]), tx=tx)
   checkpointer = Checkpointer(str(path), save_interval_steps=1, async_save=False)
-  checkpointer.save(5, state, {"step": 5}, force=True)
+  checkpointer.save(5, state, {"step": 5}, force=True, input_iterator=_InputState())
   checkpointer.close()
   return path, state.params
+
+
+class _InputState:
+  """An input iterator's state, saved beside the model as train.py saves its pipeline's."""
+
+  def save_state(self, prefix):
+    pathlib.Path(prefix + ".index").write_text("position 5")
 
 
 def run(argv, capsys):
@@ -68,9 +75,14 @@ def assert_picture(path):
   assert pixels[..., :3].std() > 0.05
 
 
-def test_checkpoint_restores_the_saved_parameters(workdir):
+def test_checkpoint_restores_the_saved_parameters(workdir, caplog):
+  """Only the parameters are read, and Orbax does not warn about the input state left unread
+  (its warnings about anything else still show)."""
   path, saved = workdir
-  model = from_checkpoint(str(path), RUN_CONFIG)
+  assert (path / "checkpoints" / "5" / "input").is_dir()
+  with caplog.at_level("WARNING"):
+    model = from_checkpoint(str(path), RUN_CONFIG)
+  assert "could not be restored" not in caplog.text
   assert model.step == 5 and model.source.endswith("@5")
   saved_leaves, saved_tree = jax.tree.flatten(saved["bert"])
   loaded_leaves, loaded_tree = jax.tree.flatten(model.variables["params"])
@@ -186,3 +198,45 @@ def test_errors_are_one_line(workdir, tmp_path):
     main(["analysis", "rank", "--config=configs/pretrain.py:bert_tiny,bert", f"--workdir={path}"])
   with pytest.raises(SystemExit, match="out_dir"):
     main(["analysis", "plots", "--config=configs/model.py:bert_tiny,bert"])
+
+
+def test_the_default_length_is_the_runs(workdir, capsys):
+  """With a workdir the probing length defaults to the run's seq_len (the demo's 64), not
+  128; a fresh model keeps min(128, max_len)."""
+  path, _ = workdir
+  seq_len = json.loads((path / "config.json").read_text())["seq_len"]
+  assert seq_len == 64
+  _, result = run(["probe", f"--workdir={path}", "--num_words=4", "--batch_size=4"], capsys)
+  assert result["probing"]["length"] == seq_len
+  _, result = run(["probe", "--config=configs/model.py:bert_tiny,alibi", "--num_words=4",
+                   "--batch_size=4"], capsys)
+  assert result["probing"]["length"] == 128
+
+
+def test_a_language_model_workdir_is_one_line_before_any_work(tmp_path):
+  config = read_config("configs/lm.py:bert_tiny,alibi")
+  claim(str(tmp_path), config)  # its config.json; no checkpoint is read
+  with pytest.raises(SystemExit) as e:
+    main(["analysis", "indicators", f"--workdir={tmp_path}"])
+  assert str(e.value) == (
+      "analysis indicators: model: a decoder-only causal language model (head 'lm'); probe, "
+      "indicators, rank and plots run a BERT encoder's bidirectional layers (train one with "
+      "configs/pretrain.py); params counts any config")
+
+
+def test_pictures_without_matplotlib_say_what_to_install(monkeypatch, tmp_path):
+  monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib fails
+  with pytest.raises(SystemExit, match=r'^analysis plots: out_dir: the pictures need matplotlib: '
+                                       r'pip install "posenc-jax\[analysis\]"$'):
+    main(["analysis", "plots", "--config=configs/model.py:bert_tiny,bert",
+          f"--out_dir={tmp_path}"])
+
+
+def test_help_lists_the_flags_configs_presets_and_model_fields(capsys):
+  assert main(["analysis", "--help"]) == 0
+  out = capsys.readouterr().out
+  assert out.startswith("Command line: ``python -m posenc_jax.analysis <command>")
+  assert "--length: sequence length (default: a workdir's seq_len" in out
+  assert "configs/model.py" in out and "bert_tiny" in out and "diet_abs_share" in out
+  assert "--config.model.scheme={'name': 'learned_ape'}" in out
+  assert "--config.total_steps" not in out  # the analysis trains nothing

@@ -237,7 +237,7 @@ def test_flop_count_matches_the_jaxpr():
   assert train_flops_per_step(cfg, 2, 12, head="lm") == 3 * (ran - masked_half)
 
 
-def test_training_on_the_bundled_corpus(tmp_path, monkeypatch):
+def test_training_on_the_bundled_corpus(tmp_path, monkeypatch, capsys):
   """``configs/lm.py`` through the real loop and input pipeline, shortened: the loss falls,
   the evaluation reports perplexity, a checkpoint is written, and the trained model
   generates. (Shuffle blocks of 256 sequences instead of 16,384, so the first batch does
@@ -261,6 +261,8 @@ def test_training_on_the_bundled_corpus(tmp_path, monkeypatch):
   first, last = history[0], history[-1]
   assert last["step"] == 30 and last["loss"] < first["loss"] - 1.0, (first, last)
   assert last["eval_perplexity"] == pytest.approx(math.exp(last["eval_loss"]), rel=1e-6)
+  assert (f"eval at step 30: loss {last['eval_loss']:.4f} ppl {last['eval_perplexity']:.1f} "
+          f"acc {last['eval_accuracy']:.3f}") in capsys.readouterr().out.splitlines()
   assert (tmp_path / "run" / "checkpoints" / "30").is_dir()
   model = build_model(config.model, "lm")
   params = result["state"].params

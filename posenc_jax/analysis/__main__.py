@@ -76,8 +76,8 @@ def _define_flags(argv: list[str]):
   flags.DEFINE_integer("seed", 0, "fresh-initialisation and sampling seed", lower_bound=0,
                        flag_values=fv)
   flags.DEFINE_integer("layer", 0, "layer analysed (the papers: 0)", flag_values=fv)
-  flags.DEFINE_integer("length", None, "sequence length (default min(128, max_len))",
-                       flag_values=fv)
+  flags.DEFINE_integer("length", None, "sequence length (default: a workdir's seq_len, else "
+                       "min(128, max_len))", flag_values=fv)
   flags.DEFINE_integer("num_words", 300, "probing words averaged over", lower_bound=1,
                        flag_values=fv)
   flags.DEFINE_integer("batch_size", 50, "probing sequences per forward pass", lower_bound=1,
@@ -124,8 +124,9 @@ def _command(args: list[str]) -> str:
 
 
 def _model_config(fv):
-  """The :class:`ModelConfig` of the model source flags, read from the config or the Hugging
-  Face ``config.json`` (nothing is built or loaded)."""
+  """``(ModelConfig, head, seq_len)`` of the model source flags, read from the config, the
+  workdir's ``config.json`` or the Hugging Face ``config.json`` (nothing is built or loaded);
+  ``seq_len`` is the run's for a workdir, else None."""
   from posenc_jax.analysis import AnalysisError  # noqa: PLC0415
   from posenc_jax.convert import ConversionError, config_from_hf, read_hf_config  # noqa: PLC0415
   from posenc_jax.models import model_config  # noqa: PLC0415
@@ -133,16 +134,17 @@ def _model_config(fv):
   if fv.hf_package or fv.hf_dir is not None:
     source = "hf_package" if fv.hf_package else "hf_dir"
     try:
-      return config_from_hf(read_hf_config(_hf_dir(fv)))
+      return config_from_hf(read_hf_config(_hf_dir(fv))), "encoder", None
     except ConversionError as e:
       raise AnalysisError(f"{source}: {e}") from None
   if fv.workdir is not None:
     from posenc_jax.analysis.loading import run_config  # noqa: PLC0415
-    return model_config(run_config(fv.workdir, fv.config)["model"])
+    run = run_config(fv.workdir, fv.config)
+    return model_config(run["model"]), run.get("head", "mlm"), run.get("seq_len")
   if fv.config is None:
     raise AnalysisError("config: required (configs/<file>.py:<presets>), or give workdir, "
                         "hf_dir or hf_package")
-  return model_config(fv.config.model)
+  return model_config(fv.config.model), fv.config.get("head", "mlm"), None
 
 
 def _check_flags(fv, command: str) -> None:
@@ -150,6 +152,7 @@ def _check_flags(fv, command: str) -> None:
   that conflict, values outside the model's dimensions, and output paths that cannot be
   written (checked last: a valid folder is created)."""
   from posenc_jax.analysis import AnalysisError  # noqa: PLC0415
+  from posenc_jax.analysis.loading import check_encoder  # noqa: PLC0415
   from posenc_jax.analysis.probing import _check_model, default_length  # noqa: PLC0415
   from posenc_jax.models import BertEncoder  # noqa: PLC0415
 
@@ -169,8 +172,12 @@ def _check_flags(fv, command: str) -> None:
     if fv.step is not None and fv.workdir is None:
       raise AnalysisError(f"step: got {fv.step} without workdir; it picks a checkpoint of "
                           "--workdir")
-    encoder = BertEncoder(_model_config(fv))  # a module description: no parameters yet
+    cfg, head, seq_len = _model_config(fv)
+    check_encoder(cfg, head)
+    encoder = BertEncoder(cfg)  # a module description: no parameters yet
     _check_model(encoder, fv.layer)
+    if fv.length is None and seq_len is not None:  # the length the run trained at
+      fv.length = min(seq_len, cfg.max_len)
     length = default_length(encoder, fv.length)
     if command == "indicators" and not 1 <= fv.k <= length:
       raise AnalysisError(f"k: got {fv.k}; allowed: 1..{length} (the probing length)")
@@ -179,6 +186,12 @@ def _check_flags(fv, command: str) -> None:
                           f"within the probing length {length})")
   if command == "plots" and fv.out_dir is None:
     raise AnalysisError("out_dir: required by the plots command")
+  if fv.out_dir is not None:
+    try:
+      import matplotlib  # noqa: F401, PLC0415
+    except ImportError:
+      raise AnalysisError('out_dir: the pictures need matplotlib: pip install '
+                          '"posenc-jax[analysis]"') from None
   for name, check in (("out", cli.check_output_file), ("out_dir", cli.check_output_dir)):
     if fv[name].value == "":
       raise AnalysisError(f"{name}: got ''; allowed: a path")
@@ -346,10 +359,12 @@ def cmd_params(fv) -> tuple[dict[str, Any], str | None]:
 
 def main(argv: list[str]) -> int:
   """Runs one command; returns the exit status (errors raise ``SystemExit`` with one line)."""
-  if any(a in ("-h", "--help", "help") for a in argv[1:]):
-    print(__doc__)
-    return 0
   fv = _define_flags(argv)
+  if any(a in (*cli.HELP_FLAGS, "help") for a in argv[1:]):
+    from posenc_jax.presets import preset_config  # noqa: PLC0415
+    print(cli.help_text("python -m posenc_jax.analysis", __doc__, configs=("model", "pretrain"),
+                        config=preset_config(), fv=fv))
+    return 0
   command = _command(cli.flags_parser("analysis", fv=fv)(argv)[1:])
   from posenc_jax.analysis import AnalysisError  # noqa: PLC0415
   from posenc_jax.convert import ConversionError  # noqa: PLC0415

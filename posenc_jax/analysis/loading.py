@@ -101,13 +101,19 @@ def _init_ids(cfg: ModelConfig) -> jax.Array:
   return jnp.ones((1, min(8, cfg.max_len)), jnp.int32)
 
 
-def _check_encoder(cfg: ModelConfig, head: str) -> None:
+def check_encoder(cfg: ModelConfig, head: str) -> None:
+  """Raises one :class:`AnalysisError` line for a model that is not a BERT encoder: probing,
+  indicators, rank and plots run the layers of :class:`BertEncoder` (bidirectional
+  attention, ``[CLS]``/``[SEP]`` probes)."""
   if cfg.num_decoder_layers or head == "translation":
-    raise AnalysisError("model: the analysis works on BERT encoders; this config is an "
-                        "encoder-decoder (translation) model")
-  if head == "lm":
-    raise AnalysisError("model: the analysis works on BERT encoders; this config is a "
-                        "decoder-only causal language model (head 'lm')")
+    kind = "an encoder-decoder (translation) model"
+  elif head == "lm":
+    kind = "a decoder-only causal language model (head 'lm')"
+  else:
+    return
+  raise AnalysisError(f"model: {kind}; probe, indicators, rank and plots run a BERT encoder's "
+                      "bidirectional layers (train one with configs/pretrain.py); params "
+                      "counts any config")
 
 
 def from_config(config: Any, *, seed: int = 0, name: str | None = None) -> LoadedModel:
@@ -122,7 +128,7 @@ def from_config(config: Any, *, seed: int = 0, name: str | None = None) -> Loade
   """
   cfg, head, _, label = _resolve(config)
   label = name or label
-  _check_encoder(cfg, head)
+  check_encoder(cfg, head)
   encoder = BertEncoder(cfg)
   params = nn.unbox(jax.jit(encoder.init)(jax.random.key(seed), _init_ids(cfg))["params"])
   return LoadedModel(cfg, encoder, {"params": params}, bundled_tokens(cfg.vocab_size),
@@ -191,7 +197,7 @@ def from_checkpoint(workdir: str, config: Any = None, *, step: int | None = None
   """
   from posenc_jax.models.build import abstract_params, build_model  # noqa: PLC0415
   cfg, head, num_labels, _ = _resolve(run_config(workdir, config))
-  _check_encoder(cfg, head)
+  check_encoder(cfg, head)
   model = build_model(cfg, head, num_labels=num_labels)
   step, params = restore_params(workdir, abstract_params(model), step=step)
   if head != "encoder":

@@ -384,6 +384,20 @@ def _open(workdir: str, field: str) -> ocp.CheckpointManager:
       item_handlers={"state": ocp.PyTreeCheckpointHandler(), "data": ocp.JsonCheckpointHandler()})
 
 
+class _UnreadItem(logging.Filter):
+  """Drops Orbax's warning that an item of the checkpoint "could not be restored" for
+  ``item``, which the caller leaves unread on purpose (its other warnings pass)."""
+
+  def __init__(self, item: str):
+    super().__init__()
+    self.item = item
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return not (str(record.msg).startswith('Item "%s" was found in the checkpoint, but could '
+                                           "not be restored")
+                and record.args == (self.item,))
+
+
 def restore_params(workdir: str, abstract_params: Any = None, *, step: int | None = None,
                    field: str = "workdir") -> tuple[int, Any]:
   """``(step, params)``: the ``params`` of the newest checkpoint in ``<workdir>/checkpoints``
@@ -403,6 +417,8 @@ def restore_params(workdir: str, abstract_params: Any = None, *, step: int | Non
     field: the flag or argument named in errors (``workdir``, ``init_checkpoint``).
   """
   manager = _open(workdir, field)
+  unread = _UnreadItem("input")  # the input iterator's state: not needed for parameters
+  logging.getLogger("absl").addFilter(unread)  # Orbax logs through absl's logger
   try:
     steps = sorted(manager.all_steps())
     if not steps:
@@ -444,5 +460,6 @@ def restore_params(workdir: str, abstract_params: Any = None, *, step: int | Non
                       problem)
   finally:
     manager.close()
+    logging.getLogger("absl").removeFilter(unread)
   raise CheckpointError(f"{field}: no checkpoint in {workdir}/checkpoints restores: "
                         f"{'; '.join(errors)}")

@@ -40,7 +40,7 @@ from posenc_jax.training import workdir as workdir_lib
 from posenc_jax.training.checkpoint import Checkpointer
 from posenc_jax.training.config import (TrainConfigError, compilation_cache_dir,
                                         max_predictions, validate_train_config)
-from posenc_jax.training.metrics import (MetricWriter, Throughput, console_line,
+from posenc_jax.training.metrics import (MetricWriter, Throughput, console_line, eval_line,
                                          train_flops_per_step)
 from posenc_jax.training.objectives import objective
 from posenc_jax.training.optim import make_optimizer
@@ -470,6 +470,9 @@ def train(config: ml_collections.ConfigDict, workdir: str,
           writer.write(step, scalars)
           history.append({"step": step, **scalars})
           say(console_line(step, config.total_steps, scalars), flush=True)
+          evaluated = eval_line(step, scalars)
+          if evaluated:
+            say(evaluated, flush=True)
         if save_now:
           checkpointer.save(step, state, {"step": step}, force=True,
                             input_iterator=train_batches)

@@ -1,0 +1,97 @@
+"""What the tools print: the evaluation line, ``--help``, and TensorFlow's start-up notices
+dropped while its errors still print."""
+
+import os
+import pathlib
+import subprocess
+import sys
+import types
+
+import pytest
+
+from posenc_jax import cli
+from posenc_jax.training.metrics import eval_line
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_eval_line_shows_loss_perplexity_accuracy_and_task_metrics():
+  scalars = {"loss": 7.0, "eval_loss": 6.81234, "eval_perplexity": 908.34,
+             "eval_accuracy": 0.0521, "task_f1": 81.2, "task_bleu": 12.4}
+  assert eval_line(100, scalars) == ("eval at step 100: loss 6.8123 ppl 908.3 acc 0.052 | "
+                                     "task bleu 12.40 f1 81.20")
+  assert eval_line(3, {"eval_loss": 2.0, "eval_accuracy": 0.5}) == (
+      "eval at step 3: loss 2.0000 acc 0.500")
+  assert eval_line(5, {"loss": 7.0, "accuracy": 0.1}) is None  # no evaluation at this step
+
+
+def test_train_help_lists_configs_presets_and_the_given_configs_defaults():
+  proc = subprocess.run([sys.executable, "train.py", "--config=configs/lm.py", "--help"],
+                        cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  out = proc.stdout
+  assert "python train.py --config=configs/pretrain.py --workdir=" in out  # the usage
+  assert "--workdir: checkpoints, metrics and events go here" in out
+  assert "configs/lm.py" in out and "Causal language modelling" in out
+  assert "configs/finetune_glue.py" not in out  # finetune.py's
+  assert "bert_tiny" in out and "diet_abs_share" in out and "rope" in out
+  lines = out.splitlines()
+  assert any(line.split()[:1] == ["--config.task=wordnet_glosses_lm"] for line in lines)
+  assert any(line.strip().startswith("--config.total_steps=500 ") for line in lines)
+  assert any(line.strip().startswith("--config.model.route=auto ") for line in lines)
+  assert "train.py --helpfull lists every flag" in out
+
+
+def test_finetune_help_lists_its_configs_and_helpfull_stays_absls():
+  proc = subprocess.run([sys.executable, "finetune.py", "-h"], cwd=ROOT, capture_output=True,
+                        text=True, timeout=120)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  out = proc.stdout
+  assert out.startswith("Fine-tuning on GLUE, XTREME and the bundled WordNet tasks")
+  assert "configs/finetune_wordnet.py" in out and "configs/pretrain.py" not in out
+  assert "--config.batch_size=32 " in out  # base_train_config's: no --config given
+  proc = subprocess.run([sys.executable, "-m", "posenc_jax.finetune", "--helpfull"], cwd=ROOT,
+                        capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 1, proc.stderr[-2000:]  # absl's status after its help
+  assert "--init_checkpoint" in proc.stdout and "absl.logging:" in proc.stdout
+
+
+def _fake_tensorflow(monkeypatch, stderr: bytes, error: Exception | None = None):
+  def set_visible_devices(devices, kind):
+    assert devices == [] and kind == "GPU"
+    os.write(2, stderr)
+    if error is not None:
+      raise error
+
+  fake = types.SimpleNamespace(config=types.SimpleNamespace(
+      set_visible_devices=set_visible_devices))
+  monkeypatch.setitem(sys.modules, "tensorflow", fake)
+
+
+NOISE = (b"WARNING: All log messages before absl::InitializeLog() is called are written to "
+         b"STDERR\nI0000 00:00:1.2 1 port.cc:153] oneDNN custom operations are on.\n"
+         b"E0000 00:00:1.3 1 cuda_platform.cc:52] failed call to cuInit: INTERNAL: CUDA "
+         b"error: Failed call to cuInit: UNKNOWN ERROR (303)\n")
+
+
+def test_tensorflow_start_notices_are_dropped_and_other_lines_kept(monkeypatch, capfd):
+  _fake_tensorflow(monkeypatch, NOISE + b"E0000 00:00:1.4 1 x.cc:1] a real failure\n")
+  cli.start_tensorflow_quietly()
+  err = capfd.readouterr().err
+  assert err == "E0000 00:00:1.4 1 x.cc:1] a real failure\n"
+
+
+def test_an_error_starting_tensorflow_prints_and_raises(monkeypatch, capfd):
+  _fake_tensorflow(monkeypatch, NOISE + b"F0000 fatal: no such op\n", RuntimeError("no op"))
+  with pytest.raises(RuntimeError, match="no op"):
+    cli.start_tensorflow_quietly()
+  assert capfd.readouterr().err == "F0000 fatal: no such op\n"
+
+
+def test_the_real_tensorflow_starts_without_its_notices():
+  proc = subprocess.run([sys.executable, "-c", "from posenc_jax import cli; "
+                         "cli.start_tensorflow_quietly(); import tensorflow as tf; "
+                         "print(tf.config.get_visible_devices('GPU'))"],
+                        cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert proc.stdout.strip() == "[]" and proc.stderr == ""
