@@ -353,7 +353,14 @@ def start_tensorflow_quietly() -> None:
   """Imports TensorFlow and hides the GPUs from it (its input pipelines run on the CPU and
   leave the accelerators' memory to JAX), with the process's stderr captured meanwhile: the
   captured lines are written back, except TensorFlow's start-up notices (``_TF_START_NOISE``),
-  also when starting fails (the error is then raised)."""
+  also when starting fails (the error is then raised).
+
+  TensorFlow then logs errors only (``TF_CPP_MIN_LOG_LEVEL=2``, hiding e.g. the warning that
+  an iterator of a cached dataset stopped within its first epoch, as every run shorter than
+  an epoch does) unless the user chose a level: JAX's import sets 1 where it is unset, so 1
+  counts as unset; any other value is kept. Call it before anything imports TensorFlow."""
+  if os.environ.get("TF_CPP_MIN_LOG_LEVEL", "1") == "1":
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
   sys.stderr.flush()
   saved = os.dup(2)
   with tempfile.TemporaryFile() as captured:

@@ -13,10 +13,7 @@ command-line flags.
 writes the median-of-best table (sweep.json, sweep.md) as DIET reports it.
 """
 
-import os
 import sys
-
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # quiet the input pipeline's TensorFlow
 
 from absl import app, flags, logging
 

@@ -17,8 +17,6 @@ JAX_PROCESS_ID). Each host feeds its own shard of the global batch.
 import os
 import sys
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # quiet the input pipeline's TensorFlow
-
 from absl import app, flags, logging
 
 from posenc_jax import cli

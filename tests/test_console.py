@@ -81,6 +81,19 @@ def test_tensorflow_start_notices_are_dropped_and_other_lines_kept(monkeypatch, 
   assert err == "E0000 00:00:1.4 1 x.cc:1] a real failure\n"
 
 
+@pytest.mark.parametrize("given,level", [(None, "2"), ("1", "2"), ("0", "0"), ("3", "3")])
+def test_tensorflow_logs_errors_only_unless_the_user_chose_a_level(monkeypatch, capfd, given,
+                                                                   level):
+  """JAX's import sets TF_CPP_MIN_LOG_LEVEL=1 where it is unset: 1 counts as unset."""
+  if given is None:
+    monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL", raising=False)
+  else:
+    monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", given)
+  _fake_tensorflow(monkeypatch, b"")
+  cli.start_tensorflow_quietly()
+  assert os.environ["TF_CPP_MIN_LOG_LEVEL"] == level
+
+
 def test_an_error_starting_tensorflow_prints_and_raises(monkeypatch, capfd):
   _fake_tensorflow(monkeypatch, NOISE + b"F0000 fatal: no such op\n", RuntimeError("no op"))
   with pytest.raises(RuntimeError, match="no op"):

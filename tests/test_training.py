@@ -272,7 +272,8 @@ def test_default_run_learns(tmp_path):
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "first loss" in proc.stdout and "step 80/80" in proc.stdout
   assert "eval at step 80: loss " in proc.stdout  # the evaluation, on the console too
-  for notice in ("cuInit", "absl::InitializeLog", "I0000", "uncached FunctionDataset"):
+  for notice in ("cuInit", "absl::InitializeLog", "I0000", "uncached FunctionDataset",
+                 "cache_dataset_ops"):
     assert notice not in proc.stderr, proc.stderr[-3000:]  # nothing a user can act on
   records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
   first, last = records[0], records[-1]
