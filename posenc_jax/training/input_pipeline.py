@@ -12,12 +12,14 @@ in the seed and the step, are rebuilt at ``start_step``.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 from collections.abc import Iterator
 
 import ml_collections
 import numpy as np
 
+from posenc_jax.data import probes
 from posenc_jax.models.config import model_config
 from posenc_jax.training.config import TrainConfigError, cache_data
 
@@ -91,7 +93,11 @@ TEXT_FEATURES = {"mlm": ("text", "wordnet_glosses"), "lm": ("targets", "wordnet_
 
 def check_data_config(config: ml_collections.ConfigDict) -> None:
   """The task exists, has the token feature the objective packs, and its vocabulary fits the
-  model (before anything compiles)."""
+  model (before anything compiles); a probe (``probe:<name>``, objective ``lm``) has valid
+  parameters and fits ``seq_len``."""
+  if config.task.startswith(probes.TASK_PREFIX):
+    _check_probe_config(config)
+    return
   import seqio  # noqa: PLC0415
 
   task = _task(config.task)
@@ -107,6 +113,30 @@ def check_data_config(config: ml_collections.ConfigDict) -> None:
       raise TrainConfigError(
           f"model.vocab_size: {vocab_size} is smaller than task {config.task!r}'s "
           f"{name!r} vocabulary ({feature.vocabulary.vocab_size})")
+
+
+def _check_probe_config(config: ml_collections.ConfigDict) -> None:
+  if config.objective != "lm":
+    raise TrainConfigError(f"objective: got {config.objective!r}; allowed: 'lm' for task "
+                           f"{config.task!r} (probes train the causal LM)")
+  spec = probes.config_probe(config)
+  spec.check_length(config.seq_len, "seq_len")
+  vocab_size = model_config(config.model).vocab_size
+  if spec.vocab_size() > vocab_size:
+    raise TrainConfigError(f"model.vocab_size: {vocab_size} is smaller than task "
+                           f"{config.task!r}'s ids ({spec.vocab_size()})")
+
+
+def _probe(config, split, start_step, shard_id, num_shards):
+  """A probe's batches at ``seq_len``: training from ``start_step`` (seed ``config.seed``),
+  evaluation ``eval_steps`` batches of the held-out seed."""
+  spec = probes.config_probe(config)
+  if split == "train":
+    return probes.batches(spec, config.seq_len, config.batch_size, config.seed, start_step,
+                          shard_id, num_shards)
+  return itertools.islice(probes.batches(spec, config.seq_len, config.batch_size,
+                                         probes.HELD_OUT_SEED, 0, shard_id, num_shards),
+                          config.eval_steps)
 
 
 def _translation(config, split, start_step, shard_id, num_shards):
@@ -179,15 +209,19 @@ def _finetune(config, split, start_step, shard_id, num_shards):
 def make_batches(config: ml_collections.ConfigDict, split: str, start_step: int,
                  shard_id: int = 0, num_shards: int = 1) -> Iterator[dict[str, np.ndarray]]:
   """Endless training batches from ``start_step``, or the evaluation batches (``eval_steps``
-  of them for pre-training, causal LM and translation, the whole split for fine-tuning).
+  of them for pre-training, causal LM, probes and translation, the whole split for
+  fine-tuning).
 
   Each batch is this host's ``batch_size / num_shards`` rows (numpy). Training batches
   are an :class:`InputIterator` (its state saved with checkpoints); pre-training's are
   sharded as ``config.data_sharding`` says and cached as ``config.cache_data`` says, and
   its evaluation batches always come from the global stream (``eval_steps`` of them, the
-  same on every host count), uncached.
+  same on every host count), uncached. A probe's (task ``probe:<name>``,
+  :mod:`posenc_jax.data.probes`) are generated from the seed and the step, without state.
   """
   train = split == "train"
+  if config.task.startswith(probes.TASK_PREFIX):
+    return _probe(config, split, start_step, shard_id, num_shards)
   if config.objective == "translation":
     ds = _translation(config, split, start_step, shard_id, num_shards)
   elif config.objective in FINETUNE_FEATURES:

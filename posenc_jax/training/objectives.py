@@ -17,7 +17,9 @@ Translation batch: ``inputs`` ``[B, Ls]``, ``targets`` ``[B, Lt]`` (0 is
 padding; the decoder input is ``targets`` shifted right by one).
 
 Causal-LM batch: ``targets`` ``[B, L]`` (packed text, 0 is padding); the model reads them
-shifted right by one and predicts each from the ones before it.
+shifted right by one and predicts each from the ones before it. An optional float
+``loss_weights`` ``[B, L]`` weighs the predictions (synthetic probes: 1 on answer tokens);
+without it every non-padding token weighs 1.
 
 Fine-tuning batches carry ``input_ids``, ``segment_ids``, ``mask`` and
 ``label`` ``[B]`` (int for classification, float for regression), or
@@ -126,18 +128,20 @@ def translation_objective(model: nn.Module, params: Any, batch: dict[str, Array]
 
 def lm_objective(model: nn.Module, params: Any, batch: dict[str, Array], rng: Array | None,
                  label_smoothing: float = 0.0) -> tuple[Array, dict[str, Array]]:
-  """Next-token prediction: the logits at ``shift_right(targets)`` predict ``targets``;
-  padding (0) weighs 0. Padding only ends a row, so causal attention keeps it from every
-  real position and no key mask is needed. ``position_ids`` and ``packed_segment_ids``, when
-  in the batch, describe the prediction slots (slot ``t`` reads target ``t - 1`` and
-  predicts target ``t``) and go to the model as they are."""
+  """Next-token prediction: the logits at ``shift_right(targets)`` predict ``targets``,
+  weighed by ``loss_weights`` when the batch has it, else padding (0) weighs 0. Padding
+  only ends a row, so causal attention keeps it from every real position and no key mask
+  is needed. ``position_ids`` and ``packed_segment_ids``, when in the batch, describe the
+  prediction slots (slot ``t`` reads target ``t - 1`` and predicts target ``t``) and go to
+  the model as they are."""
   deterministic = rng is None
   logits = model.apply({"params": params}, shift_right(batch["targets"]),
                        deterministic=deterministic,
                        rngs=None if deterministic else {"dropout": rng},
                        **packing_inputs(batch))
-  loss, weight, correct = weighted_cross_entropy(logits, batch["targets"],
-                                                 batch["targets"] > 0, label_smoothing)
+  weights = batch["loss_weights"] if "loss_weights" in batch else batch["targets"] > 0
+  loss, weight, correct = weighted_cross_entropy(logits, batch["targets"], weights,
+                                                 label_smoothing)
   return loss, {"loss": loss, "weight": weight, "correct": correct}
 
 
