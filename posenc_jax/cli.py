@@ -257,7 +257,7 @@ def help_text(prog: str, usage: str, *, configs: Sequence[str] | None = None, co
         continue
       fields.append((f"--config.{path}={dict(value) if hasattr(value, 'keys') else value}",
                      meaning))
-    width = max(len(f) for f, _ in fields)
+    width = min(max(len(f) for f, _ in fields), 40)  # a long value does not push the rest
     lines.append("Common fields (--config.<field>=<value>; the value shown is this config's):")
     lines += [f"  {f:<{width}}  {meaning}" for f, meaning in fields]
     lines.append("")
