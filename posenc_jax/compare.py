@@ -26,7 +26,7 @@ import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from absl import app, flags
+from absl import app, flags, logging
 
 from posenc_jax import cli
 
@@ -100,6 +100,7 @@ def main(argv):
 
   from posenc_jax.comparison import collect, plan, report  # noqa: PLC0415
 
+  logging.set_verbosity(logging.WARNING)  # JAX's backend lines before the cost is timed
   folders, config, root = argv[1:], _CONFIG.value, _WORKDIR.value
   if folders and not _COLLECT.value:
     sys.exit(f"{PROG}: unexpected arguments {' '.join(folders)}; folders to read go after "

@@ -120,12 +120,13 @@ def check(config: ml_collections.ConfigDict) -> dict[str, Any]:
 
 
 def overrides(values: ml_collections.ConfigDict, prefix: str = "--config.") -> list[str]:
-  """``--config.<a.b>=<value>`` for every leaf of ``values`` (nested fields dotted)."""
+  """``--config.<a.b>=<value>`` for every leaf of ``values`` that is set (nested fields
+  dotted)."""
   flags = []
   for key, value in values.items():
     if isinstance(value, ml_collections.ConfigDict):
       flags += overrides(value, f"{prefix}{key}.")
-    else:
+    elif value is not None:
       flags.append(f"{prefix}{key}={value}")
   return flags
 

@@ -22,8 +22,9 @@ The argument is the experiment:
 Lists (``schemes``, ``seeds``, ``sizes``, ``tasks``, ``lengths``) are comma-separated
 strings. ``train_config``, ``finetune_config`` are config specs where ``{size}``,
 ``{scheme}`` and ``{task}`` are filled in per cell; ``train`` and ``finetune`` hold
-``--config.<field>`` overrides for every run (the budgets); ``evaluate`` holds extra
-flags of the evaluate tool. ``cost`` times each scheme's training step and its peak
+``--config.<field>`` overrides for every run (the budgets; a field not listed there is
+added in a copy of this file); ``evaluate`` holds the evaluate tool's flags (unset: its
+defaults). ``cost`` times each scheme's training step and its peak
 memory against ``baseline`` (default: the first scheme) with ``posenc_jax.bench``.
 The defaults run on the bundled data on a laptop CPU in minutes.
 """
@@ -51,7 +52,11 @@ def _base(experiment: str, protocol: str, schemes: str, seeds: str) -> config_di
   config.finetune_config = ""
   config.finetune = config_dict.ConfigDict()
   config.lengths = ""
-  config.evaluate = config_dict.ConfigDict()
+  # The evaluate tool's flags (unset: its defaults): windows non_overlapping|sliding, the
+  # sliding stride, the first N tokens of the split, the checkpoint (latest, best, a step).
+  config.evaluate = config_dict.ConfigDict(dict(
+      windows=config_dict.placeholder(str), stride=config_dict.placeholder(int),
+      tokens=config_dict.placeholder(int), checkpoint=config_dict.placeholder(str)))
   config.cost = config_dict.ConfigDict(dict(enabled=True, batch=8, length=64, repeats=5,
                                             dtype="float32"))
   return config
@@ -76,6 +81,7 @@ def get_config(arg="extrapolation"):
     config.train_config = "configs/lm.py:{size},{scheme}"
     config.train.update(short | dict(seq_len=32))
     config.lengths = "32,64,128,256"
+    config.evaluate.tokens = 4096
     config.cost.length = 32
     return config
   config = _base(arg, "probes", "bert,rope,alibi", "0")
