@@ -16,6 +16,7 @@ go on (exit status 1 at the end). Then ``ROOT/results.json`` (every run's number
 tables), ``ROOT/results.md`` (median (min-max) over seeds per scheme and task or length,
 cost beside it) and PNG curves are written. ``--collect [DIR...]`` builds the same from
 workdirs made elsewhere (a cluster; ``gs://`` works), written into ``--workdir``.
+A compare ROOT's ``cost.json`` (in ``--workdir`` or a folder given) is shown beside them.
 ``--dry_run`` prints each cell's commands, to submit to a scheduler, and writes nothing.
 """
 
@@ -112,9 +113,8 @@ def main(argv):
     if _COLLECT.value:
       records = collect.collect(folders or [root])
       cli.check_output_dir("workdir", root)
-      kept = epath.Path(root) / COST_FILE
-      summary = summarise(records, [], config,
-                          json.loads(kept.read_text()) if kept.exists() else None)
+      kept = [p for p in (epath.Path(f) / COST_FILE for f in [root, *folders]) if p.exists()]
+      summary = summarise(records, [], config, json.loads(kept[0].read_text()) if kept else None)
       for path in report.write(root, summary):
         print(f"wrote {path}")
     else:
