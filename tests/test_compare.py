@@ -101,6 +101,21 @@ def test_extrapolation_table_shows_lengths_and_na(tmp_path):
   assert (tmp_path / "out" / "extrapolation.png").stat().st_size > 1000, written
 
 
+def test_probe_tables_are_one_per_probe_with_accuracy_per_length(tmp_path):
+  for scheme, accuracy in (("rope", 0.9), ("alibi", 0.5)):
+    for probe in ("copy", "reverse"):
+      doc = {"protocol": "probes", "metric": "accuracy", "train_length": 64,
+             "rows": [{"length": 64, "accuracy": accuracy}, {"length": 128, "accuracy": 0.1}]}
+      fake_run(tmp_path / scheme / "seed0" / probe, scheme, 0, task=f"probe:{probe}",
+               objective="lm", evals={"probes": doc})
+  summary = compare_cli.summarise(collect.collect([str(tmp_path)]), [], get_config("synthetic"))
+  assert [(t["title"], [r["label"] for r in t["rows"]]) for t in summary["tables"]] == [
+      ("probe copy", ["rope", "alibi"]), ("probe reverse", ["rope", "alibi"])]
+  assert "| rope | 1 | 0.9000 | 0.1000 |" in report.markdown(summary)
+  assert {p.name for p in map(epath.Path, report.write(str(tmp_path / "out"), summary))} == {
+      "results.json", "results.md", "probe_copy.png", "probe_reverse.png"}
+
+
 def test_collect_from_copied_workdirs_and_a_gs_bucket_gives_the_same_table(
     tmp_path, bucket):  # noqa: F811 - the fixture
   root, _ = bucket
@@ -271,3 +286,15 @@ def test_a_real_grid_of_two_schemes_and_two_seeds_trains_collects_and_costs(tmp_
     (table,) = summary["tables"]
     assert table["columns"] == ["16", "32"] and [r["label"] for r in table["rows"]] == [
         "alibi", "rope"]
+
+
+def test_without_matplotlib_one_line_says_how_and_the_tables_are_written(tmp_path, monkeypatch,
+                                                                         capsys):
+  fake_run(tmp_path / "runs" / "bert" / "seed0" / "train", "bert", 0, task="wordnet_glosses_lm",
+           objective="lm", evals={"extrapolation": EXTRAPOLATION})
+  summary = compare_cli.summarise(collect.collect([str(tmp_path / "runs")]), [])
+  monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+  written = report.write(str(tmp_path / "out"), summary)
+  assert [epath.Path(p).name for p in written] == ["results.json", "results.md"]
+  assert capsys.readouterr().out == ('compare: no plots (matplotlib missing): pip install '
+                                     '"posenc-jax[analysis]"\n')

@@ -183,6 +183,7 @@ def plot(table: dict[str, Any]):
     if points:
       ax.plot(*zip(*points), marker="o", label=row["label"])
   ax.set_xscale("log", base=2)
+  ax.set_xticks([int(c) for c in table["columns"]], table["columns"])
   if table["metric"] == "perplexity":
     ax.set_yscale("log")
   if table.get("train_length"):
