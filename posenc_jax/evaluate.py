@@ -4,6 +4,7 @@
   python -m posenc_jax.evaluate --workdir=/tmp/run --checkpoint=best       # a fine-tuned run
   python -m posenc_jax.evaluate --workdir=/tmp/posenc_lm --protocol=extrapolation \
       --lengths=64,128,256,512 [--windows=sliding --stride=32] [--tokens=16384]
+  python -m posenc_jax.evaluate --workdir=/tmp/probe_copy --protocol=probes --lengths=32,64,128
 
 ``--protocol=loss`` (default): the objective's metrics on ``--split`` as the trainer's
 evaluation computes them (masked LM: loss and accuracy; causal LM: loss, accuracy and
@@ -11,7 +12,8 @@ perplexity), and for fine-tuned runs the task's own metrics. ``--protocol=extrap
 perplexity (causal LM) or masked-LM loss at each of ``--lengths`` on the same first
 ``--tokens`` tokens of the split (Press et al.'s protocol, :mod:`posenc_jax.evaluation.runs`);
 a length the scheme cannot reach (a learned table of ``max_len`` rows) is ``n/a`` with the
-reason.
+reason. ``--protocol=probes``: a synthetic-probe run's (``configs/probe.py``) accuracy on its
+probe at each of ``--lengths`` (``--examples`` of the held-out ``--seed``).
 
 The model is built from ``<workdir>/config.json`` and restored from the newest checkpoint
 that restores and verifies (``--checkpoint=latest``), from ``<workdir>/best``
@@ -66,7 +68,7 @@ def _non_negative(text: str) -> int:
 
 # The flags that are protocol options, passed on only when given.
 OPTIONS = ("split", "eval_steps", "lengths", "windows", "stride", "tokens", "batch_size",
-           "mask_seed")
+           "mask_seed", "examples", "seed")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -81,7 +83,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   parser.add_argument("--eval_steps", type=cli.positive_int,
                       help="loss: batches to evaluate (default the run's eval_steps)")
   parser.add_argument("--lengths", type=_lengths,
-                      help="extrapolation: evaluation lengths, e.g. 64,128,256,512 "
+                      help="extrapolation, probes: evaluation lengths, e.g. 64,128,256,512 "
                       "(default 1, 2, 4 and 8 times the training length)")
   parser.add_argument("--windows", type=cli.one_of(WINDOWS),
                       help="extrapolation: non_overlapping (default) or sliding (causal LM)")
@@ -92,6 +94,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   parser.add_argument("--batch_size", type=cli.positive_int,
                       help="extrapolation: windows per step (default: the training batch's "
                       "tokens)")
+  parser.add_argument("--examples", type=cli.positive_int,
+                      help="probes: examples scored at each length (default 256)")
+  parser.add_argument("--seed", type=_non_negative,
+                      help="probes: the examples' seed (default the trainer's held-out one)")
   parser.add_argument("--mask_seed", type=_non_negative,
                       help="extrapolation, masked LM: the stream's masking seed (default 0)")
   return parser.parse_args(argv)

@@ -343,7 +343,51 @@ def test_cli_errors_are_one_line_naming_the_field(lm_run, mlm_run, tmp_path, cap
 
 
 def test_an_unknown_protocol_or_option_is_refused_by_the_api(lm_run):
-  with pytest.raises(EvaluationError, match="protocol: got 'probes'.*allowed: loss, "):
-    evaluate_workdir(lm_run[0], "probes")
+  with pytest.raises(EvaluationError, match="protocol: got 'probe'.*allowed: loss, "):
+    evaluate_workdir(lm_run[0], "probe")
   with pytest.raises(EvaluationError, match="stride: not an option of protocol 'loss'"):
     evaluate_workdir(lm_run[0], "loss", stride=4)
+
+
+# -------------------------------------------------------------------------------- probes
+
+
+def _probe_config(scheme: str):
+  from posenc_jax.configs import probe as probe_config  # noqa: PLC0415
+  config = probe_config.get_config(f"bert_tiny,{scheme},copy")
+  config.model.update(TINY)
+  config.seq_len, config.batch_size, config.eval_steps = TRAIN_LEN, 4, 2
+  config.probe.alphabet = 8
+  return config
+
+
+def test_probes_score_the_held_out_examples_at_each_length(tmp_path):
+  from posenc_jax.data import probes  # noqa: PLC0415
+  workdir = tmp_path / "probe_alibi"
+  config = _probe_config("alibi")
+  model, params = _fake_workdir(workdir, config)
+  lengths = [TRAIN_LEN, 4 * TRAIN_LEN]
+  doc = evaluate_workdir(str(workdir), "probes", lengths=lengths, examples=6, batch_size=4,
+                         out=str(workdir / "eval"))
+  assert doc["probe"] == probes.describe(probes.config_probe(config))
+  assert (doc["seed"], doc["examples"], doc["train_length"]) == (probes.HELD_OUT_SEED, 6,
+                                                                 TRAIN_LEN)
+  for row, length in zip(doc["rows"], lengths):  # the same numbers as scoring directly
+    direct = probes.score(model_at(load_run(str(workdir)), length)[0], params,
+                          probes.config_probe(config), length, examples=6,
+                          seed=probes.HELD_OUT_SEED, batch_size=4)
+    assert row["na"] is None and row["length"] == length
+    assert (row["accuracy"], row["token_accuracy"]) == (direct["accuracy"],
+                                                        direct["token_accuracy"])
+  assert json.loads((workdir / "eval" / "probes.json").read_text())["rows"] == doc["rows"]
+
+
+def test_probes_past_a_learned_table_are_na_and_other_runs_are_refused(tmp_path, lm_run):
+  workdir = tmp_path / "probe_bert"
+  _fake_workdir(workdir, _probe_config("bert"))
+  doc = evaluate_workdir(str(workdir), "probes", lengths=[TRAIN_LEN, 2 * TRAIN_LEN],
+                         examples=2)
+  assert doc["rows"][0]["na"] is None and doc["rows"][1]["accuracy"] is None
+  assert "max_len" in doc["rows"][1]["na"]
+  with pytest.raises(EvaluationError, match="protocol: 'probes' needs a probe run"):
+    evaluate_workdir(lm_run[0], "probes")

@@ -1,6 +1,6 @@
 """What an evaluation leaves behind: ``<out>/<protocol>.json``, a console table, and for
 ``extrapolation`` a PNG of the curve (matplotlib, the ``analysis`` extra; without it the plot
-is skipped with one line). Files go through ``etils.epath``, so ``gs://`` folders work.
+is skipped with one line); ``probes`` likewise. Files go through ``etils.epath``, so ``gs://`` folders work.
 """
 
 from __future__ import annotations
@@ -41,6 +41,19 @@ def table(document: dict[str, Any]) -> str:
     width = max(map(len, document["metrics"]), default=0)
     return "\n".join([f"{head}, split {document['split']}"] + [
         f"  {name:<{width}}  {value:.6g}" for name, value in document["metrics"].items()])
+  if document["protocol"] == "probes":
+    probe = ", ".join(f"{k}={v}" for k, v in document["probe"].items() if k != "name")
+    lines = [f"{head}, probe {document['probe']['name']} ({probe})",
+             f"  {document['examples']} examples of seed {document['seed']} at every length, "
+             f"trained at length {document['train_length']}",
+             f"  {'length':>7}  {'accuracy':>8}  {'token accuracy':>14}"]
+    for row in document["rows"]:
+      if row["accuracy"] is None:
+        lines.append(f"  {row['length']:>7}  {'n/a':>8}  {row['na']}")
+      else:
+        lines.append(f"  {row['length']:>7}  {row['accuracy']:>8.4f}  "
+                     f"{row['token_accuracy']:>14.4f}")
+    return "\n".join(lines)
   stride = f", stride {document['stride']}" if document["stride"] is not None else ""
   lines = [f"{head}, split {document['split']}",
            f"  windows {document['windows']}{stride}, the first {document['tokens']} tokens "
@@ -56,8 +69,8 @@ def table(document: dict[str, Any]) -> str:
   return "\n".join(lines)
 
 
-def plot_extrapolation(document: dict[str, Any]):
-  """The metric against the evaluation length (log2 axis), the training length marked:
+def _length_plot(document: dict[str, Any], key: str, ylabel: str, title: str):
+  """``row[key]`` against the evaluation length (log2 axis), the training length marked:
   a matplotlib ``Figure`` (Agg canvas; pyplot untouched)."""
   from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: PLC0415
   from matplotlib.figure import Figure  # noqa: PLC0415
@@ -65,22 +78,34 @@ def plot_extrapolation(document: dict[str, Any]):
   fig = Figure(figsize=(5, 3.5), dpi=110, layout="constrained")
   FigureCanvasAgg(fig)
   ax = fig.add_subplot()
-  rows = [r for r in document["rows"] if r["value"] is not None]
-  ax.plot([r["length"] for r in rows], [r["value"] for r in rows], marker="o")
+  rows = [r for r in document["rows"] if r[key] is not None]
+  ax.plot([r["length"] for r in rows], [r[key] for r in rows], marker="o")
   ax.axvline(document["train_length"], color="grey", linestyle="--", linewidth=1,
              label=f"training length {document['train_length']}")
   ax.set_xscale("log", base=2)
   ax.set_xlabel("evaluation length (tokens)")
-  ax.set_ylabel(document["metric"])
-  stride = f", stride {document['stride']}" if document["stride"] is not None else ""
+  ax.set_ylabel(ylabel)
   ax.set_title(f"{os.path.basename(str(document['workdir']).rstrip('/'))} step "
-               f"{document['step']}: {document['windows']}{stride}, {document['tokens']} "
-               "tokens", fontsize=8)
+               f"{document['step']}: {title}", fontsize=8)
   ax.legend(fontsize=7)
   return fig
 
 
-PLOTS: dict[str, Callable[[dict[str, Any]], Any]] = {"extrapolation": plot_extrapolation}
+def plot_extrapolation(document: dict[str, Any]):
+  """The metric against the evaluation length: a matplotlib ``Figure``."""
+  stride = f", stride {document['stride']}" if document["stride"] is not None else ""
+  return _length_plot(document, "value", document["metric"],
+                      f"{document['windows']}{stride}, {document['tokens']} tokens")
+
+
+def plot_probes(document: dict[str, Any]):
+  """The probe's accuracy against the evaluation length: a matplotlib ``Figure``."""
+  return _length_plot(document, "accuracy", "accuracy (whole answers)",
+                      f"probe {document['probe']['name']}, {document['examples']} examples")
+
+
+PLOTS: dict[str, Callable[[dict[str, Any]], Any]] = {"extrapolation": plot_extrapolation,
+                                                     "probes": plot_probes}
 
 
 def write(document: dict[str, Any], out: str,

@@ -20,6 +20,8 @@ entry of :data:`PROTOCOLS`):
   packs them, corrupted once as a whole by :func:`~posenc_jax.data.preprocessors.bert_mask`
   with a fixed seed, and each window is [CLS] and ``L - 1`` stream tokens. A length the model
   cannot reach is a row with ``value`` None and the reason in ``na``.
+* ``probes``: a synthetic-probe run's (:mod:`posenc_jax.data.probes`) accuracy on its probe at
+  several lengths, the same held-out examples for every run.
 
 A length past ``model.max_len`` runs the trained model when it accepts that length (a
 relative table clipped at a distance, T5 buckets, ALiBi); else the model rebuilt with
@@ -406,6 +408,55 @@ def extrapolation_protocol(run: Run, *, split: str = "validation",
           if name == "mlm" else None, "rows": rows}
 
 
+# --------------------------------------------------------------------------- probes protocol
+
+
+def probes_protocol(run: Run, *, lengths: Sequence[int] | None = None, examples: int = 256,
+                    seed: int | None = None, batch_size: int | None = None,
+                    progress: Callable[[str], None] = _quiet) -> dict[str, Any]:
+  """Accuracy of a probe run (task ``probe:<name>``, :mod:`posenc_jax.data.probes`) on its
+  own probe at each of ``lengths`` (default 1, 2, 4 and 8 times the training length):
+  examples ``0 .. examples - 1`` of ``seed`` (default the held-out seed the trainer
+  evaluates on), the same examples for every run; ``batch_size`` examples per step
+  (default: the training batch's tokens per step). A length the scheme cannot reach, or
+  too short for the probe, is ``n/a`` with the reason."""
+  from posenc_jax.data import probes  # noqa: PLC0415
+
+  config = run.config
+  if not str(config.task).startswith(probes.TASK_PREFIX):
+    raise EvaluationError(f"protocol: 'probes' needs a probe run (task "
+                          f"{probes.TASK_PREFIX}<name>, configs/probe.py); {run.workdir} has "
+                          f"task {config.task!r}")
+  spec = probes.config_probe(config)
+  train_length = config.seq_len
+  lengths = check_lengths(lengths or [train_length * k for k in (1, 2, 4, 8)])
+  seed = probes.HELD_OUT_SEED if seed is None else seed
+  rows = []
+  for index, length in enumerate(lengths, 1):
+    start = time.perf_counter()
+    model, reason = model_at(run, length)
+    row = {"length": length, "accuracy": None, "token_accuracy": None, "na": reason}
+    if model is not None:
+      try:
+        spec.check_length(length)
+      except probes.ProbeError as e:
+        model, row["na"] = None, first_line(e)
+    if model is not None:
+      result = probes.score(model, run.params, spec, length, examples=examples, seed=seed,
+                            batch_size=batch_size or max(
+                                1, config.batch_size * train_length // length))
+      row |= {k: v for k, v in result.items() if k in ("accuracy", "token_accuracy",
+                                                       "by_depth")}
+    rows.append(row)
+    value = "n/a" if row["accuracy"] is None else f"{row['accuracy']:.4g}"
+    progress(f"probes: length {length} ({index}/{len(lengths)}): accuracy {value} "
+             f"({time.perf_counter() - start:.1f} s)")
+  return {"protocol": "probes", "workdir": run.workdir, "step": run.step,
+          "checkpoint": run.checkpoint, "objective": config.objective,
+          "probe": probes.describe(spec), "train_length": train_length,
+          "examples": examples, "seed": seed, "rows": rows}
+
+
 def check_lengths(lengths: Sequence[int]) -> list[int]:
   """``lengths`` as a list, after checking they are positive integers, increasing."""
   lengths = list(lengths)
@@ -434,6 +485,7 @@ def check_windows(kind: str, stride: int | None, lengths: Sequence[int]) -> None
 PROTOCOLS: dict[str, Callable[..., dict[str, Any]]] = {
     "loss": loss_protocol,
     "extrapolation": extrapolation_protocol,
+    "probes": probes_protocol,
 }
 
 
