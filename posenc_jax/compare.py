@@ -21,11 +21,8 @@ A compare ROOT's ``cost.json`` (in ``--workdir`` or a folder given) is shown bes
 """
 
 import json
-import os
 import shlex
 import sys
-
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from absl import app, flags, logging
 
@@ -137,9 +134,17 @@ def main(argv):
                   + ", ".join(f["cell"] for f in summary["failed"]))
 
 
+def usage() -> str:
+  """``--help``'s opening: this module's docstring and the experiments shipped."""
+  from posenc_jax.configs.compare import EXPERIMENTS  # noqa: PLC0415
+  return (f"{__doc__.rstrip()}\n\nExperiments (--config=configs/compare.py:<experiment>): "
+          f"{', '.join(EXPERIMENTS)}")
+
+
 def run() -> None:
   """The command line, ``python -m posenc_jax.compare``."""
-  app.run(main, flags_parser=cli.flags_parser(PROG))
+  app.run(main, flags_parser=cli.flags_parser(PROG, usage=usage(),
+                                              configs=("compare",)))
 
 
 if __name__ == "__main__":

@@ -27,14 +27,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
+import textwrap
 from collections.abc import Sequence
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # quiet the input pipeline's TensorFlow
-
-from posenc_jax import cli  # noqa: E402
-from posenc_jax.evaluation.runs import PROTOCOLS, parse_checkpoint  # noqa: E402
-from posenc_jax.evaluation.windows import WINDOWS  # noqa: E402
+from posenc_jax import cli
+from posenc_jax.evaluation.runs import PROTOCOLS, parse_checkpoint
+from posenc_jax.evaluation.windows import WINDOWS
 
 PROG = "evaluate"
 
@@ -72,7 +72,13 @@ OPTIONS = ("split", "eval_steps", "lengths", "windows", "stride", "tokens", "bat
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-  parser = cli.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+  protocols = "\n".join(textwrap.fill(  # each protocol's first sentence
+      " ".join(re.split(r"\.\s", fn.__doc__, maxsplit=1)[0].split()).replace("``", ""),
+      width=92, initial_indent=f"  {name:<14}", subsequent_indent=" " * 16)
+      for name, fn in PROTOCOLS.items())
+  parser = cli.ArgumentParser(prog=PROG, description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter,
+                              epilog=f"protocols (--protocol):\n{protocols}")
   parser.add_argument("--workdir", required=True, help="a train.py or finetune.py workdir")
   parser.add_argument("--protocol", type=cli.one_of(PROTOCOLS), default="loss",
                       help=f"one of {', '.join(PROTOCOLS)} (default loss)")
@@ -113,6 +119,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
   logging.set_verbosity(logging.WARNING)
   cli.quiet_library_tracebacks()
+  cli.quiet_library_notices()
+  cli.start_tensorflow_quietly()
   from posenc_jax.evaluation import report  # noqa: PLC0415
   from posenc_jax.evaluation.runs import EvaluationError, evaluate_workdir  # noqa: PLC0415
   from posenc_jax.training.errors import USER_ERRORS  # noqa: PLC0415

@@ -13,6 +13,7 @@ import shutil
 import sys
 
 import pytest
+from absl import flags
 from etils import epath
 
 from posenc_jax import compare as compare_cli
@@ -298,3 +299,16 @@ def test_without_matplotlib_one_line_says_how_and_the_tables_are_written(tmp_pat
   assert [epath.Path(p).name for p in written] == ["results.json", "results.md"]
   assert capsys.readouterr().out == ('compare: no plots (matplotlib missing): pip install '
                                      '"posenc-jax[analysis]"\n')
+
+
+def test_help_lists_the_experiments_configs_and_presets(capsys):
+  from posenc_jax import cli  # noqa: PLC0415
+  from posenc_jax.configs.compare import EXPERIMENTS  # noqa: PLC0415
+  parse = cli.flags_parser(compare_cli.PROG, usage=compare_cli.usage(), configs=("compare",),
+                           fv=flags.FlagValues())
+  with pytest.raises(SystemExit) as exit_info:
+    parse(["compare", "--help"])
+  text = capsys.readouterr().out
+  assert exit_info.value.code == 0
+  assert f"Experiments (--config=configs/compare.py:<experiment>): {', '.join(EXPERIMENTS)}" in text
+  assert "configs/compare.py" in text and "alibi" in text and "configs/pretrain.py" not in text

@@ -391,3 +391,12 @@ def test_probes_past_a_learned_table_are_na_and_other_runs_are_refused(tmp_path,
   assert "max_len" in doc["rows"][1]["na"]
   with pytest.raises(EvaluationError, match="protocol: 'probes' needs a probe run"):
     evaluate_workdir(lm_run[0], "probes")
+
+
+def test_help_lists_every_protocol(capsys):
+  with pytest.raises(SystemExit) as exit_info:
+    evaluate_cli.parse_args(["--help"])
+  text = capsys.readouterr().out
+  assert exit_info.value.code == 0 and "protocols (--protocol):" in text
+  for name in ("loss", "extrapolation", "probes"):
+    assert f"\n  {name:<14}" in text

@@ -33,7 +33,7 @@ from ml_collections import config_dict
 
 from posenc_jax.cli import nearest
 
-# The probe tool's config (helper "probes"): one place to update.
+# The probe runs' config spec (configs/probe.py), filled in per cell.
 PROBE_CONFIG = "configs/probe.py:{size},{scheme},{task}"
 EXPERIMENTS = ("glue_table", "extrapolation", "synthetic")
 

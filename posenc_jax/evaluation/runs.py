@@ -414,9 +414,9 @@ def extrapolation_protocol(run: Run, *, split: str = "validation",
 def probes_protocol(run: Run, *, lengths: Sequence[int] | None = None, examples: int = 256,
                     seed: int | None = None, batch_size: int | None = None,
                     progress: Callable[[str], None] = _quiet) -> dict[str, Any]:
-  """Accuracy of a probe run (task ``probe:<name>``, :mod:`posenc_jax.data.probes`) on its
-  own probe at each of ``lengths`` (default 1, 2, 4 and 8 times the training length):
-  examples ``0 .. examples - 1`` of ``seed`` (default the held-out seed the trainer
+  """Accuracy of a synthetic-probe run on its own probe at each of ``lengths`` (default 1,
+  2, 4 and 8 times the training length). The run's task is ``probe:<name>``
+  (:mod:`posenc_jax.data.probes`); the examples are ``0 .. examples - 1`` of ``seed`` (default the held-out seed the trainer
   evaluates on), the same examples for every run; ``batch_size`` examples per step
   (default: the training batch's tokens per step). A length the scheme cannot reach, or
   too short for the probe, is ``n/a`` with the reason."""
