@@ -13,7 +13,9 @@ import pytest
 from matplotlib import image as mpimg
 
 from posenc_jax import params as params_tool
-from posenc_jax.analysis import TABLE2_COLUMNS, AnalysisError, from_checkpoint, read_config
+from posenc_jax.analysis import (TABLE2_COLUMNS, AnalysisError, from_checkpoint, from_config,
+                                 numerical_rank, position_vectors, positional_attention,
+                                 read_config)
 from posenc_jax.analysis.__main__ import main
 from posenc_jax.models.build import build_model
 from posenc_jax.training.checkpoint import Checkpointer
@@ -23,6 +25,7 @@ from posenc_jax.training.workdir import claim
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RUN_CONFIG = "configs/pretrain.py:bert_tiny,diet_abs_share"
+LM_CONFIG = "configs/lm.py:bert_tiny,bert"  # learned input APE
 # Small settings; each command takes only the flags it reads.
 FAST_PROBE = ["--num_words=6", "--length=32", "--batch_size=6"]
 FAST_RANK = ["--length=32", "--rank_batch=2"]
@@ -47,6 +50,23 @@ def workdir(tmp_path_factory):
   state = TrainState.create(apply_fn=model.apply, params=nn.unbox(variables["params"]), tx=tx)
   checkpointer = Checkpointer(str(path), save_interval_steps=1, async_save=False)
   checkpointer.save(5, state, {"step": 5}, force=True, input_iterator=_InputState())
+  checkpointer.close()
+  return path, state.params
+
+
+@pytest.fixture(scope="module")
+def lm_workdir(tmp_path_factory):
+  """A causal LM's train.py checkpoint at step 2 (learned APE: the positional term reads
+  the decoder's table and its first layer's self-attention kernels)."""
+  path = tmp_path_factory.mktemp("lm_run")
+  config = read_config(str(ROOT / LM_CONFIG))
+  claim(str(path), config)
+  model = build_model(config.model, config.head)
+  variables = jax.jit(model.init)(jax.random.key(4), jnp.ones((1, 8), jnp.int32))
+  tx, _ = make_optimizer(config.optimizer, config.total_steps)
+  state = TrainState.create(apply_fn=model.apply, params=nn.unbox(variables["params"]), tx=tx)
+  checkpointer = Checkpointer(str(path), save_interval_steps=1, async_save=False)
+  checkpointer.save(2, state, {"step": 2}, force=True)
   checkpointer.close()
   return path, state.params
 
@@ -213,15 +233,93 @@ def test_the_default_length_is_the_runs(workdir, capsys):
   assert result["probing"]["length"] == 128
 
 
-def test_a_language_model_workdir_is_one_line_before_any_work(tmp_path):
+def test_probing_a_language_model_workdir_is_one_line_before_any_work(tmp_path):
+  """Probing (and the indicators computed from it) reads attention to both sides of each
+  position: a causal LM has none after it; nor a logits batch for rank. No checkpoint is
+  read."""
   config = read_config("configs/lm.py:bert_tiny,alibi")
-  claim(str(tmp_path), config)  # its config.json; no checkpoint is read
-  with pytest.raises(SystemExit) as e:
-    main(["analysis", "indicators", f"--workdir={tmp_path}"])
-  assert str(e.value) == (
-      "analysis indicators: model: a decoder-only causal language model (head 'lm'); probe, "
-      "indicators, rank and plots run a BERT encoder's bidirectional layers (train one with "
-      "configs/pretrain.py); params counts any config")
+  claim(str(tmp_path), config)  # its config.json only
+  for command in ("probe", "indicators"):
+    with pytest.raises(SystemExit) as e:
+      main(["analysis", command, f"--workdir={tmp_path}"])
+    assert str(e.value) == (
+        f"analysis {command}: model: a decoder-only causal language model (head 'lm'); "
+        f"{command}: identical-word probing (Wang et al.) needs attention to both sides of "
+        "each position, which causal attention lacks; rank and plots analyse its positional "
+        "term")
+  with pytest.raises(SystemExit, match=r"^analysis rank: rank_batch: got 2, which a causal "
+                                       r"language model's rank does not read"):
+    main(["analysis", "rank", f"--workdir={tmp_path}", "--rank_batch=2"])
+
+
+def test_a_language_model_checkpoint_gives_the_decoders_positional_term(lm_workdir):
+  """The LM's positional term is c (P W_Q^h)(P W_K^h)^T of its decoder's table and first
+  self-attention layer, and its position vectors are that table."""
+  path, saved = lm_workdir
+  model = from_checkpoint(str(path))
+  assert model.causal and model.describe()["mask"] == "causal" and model.step == 2
+  decoder = saved["decoder"]
+  table = np.asarray(decoder["position"]["position_embedding"][:16], np.float64)
+  attention = decoder["layers"]["self_attention"]
+  pq = np.einsum("ld,dhk->hlk", table, np.asarray(attention["query"]["kernel"][0]))
+  pk = np.einsum("ld,dhk->hlk", table, np.asarray(attention["key"]["kernel"][0]))
+  expected = np.einsum("hik,hjk->hij", pq, pk) / np.sqrt(pq.shape[-1])
+  positional = positional_attention(model.encoder, model.variables, length=16)
+  assert positional.kind == "input"
+  np.testing.assert_allclose(positional.values, expected, rtol=1e-4, atol=1e-7)
+  vectors = position_vectors(model.encoder, model.variables, length=16)
+  np.testing.assert_array_equal(vectors.vectors, table.astype(np.float32))
+
+
+def test_rank_and_plots_of_a_language_model_checkpoint(lm_workdir, tmp_path, capsys):
+  """rank: the positional ranks of the decoder's term at the run's seq_len, the logits a
+  line; plots: the term (future masked), position vectors and ranks, probing skipped."""
+  path, _ = lm_workdir
+  seq_len = json.loads((path / "config.json").read_text())["seq_len"]
+  _, result = run(["rank", f"--workdir={path}"], capsys)
+  report = result["rank"]
+  assert report["length"] == seq_len and result["model"]["mask"] == "causal"
+  assert report["logits"].startswith("not computed: the per-head logits need the model's layers")
+  assert "causal" in report["positional"]["mask"]
+  model = from_checkpoint(str(path))
+  values = positional_attention(model.encoder, model.variables, length=seq_len).values
+  assert report["positional"]["ranks"] == numerical_rank(values).tolist()
+  assert max(report["positional"]["ranks"]) <= report["head_dim"]  # DIET Theorem 1
+  _, result = run(["plots", f"--workdir={path}", f"--out_dir={tmp_path}", "--length=16"],
+                  capsys)
+  names = [pathlib.Path(f).name for f in result["files"]]
+  assert names == ["positional_attention.png", "position_similarity.png", "rank_histogram.png"]
+  assert result["skipped"] == {"probing.png": "identical-word probing (Wang et al.) needs "
+                               "attention to both sides of each position, which causal "
+                               "attention lacks"}
+  for f in result["files"]:
+    assert_picture(f)
+
+
+def test_a_language_models_alibi_is_the_causal_form(capsys):
+  """ALiBi in an LM is -m_h (i - j) for j <= i and 0 after (the decoder's form), not the
+  encoder's -m_h |i - j|: the values and the ranks the command prints are the causal
+  form's (rank L - 1: its first row is 0), not the symmetric one's (full rank)."""
+  offsets = np.arange(16)[:, None] - np.arange(16)[None, :]
+  slopes = 2.0 ** -np.array([4.0, 8.0])[:, None, None]  # H = 2: 2^(-8h/H)
+  causal = -slopes * np.maximum(offsets, 0)
+  model = from_config("configs/lm.py:bert_tiny,alibi")
+  values = positional_attention(model.encoder, model.variables, length=16).values
+  np.testing.assert_allclose(values, causal, rtol=1e-6)
+  _, result = run(["rank", "--config=configs/lm.py:bert_tiny,alibi", "--length=16"], capsys)
+  assert result["rank"]["positional"]["ranks"] == numerical_rank(causal).tolist() == [15, 15]
+  assert numerical_rank(-slopes * np.abs(offsets)).tolist() == [16, 16]
+
+
+def test_plots_of_a_language_model_without_a_positional_term(tmp_path, capsys):
+  """RoPE has no content-free term and the LM no logits ranks: every picture is skipped,
+  each with its reason."""
+  _, result = run(["plots", "--config=configs/lm.py:bert_tiny,rope", "--length=8",
+                   f"--out_dir={tmp_path}"], capsys)
+  assert result["files"] == [] and list(tmp_path.iterdir()) == []
+  assert sorted(result["skipped"]) == ["position_similarity.png", "positional_attention.png",
+                                       "probing.png", "rank_histogram.png"]
+  assert result["skipped"]["rank_histogram.png"].startswith("no ranks to draw: a causal")
 
 
 def test_pictures_without_matplotlib_say_what_to_install(monkeypatch, tmp_path):

@@ -1,7 +1,8 @@
 """Analysis of any BERT model: identical-word probing, property indicators, rank, pictures.
 
 Works on a fresh model, a train.py checkpoint or an imported Hugging Face
-BERT (:mod:`~posenc_jax.analysis.loading`). ``shared/spec/ANALYSIS.md``
+BERT (:mod:`~posenc_jax.analysis.loading`); on a causal language model, the
+positional term, its rank and position vectors (``LoadedModel.causal``). ``shared/spec/ANALYSIS.md``
 gives the formulas::
 
   from posenc_jax import analysis

@@ -12,6 +12,13 @@ Commands:
                   position-vector similarity, rank histogram.
 * ``params``      DIET Table 6 beside the paper (and the given model's counts).
 
+A decoder-only causal language model (``configs/lm.py``, head ``lm``) has the positional term
+of its scheme's causal form (T5 unidirectional, ALiBi causal) but attention to the past only:
+``rank`` gives the ranks of that term (the logits' ranks are a line saying they are not
+computed), ``plots`` its heatmaps with future positions masked, its position vectors and
+ranks; ``probe`` and ``indicators`` (identical-word probing reads attention to both sides) are
+one line.
+
 The model is one of:
 
 * a fresh initialisation: ``--config=configs/model.py:bert_tiny,alibi [--seed=0]``;
@@ -51,6 +58,8 @@ COMMANDS = ("probe", "indicators", "rank", "plots", "params")
 # The flags each command reads; giving it any other is an error.
 _MODEL = ("config", "workdir", "step", "hf_dir", "hf_package", "seed", "label", "layer", "length")
 _PROBING = ("num_words", "batch_size", "special")
+# What a causal language model's rank and plots do not read (no probing, no logits batch).
+_LM_UNREAD = (*_PROBING, "per_head", "rank_batch")
 COMMAND_FLAGS = {
     "probe": (*_MODEL, *_PROBING, "per_head", "out", "out_dir"),
     "indicators": (*_MODEL, *_PROBING, "k", "db_offset", "paper", "out"),
@@ -152,7 +161,7 @@ def _check_flags(fv, command: str) -> None:
   that conflict, values outside the model's dimensions, and output paths that cannot be
   written (checked last: a valid folder is created)."""
   from posenc_jax.analysis import AnalysisError  # noqa: PLC0415
-  from posenc_jax.analysis.loading import check_encoder  # noqa: PLC0415
+  from posenc_jax.analysis.loading import check_model  # noqa: PLC0415
   from posenc_jax.analysis.probing import _check_model, default_length  # noqa: PLC0415
   from posenc_jax.models import BertEncoder  # noqa: PLC0415
 
@@ -173,8 +182,13 @@ def _check_flags(fv, command: str) -> None:
       raise AnalysisError(f"step: got {fv.step} without workdir; it picks a checkpoint of "
                           "--workdir")
     cfg, head, seq_len = _model_config(fv)
-    check_encoder(cfg, head)
-    encoder = BertEncoder(cfg)  # a module description: no parameters yet
+    check_model(cfg, head, command)
+    unread = [flag for flag in _LM_UNREAD if head == "lm" and fv[flag].present]
+    if unread:
+      raise AnalysisError(f"{unread[0]}: got {fv[unread[0]].value!r}, which a causal language "
+                          f"model's {command} does not read (it runs no probing or logits "
+                          "batch)")
+    encoder = BertEncoder(cfg)  # a module description (dimensions only): no parameters yet
     _check_model(encoder, fv.layer)
     if fv.length is None and seq_len is not None:  # the length the run trained at
       fv.length = min(seq_len, cfg.max_len)
@@ -290,29 +304,40 @@ def cmd_rank(fv) -> tuple[dict[str, Any], str | None]:
   label = _label(fv, model)
   report = analysis.rank_report(model.encoder, model.variables, model.tokens,
                                 batch_size=fv.rank_batch, length=fv.length, layer=fv.layer,
-                                rtol=_rtol(fv), seed=fv.seed)
+                                rtol=_rtol(fv), seed=fv.seed, causal=model.causal)
   result = {"model": model.describe(), "label": label, "rank": report}
   if fv.out_dir:
     path = os.path.join(fv.out_dir, "rank_histogram.png")
-    _rank_histogram(report, path, label)
-    result["files"] = [path]
+    result["files"] = [path] if _rank_histogram(report, path, label) else []
   return result, None
 
 
-def _rank_histogram(report: dict[str, Any], path: str, label: str) -> None:
+NO_RANKS = "no ranks to draw: a causal language model whose scheme has no content-free term"
+
+
+def _rank_histogram(report: dict[str, Any], path: str, label: str) -> bool:
+  """Draws the report's ranks to ``path``; False (nothing written) when it has none: a causal
+  LM (no logits ranks) whose scheme has no content-free term (RoPE, Shaw, none)."""
   from posenc_jax.analysis import plots  # noqa: PLC0415
-  ranks = {"per-head logits": np.asarray(report["logits"]["ranks"])}
+  ranks = {}
+  if "ranks" in report["logits"]:  # not for a causal LM (a line saying why)
+    ranks["per-head logits"] = np.asarray(report["logits"]["ranks"])
   if "positional" in report:
     ranks[f"positional attention ({report['positional']['kind']})"] = np.asarray(
         report["positional"]["ranks"])
+  if not ranks:
+    return False
   plots.plot_rank_histogram(ranks, path, title=f"Rank of layer {report['layer']} attention: "
                             f"{label}", head_dim=report["head_dim"], length=report["length"],
                             rtol=report["rtol"])
+  return True
 
 
 def cmd_plots(fv) -> tuple[dict[str, Any], str | None]:
   from posenc_jax import analysis  # noqa: PLC0415
   from posenc_jax.analysis import plots  # noqa: PLC0415
+  from posenc_jax.analysis.loading import CAUSAL_PROBING  # noqa: PLC0415
+  from posenc_jax.analysis.probing import default_length  # noqa: PLC0415
   model = _load(fv)
   label = _label(fv, model)
   enc, variables = model.encoder, model.variables
@@ -322,25 +347,33 @@ def cmd_plots(fv) -> tuple[dict[str, Any], str | None]:
     files.append(os.path.join(fv.out_dir, name))
     return files[-1]
 
-  probe = _probe(fv, model)
-  plots.plot_probing(probe, out("probing.png"), title=f"Identical-word probing: {label}",
-                     per_head=fv.per_head)
-  positional = analysis.positional_attention(enc, variables, length=probe.length, layer=fv.layer)
+  length = default_length(enc, fv.length)
+  if model.causal:
+    skipped["probing.png"] = CAUSAL_PROBING
+  else:
+    plots.plot_probing(_probe(fv, model), out("probing.png"),
+                       title=f"Identical-word probing: {label}", per_head=fv.per_head)
+  positional = analysis.positional_attention(enc, variables, length=length, layer=fv.layer)
   if positional.kind != "none":
     plots.plot_positional_attention(positional, out("positional_attention.png"), layer=fv.layer,
-                                    title=f"Positional attention per head: {label}")
+                                    title=f"Positional attention per head: {label}",
+                                    causal=model.causal)
   else:
     skipped["positional_attention.png"] = "the scheme has no content-free positional term"
-  vectors = analysis.position_vectors(enc, variables, length=probe.length, layer=fv.layer)
+  vectors = analysis.position_vectors(enc, variables, length=length, layer=fv.layer)
   if vectors is not None:
     plots.plot_position_similarity(vectors, out("position_similarity.png"),
                                    title=f"Position vectors: {label}")
   else:
     skipped["position_similarity.png"] = "the scheme has no position vectors"
   report = analysis.rank_report(enc, variables, model.tokens, batch_size=fv.rank_batch,
-                                length=probe.length, layer=fv.layer, rtol=_rtol(fv),
-                                seed=fv.seed)
-  _rank_histogram(report, out("rank_histogram.png"), label)
+                                length=length, layer=fv.layer, rtol=_rtol(fv), seed=fv.seed,
+                                causal=model.causal)
+  path = os.path.join(fv.out_dir, "rank_histogram.png")
+  if _rank_histogram(report, path, label):
+    files.append(path)
+  else:
+    skipped["rank_histogram.png"] = NO_RANKS
   return {"model": model.describe(), "label": label, "files": files, "skipped": skipped}, None
 
 

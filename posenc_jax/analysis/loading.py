@@ -1,5 +1,5 @@
 """A BERT encoder and its parameters from a preset (fresh), a train.py checkpoint, or a
-Hugging Face folder.
+Hugging Face folder; or the positional machinery of a causal language model.
 
 Every loader returns a :class:`LoadedModel`: the :class:`ModelConfig`, the
 :class:`~posenc_jax.models.BertEncoder`, its variables ``{'params': ...}``
@@ -14,7 +14,16 @@ A checkpoint is read from ``<workdir>/checkpoints`` (the layout of
 the ``params`` of the ``state`` item are restored (no optimizer state is
 needed), onto the local device, checked against the config's model; the
 encoder is the ``bert`` subtree (any BERT head: MLM, classification, span).
-The workdir holds no config, so the config the run used must be given.
+The run's ``config.json`` gives the model (or the config the run used).
+
+A decoder-only causal language model (head ``lm``) loads as its *positional view*
+(``causal=True``): a :class:`~posenc_jax.models.BertEncoder` whose scheme is the LM's causal
+form (:func:`~posenc_jax.models.config.causal_variant`: T5 unidirectional, ALiBi causal),
+holding only the LM's ``decoder/position`` and each layer's ``self_attention`` (as
+``position`` and ``layers_{i}/attention``). The scheme modules are the LM's own classes and
+parameters, so :func:`~posenc_jax.analysis.positional_attention`,
+:func:`~posenc_jax.analysis.position_vectors` and the positional ranks are the LM's; nothing
+that runs the layers (probing, logit ranks) applies to it.
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ from posenc_jax.analysis.probing import (AnalysisError, ProbeTokens, bundled_tok
                                          wordpiece_tokens)
 from posenc_jax.cli import absolute, config_path
 from posenc_jax.models import BertEncoder, ModelConfig, model_config
+from posenc_jax.models.config import causal_variant
 
 
 @dataclasses.dataclass
@@ -48,6 +58,8 @@ class LoadedModel:
     tokens: ``[CLS]``/``[SEP]`` ids and candidate probing words of its vocabulary.
     source: where it came from (``fresh:<preset>``, ``checkpoint:<dir>@<step>``, ``hf:<dir>``).
     step: the checkpoint step, if any.
+    causal: a causal language model's positional view (see the module docstring): its
+      ``encoder`` and ``variables`` compute the positional term, not the layers.
   """
 
   config: ModelConfig
@@ -56,13 +68,16 @@ class LoadedModel:
   tokens: ProbeTokens
   source: str
   step: int | None = None
+  causal: bool = False
 
   def describe(self) -> dict[str, Any]:
-    """JSON-ready summary: source, step and the model's dimensions and schemes."""
+    """JSON-ready summary: source, step, the model's dimensions and schemes, and its mask
+    (``causal``: future positions masked, a language model; ``bidirectional``: BERT)."""
     cfg = self.config.to_dict()
     keys = ("d_model", "num_layers", "num_heads", "max_len", "scheme", "segment", "attention")
     return {"source": self.source, "step": self.step, **{k: cfg[k] for k in keys},
-            "head_dim": self.config.dim_per_head}
+            "head_dim": self.config.dim_per_head,
+            "mask": "causal" if self.causal else "bidirectional"}
 
 
 def read_config(spec: str) -> ml_collections.ConfigDict:
@@ -101,23 +116,53 @@ def _init_ids(cfg: ModelConfig) -> jax.Array:
   return jnp.ones((1, min(8, cfg.max_len)), jnp.int32)
 
 
-def check_encoder(cfg: ModelConfig, head: str) -> None:
-  """Raises one :class:`AnalysisError` line for a model that is not a BERT encoder: probing,
-  indicators, rank and plots run the layers of :class:`BertEncoder` (bidirectional
-  attention, ``[CLS]``/``[SEP]`` probes)."""
+LM_ANALYSES = ("rank", "plots")
+CAUSAL_PROBING = ("identical-word probing (Wang et al.) needs attention to both sides of each "
+                  "position, which causal attention lacks")
+
+
+def check_model(cfg: ModelConfig, head: str, command: str | None = None) -> None:
+  """Raises one :class:`AnalysisError` line for a model the analysis cannot run: an
+  encoder-decoder, or a causal language model (head ``lm``) given to ``command`` ``probe``
+  or ``indicators``. Identical-word probing (Wang et al. Sec. 4.2) reads the probabilities
+  of attention over both sides of ``[CLS] w .. w [SEP]``, and the indicators are computed
+  from them (SD and direction balance compare the two sides); a causal model has only the
+  past. ``rank`` and ``plots`` run on its positional term (``command`` None: the loaders,
+  which accept a language model)."""
   if cfg.num_decoder_layers or head == "translation":
-    kind = "an encoder-decoder (translation) model"
-  elif head == "lm":
-    kind = "a decoder-only causal language model (head 'lm')"
-  else:
-    return
-  raise AnalysisError(f"model: {kind}; probe, indicators, rank and plots run a BERT encoder's "
-                      "bidirectional layers (train one with configs/pretrain.py); params "
-                      "counts any config")
+    raise AnalysisError("model: an encoder-decoder (translation) model; probe, indicators, "
+                        "rank and plots run a BERT encoder or a causal language model's "
+                        "positional term; params counts any config")
+  if head == "lm" and command is not None and command not in LM_ANALYSES:
+    raise AnalysisError(f"model: a decoder-only causal language model (head 'lm'); {command}: "
+                        f"{CAUSAL_PROBING}; rank and plots analyse its positional term")
+
+
+def _lm_view(cfg: ModelConfig, params: Any) -> tuple[BertEncoder, dict[str, Any]]:
+  """The positional view of a causal LM's parameters (see the module docstring)."""
+  decoder = params["decoder"]
+  # layers_{i} (unrolled) or layers (scanned, leading [N] axis): the same names either way.
+  layers = {name: {"attention": layer["self_attention"]} for name, layer in decoder.items()
+            if name.startswith("layers")}
+  view = BertEncoder(cfg.replace(scheme=causal_variant(cfg.scheme)))
+  return view, {"params": {"position": decoder.get("position", {}), **layers}}
+
+
+def _loaded(cfg: ModelConfig, head: str, params: Any, source: str, step: int | None = None
+            ) -> LoadedModel:
+  """The encoder (``params`` of a BERT model or head) or an LM's positional view."""
+  tokens = bundled_tokens(cfg.vocab_size)
+  if head == "lm":
+    encoder, variables = _lm_view(cfg, params)
+    return LoadedModel(cfg, encoder, variables, tokens, source, step, causal=True)
+  if head != "encoder":
+    params = params["bert"]
+  return LoadedModel(cfg, BertEncoder(cfg), {"params": params}, tokens, source, step)
 
 
 def from_config(config: Any, *, seed: int = 0, name: str | None = None) -> LoadedModel:
-  """A freshly initialised encoder (``jax.random.key(seed)``).
+  """A freshly initialised encoder, or a language model's positional view (a config with
+  ``head='lm'``), from ``jax.random.key(seed)``.
 
   Args:
     config: a preset (``"bert_tiny,alibi"``), a config file spec
@@ -128,11 +173,12 @@ def from_config(config: Any, *, seed: int = 0, name: str | None = None) -> Loade
   """
   cfg, head, _, label = _resolve(config)
   label = name or label
-  check_encoder(cfg, head)
-  encoder = BertEncoder(cfg)
-  params = nn.unbox(jax.jit(encoder.init)(jax.random.key(seed), _init_ids(cfg))["params"])
-  return LoadedModel(cfg, encoder, {"params": params}, bundled_tokens(cfg.vocab_size),
-                     f"fresh:{label} (seed {seed})")
+  check_model(cfg, head)
+  from posenc_jax.models.build import build_model  # noqa: PLC0415
+  model = build_model(cfg, "lm") if head == "lm" else BertEncoder(cfg)
+  params = nn.unbox(jax.jit(model.init)(jax.random.key(seed), _init_ids(cfg))["params"])
+  return _loaded(cfg, head if head == "lm" else "encoder", params,
+                 f"fresh:{label} (seed {seed})")
 
 
 def checkpoint_steps(workdir: str) -> list[int]:
@@ -186,7 +232,8 @@ def run_config(workdir: str, config: Any = None) -> Any:
 
 def from_checkpoint(workdir: str, config: Any = None, *, step: int | None = None
                     ) -> LoadedModel:
-  """The encoder of a train.py (or fine-tuning) checkpoint.
+  """The encoder of a train.py (or fine-tuning) checkpoint, or a language model's
+  positional view.
 
   Args:
     workdir: the run's ``--workdir``.
@@ -197,13 +244,10 @@ def from_checkpoint(workdir: str, config: Any = None, *, step: int | None = None
   """
   from posenc_jax.models.build import abstract_params, build_model  # noqa: PLC0415
   cfg, head, num_labels, _ = _resolve(run_config(workdir, config))
-  check_encoder(cfg, head)
+  check_model(cfg, head)
   model = build_model(cfg, head, num_labels=num_labels)
   step, params = restore_params(workdir, abstract_params(model), step=step)
-  if head != "encoder":
-    params = params["bert"]
-  return LoadedModel(cfg, BertEncoder(cfg), {"params": params}, bundled_tokens(cfg.vocab_size),
-                     f"checkpoint:{absolute(workdir)}@{step}", step)
+  return _loaded(cfg, head, params, f"checkpoint:{absolute(workdir)}@{step}", step)
 
 
 def from_hf(model_dir: str | os.PathLike | None = None) -> LoadedModel:

@@ -70,7 +70,7 @@ def _grid(n: int) -> tuple[int, int]:
 
 def plot_positional_attention(values: Any, path: str | os.PathLike | None = None, *,
                               title: str = "Positional attention per head",
-                              max_positions: int = 128, layer: int = 0):
+                              max_positions: int = 128, layer: int = 0, causal: bool = False):
   """TUPE Fig. 5 style: each head's content-free positional logits ``[H, L, L]``.
 
   Args:
@@ -79,9 +79,13 @@ def plot_positional_attention(values: Any, path: str | os.PathLike | None = None
     title: the figure title (the model's name belongs in it).
     max_positions: show the first positions only (the papers show 128).
     layer: the layer, for the panel titles.
+    causal: a causal model's term: future positions (``j > i``) masked, blank.
   """
   kind = getattr(values, "kind", None)
   values = np.asarray(getattr(values, "values", values))[:, :max_positions, :max_positions]
+  if causal:
+    values = np.where(np.tril(np.ones(values.shape[1:], bool)), values, np.nan)
+    kind = ", ".join(k for k in (kind, "causal, future masked") if k)
   heads = values.shape[0]
   rows, cols = _grid(heads)
   fig = _figure(3.1 * cols, 2.8 * rows + 0.4)

@@ -11,6 +11,12 @@ The rank is numerical: the number of singular values above
 :data:`DEFAULT_RTOL` = 1e-4 sits well above float32 rounding (about
 ``1e-7 * sqrt(L)`` relative) and below the singular values of the
 constructed matrices the tests use.
+
+A causal language model (``causal=True``, its positional view from
+:mod:`~posenc_jax.analysis.loading`) gets the positional ranks only: of the scheme's
+causal-form term over the whole ``[L, L]`` before the causal mask (DIET ranks logits
+before masking too; the mask is not a finite matrix), so Theorem 1's cap reads the same.
+The per-head logits need the model's layers run, which the analysis does for BERT only.
 """
 
 from __future__ import annotations
@@ -66,23 +72,33 @@ def _summary(ranks: np.ndarray) -> dict[str, float]:
   return {"min": int(ranks.min()), "max": int(ranks.max()), "mean": float(ranks.mean())}
 
 
+CAUSAL_LOGITS = ("not computed: the per-head logits need the model's layers run, which the "
+                 "analysis does for a BERT encoder only")
+
+
 def rank_report(encoder, variables, tokens: ProbeTokens, *, batch_size: int = 8,
                 length: int | None = None, layer: int = 0, rtol: float = DEFAULT_RTOL,
-                seed: int = 0) -> dict[str, Any]:
+                seed: int = 0, causal: bool = False) -> dict[str, Any]:
   """JSON-ready ranks: per-head logits on a random batch and the positional attention.
 
   Keys: ``rtol``, ``length``, ``layer``, ``head_dim`` (Theorem 1's cap for an
-  input APE), ``logits`` (``ranks`` ``[B][H]`` and their min/max/mean),
-  ``positional`` (``kind``, ``ranks`` ``[H]``, summary; absent when the
-  scheme has no content-free term).
+  input APE), ``logits`` (``ranks`` ``[B][H]`` and their min/max/mean; with ``causal``,
+  the line :data:`CAUSAL_LOGITS`), ``positional`` (``kind``, ``ranks`` ``[H]``, summary;
+  with ``causal`` also ``mask``; absent when the scheme has no content-free term).
   """
   length = default_length(encoder, length)
-  ids = random_batch(tokens, batch_size, length, seed=seed)
-  logits = logit_ranks(encoder, variables, ids, layer=layer, rtol=rtol)
   report = {"rtol": rtol, "length": length, "layer": layer,
-            "head_dim": encoder.config.dim_per_head, "num_heads": encoder.config.num_heads,
-            "logits": {"ranks": logits.tolist(), **_summary(logits)}}
+            "head_dim": encoder.config.dim_per_head, "num_heads": encoder.config.num_heads}
+  if causal:
+    report["logits"] = CAUSAL_LOGITS
+  else:
+    ids = random_batch(tokens, batch_size, length, seed=seed)
+    logits = logit_ranks(encoder, variables, ids, layer=layer, rtol=rtol)
+    report["logits"] = {"ranks": logits.tolist(), **_summary(logits)}
   positional, kind = positional_ranks(encoder, variables, length=length, layer=layer, rtol=rtol)
   if kind != "none":
     report["positional"] = {"kind": kind, "ranks": positional.tolist(), **_summary(positional)}
+    if causal:
+      report["positional"]["mask"] = ("causal; ranks of the scheme's causal-form term over "
+                                      "the whole [L, L], before the mask")
   return report
