@@ -1,6 +1,6 @@
 """Writes colab/*.ipynb from the cell sources below (outputs cleared, deterministic ids).
 
-  python scripts/make_notebooks.py           # (re)write colab/quickstart.ipynb, schemes_tour.ipynb
+  python scripts/make_notebooks.py           # (re)write colab/*.ipynb
   python scripts/make_notebooks.py --check   # exit 1 if a committed notebook differs
 
 The notebooks are reviewed here, as Python strings; the .ipynb files are this
@@ -550,7 +550,119 @@ for name, preset in presets.SCHEMES.items():
 '''),
 ]
 
-NOTEBOOKS = {"quickstart.ipynb": QUICKSTART, "schemes_tour.ipynb": TOUR}
+# --- compare schemes ---------------------------------------------------------------------------
+
+COMPARE = [
+    ("markdown", """\
+# Compare positional schemes: train short, test long
+
+The standard comparison of positional encodings since ALiBi (Press et al. 2022,
+*Train Short, Test Long*): train a causal language model per scheme at a short length,
+then report perplexity at longer lengths **on the same tokens**. This notebook runs that
+grid with `posenc_jax.compare` (the library behind `python -m posenc_jax.compare
+--config=configs/compare.py:extrapolation`): one `train.py` run per scheme, then the
+`evaluate` tool's extrapolation protocol on each, then one table, one plot, and each
+scheme's training-step time and memory relative to the first scheme (DIET Table 1's cost
+columns).
+
+On a CPU runtime the default grid (six schemes, 300 steps at length 32) takes minutes; on
+a GPU or TPU runtime it trains longer at length 128 and tests up to 1024. A scheme that
+cannot reach a length (BERT's learned table of `max_len` rows) shows `n/a` with the reason."""),
+    ("code", INSTALL),
+    ("code", SHOW),
+    ("markdown", """\
+## Settings
+
+`SMALL` is set by the notebook test (`POSENC_NOTEBOOK_SMALL=1`): two schemes, 20 steps,
+so the notebook runs in about a minute; the numbers then mean nothing."""),
+    ("code", """\
+import os
+import tempfile
+
+import jax
+
+from posenc_jax.configs.compare import get_config
+
+SMALL = os.environ.get("POSENC_NOTEBOOK_SMALL") == "1"  # the test's quick settings
+ACCELERATOR = jax.default_backend() != "cpu"
+ROOT = os.environ.get("POSENC_NOTEBOOK_WORKDIR") or tempfile.mkdtemp(prefix="posenc_compare_")
+
+config = get_config("extrapolation")  # configs/compare.py: schemes, budgets, lengths
+if SMALL:
+  config.schemes = "bert,alibi"
+  config.train.update(dict(total_steps=20, log_every=10, eval_every=20, checkpoint_every=20,
+                           seq_len=16))
+  config.lengths = "16,64,256"
+  config.evaluate.tokens = 1024
+  config.cost.length = 16
+elif ACCELERATOR:
+  config.train.update(dict(total_steps=2000, log_every=500, eval_every=500,
+                           checkpoint_every=500, seq_len=128))
+  config.lengths = "128,256,512,1024"
+  config.evaluate.tokens = 65536
+  config.cost.length = 128
+print(f"SMALL = {SMALL} | schemes: {config.schemes} | steps: {config.train.total_steps} | "
+      f"trained at {config.train.seq_len}, tested at {config.lengths} | root: {ROOT} | "
+      f"devices: {jax.devices()}")"""),
+    ("markdown", """\
+## Run the grid
+
+One cell per scheme (and seed), each in `ROOT/<scheme>/seed<k>` with its output in
+`log.txt`. Run this cell again and finished cells are not rerun; a failed cell is reported
+and the others go on. `python -m posenc_jax.compare ... --dry_run` prints the same cells'
+command lines, to submit to a cluster's scheduler instead."""),
+    ("code", """\
+from posenc_jax import compare
+
+summary = compare.compare(config, ROOT)"""),
+    ("markdown", """\
+## The table and the curves
+
+Perplexity at each evaluation length (median over seeds, with the range when there are
+several), the cost columns beside it, and the reasons for every `n/a`. The same table is in
+`ROOT/results.md`, every number in `ROOT/results.json`."""),
+    ("code", """\
+from IPython.display import Markdown
+
+from posenc_jax.comparison import report
+
+text = report.markdown(summary)
+print(text)
+display(Markdown(text))
+for table in summary["tables"]:
+  show(report.plot(table))"""),
+    ("markdown", """\
+## One run, another protocol
+
+`posenc_jax.evaluation.evaluate_workdir` is the `evaluate` tool as a function. Sliding
+windows give every scored token the same context as far as they can (each window scores
+only its last `stride` tokens); Press et al.'s main tables use non-overlapping windows, as
+above."""),
+    ("code", """\
+from posenc_jax import evaluation
+
+last = config.schemes.split(",")[-1]
+lengths = [int(n) for n in config.lengths.split(",")][:2]
+doc = evaluation.evaluate_workdir(os.path.join(ROOT, last, "seed0", "train"), "extrapolation",
+                                  lengths=lengths, windows="sliding", stride=lengths[0] // 2,
+                                  tokens=config.evaluate.tokens)
+for row in doc["rows"]:
+  print(f"{last} at {row['length']}: perplexity {row['value']:.1f} with sliding windows "
+        f"(stride {doc['stride']}), {row['scored_tokens']} tokens scored")"""),
+    ("markdown", """\
+## Next
+
+* The papers' fine-tuning tables: `python -m posenc_jax.compare
+  --config=configs/compare.py:glue_table --workdir=/tmp/glue` (pre-train, fine-tune every
+  task, median over seeds of each run's best dev score).
+* Synthetic probes (copy, MQAR, passkey) trained short and scored long:
+  `--config=configs/compare.py:synthetic`.
+* Any one workdir: `python -m posenc_jax.evaluate --workdir=DIR --protocol=extrapolation
+  --lengths=64,128,256,512`."""),
+]
+
+NOTEBOOKS = {"quickstart.ipynb": QUICKSTART, "schemes_tour.ipynb": TOUR,
+             "compare_schemes.ipynb": COMPARE}
 
 
 def build(cells: list[tuple[str, str]], stem: str) -> nbformat.NotebookNode:

@@ -109,7 +109,9 @@ def test_probe_tables_are_one_per_probe_with_accuracy_per_length(tmp_path):
              "rows": [{"length": 64, "accuracy": accuracy}, {"length": 128, "accuracy": 0.1}]}
       fake_run(tmp_path / scheme / "seed0" / probe, scheme, 0, task=f"probe:{probe}",
                objective="lm", evals={"probes": doc})
-  summary = compare_cli.summarise(collect.collect([str(tmp_path)]), [], get_config("synthetic"))
+  config = get_config("synthetic")
+  config.tasks = "copy,reverse"
+  summary = compare_cli.summarise(collect.collect([str(tmp_path)]), [], config)
   assert [(t["title"], [r["label"] for r in t["rows"]]) for t in summary["tables"]] == [
       ("probe copy", ["rope", "alibi"]), ("probe reverse", ["rope", "alibi"])]
   assert "| rope | 1 | 0.9000 | 0.1000 |" in report.markdown(summary)

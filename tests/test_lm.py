@@ -218,12 +218,16 @@ def test_bad_values_are_one_line(make, message):
   assert isinstance(e.value, ModelConfigError) == message.startswith(("model.", "head"))
 
 
-def test_the_analysis_refuses_a_language_model():
-  """The analysis tools read BERT encoders: a causal LM config is one line, not a crash."""
+def test_the_analysis_reads_a_language_models_positional_term():
+  """The analysis tools load a causal LM as its positional view (rank and plots) in the
+  scheme's causal form; identical-word probing is refused with one line."""
   from posenc_jax.analysis import AnalysisError, from_config  # noqa: PLC0415
+  from posenc_jax.analysis.loading import check_model  # noqa: PLC0415
 
+  model = from_config("configs/lm.py:bert_tiny,alibi")
+  assert model.causal and model.encoder.config.scheme["causal"] is True
   with pytest.raises(AnalysisError) as e:
-    from_config("configs/lm.py:bert_tiny,alibi")
+    check_model(model.config, "lm", "probe")
   assert "decoder-only causal language model" in str(e.value) and "\n" not in str(e.value)
 
 

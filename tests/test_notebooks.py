@@ -24,7 +24,7 @@ pytest.importorskip("matplotlib")
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 COLAB = ROOT / "colab"
-NOTEBOOKS = ("quickstart.ipynb", "schemes_tour.ipynb")
+NOTEBOOKS = ("quickstart.ipynb", "schemes_tour.ipynb", "compare_schemes.ipynb")
 KERNEL = "posenc-notebook-test"
 
 
@@ -107,6 +107,19 @@ def test_schemes_tour_runs(kernel, tmp_path):
   assert "DIET Table 6" in text and "MISMATCH" not in text
   # The positional grid, the probing grid, the rank histogram, the singular values.
   assert len(_pngs(nb)) == 4
+
+
+def test_compare_schemes_runs(kernel, tmp_path):
+  nb = _execute("compare_schemes.ipynb", kernel, tmp_path)
+  _check_common(nb)
+  text = _text(nb)
+  assert "SMALL = True | schemes: bert,alibi | steps: 20 | trained at 16" in text
+  assert "| alibi | 1 |" in text and "| bert | 1 |" in text  # one row per scheme
+  assert "n/a: bert at 256" in text  # the learned table cannot reach 256
+  assert "alibi at 64: perplexity" in text and "with sliding windows (stride 8)" in text
+  results = json.loads((tmp_path / "workdir" / "results.json").read_text())
+  assert not results["failed"] and results["cost"]["rows"]
+  assert len(_pngs(nb)) == 1  # the extrapolation curves
 
 
 @pytest.mark.parametrize("name", NOTEBOOKS)

@@ -16,7 +16,8 @@ plateau (chance, log 32) after 250-450 steps and then copies every held-out exam
 32; not at 64). ALiBi's two heads stay near chance there (1500 steps post-LN, 1000
 pre-LN, measured). Evaluation
 reports the answer tokens' accuracy on held-out examples at ``seq_len``;
-``posenc_jax.data.probes.score`` scores a trained model at other lengths.
+``python -m posenc_jax.evaluate --workdir=... --protocol=probes --lengths=32,64,128`` (or
+``posenc_jax.data.probes.score``) scores a trained model at other lengths.
 """
 
 import ml_collections
