@@ -22,13 +22,11 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import functools
 import logging
 import os
 import re
 import sys
 import tempfile
-import textwrap
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
@@ -158,131 +156,27 @@ def define_config(name: str, default: str | None, help_text: str):
   return config_flags.DEFINE_config_file(name, None, f"{help_text} (default: {default})")
 
 
-# The ``--config.`` fields most runs set, with what each means (shown by :func:`help_text`).
-COMMON_FIELDS = (
-    ("total_steps", "training steps"),
-    ("batch_size", "examples per step (global)"),
-    ("seq_len", "tokens per example"),
-    ("optimizer.learning_rate", "peak learning rate"),
-    ("optimizer.warmup_steps", "linear warm-up steps"),
-    ("log_every", "steps between console lines"),
-    ("eval_every", "steps between evaluations (0: none)"),
-    ("eval_steps", "batches per evaluation"),
-    ("checkpoint_every", "steps between checkpoints"),
-    ("seed", "initialisation and data seed"),
-    ("task", "seqio task"),
-    ("model.scheme", "position scheme, e.g. \"{'name': 'alibi'}\""),
-    ("model.route", "attention kernel (auto picks per backend and length)"),
-    ("model.dtype", "compute dtype (float32, bfloat16)"),
-    ("model.max_len", "longest position the model covers"),
-    ("mesh.shape", "(data, model) devices; -1 takes the rest"),
-)
-
 HELP_FLAGS = ("--help", "--helpshort", "-?", "-h")
 
 
-def _first_sentence(path: str) -> str:
-  """The first sentence of the module docstring of the Python file ``path`` ("" if none)."""
-  import ast  # noqa: PLC0415
-
-  with open(path) as f:
-    doc = ast.get_docstring(ast.parse(f.read())) or ""
-  paragraph = " ".join(doc.strip().split("\n\n")[0].split())
-  return paragraph.partition(". ")[0].removesuffix(".") + "." if paragraph else ""
-
-
-def _field(config, path: str):
-  """``config``'s value at the dotted ``path``, or ``KeyError``."""
-  for key in path.split("."):
-    if not hasattr(config, "keys") or key not in config.keys():
-      raise KeyError(path)
-    config = config[key]
-  return config
-
-
-def help_text(prog: str, usage: str, *, configs: Sequence[str] | None = None, config=None,
-              fv: flags.FlagValues | None = None) -> str:
-  """The ``--help`` text of a command-line tool, for absl and ``argparse`` tools alike.
-
-  Args:
-    prog: the tool's name as typed (``train.py``, ``python -m posenc_jax.evaluate``).
-    usage: what the tool does and how it is called (its module docstring), printed first.
-    configs: the names (``pretrain``, ``lm``) of the shipped ``posenc_jax/configs`` files the
-      tool takes, listed with their docstrings' first sentences; None lists them all, ``()`` none
-      (nor the presets and fields).
-    config: a loaded config (``ConfigDict``) whose values of :data:`COMMON_FIELDS` are shown
-      as the defaults; None: those of ``training.config.base_train_config``.
-    fv: the absl flags whose non-absl flags are listed (``flags.FLAGS``); None lists none.
-
-  Returns:
-    ``usage``, the tool's flags, the configs, the presets (model sizes, position schemes,
-    modifiers) and the registered schemes, the common ``--config.`` fields with their
-    defaults, and (where absl's ``--helpfull`` is defined) that it lists every flag.
-  """
-  lines = [usage.strip("\n"), ""]
-  if fv is not None:
-    lines.append("Flags:")
-    for module, module_flags in fv.flags_by_module_dict().items():
-      if not module.startswith("absl."):
-        lines += [f"  --{f.name}: {f.help}" + (f" (default: {f.default})" if f.default not in
-                                               (None, False) else "") for f in module_flags]
-    lines.append("")
-  if configs != ():
-    from posenc_jax import presets  # noqa: PLC0415
-    from posenc_jax.schemes import SCHEMES  # noqa: PLC0415
-    from posenc_jax.training.config import base_train_config  # noqa: PLC0415
-
-    names = sorted(n[:-3] for n in os.listdir(PACKAGED_CONFIGS)
-                   if n.endswith(".py") and not n.startswith("_"))
-    shown = [n for n in names if configs is None or n in configs]
-    width = max(map(len, shown), default=0) + 13
-    lines.append("Configs (--config=configs/<file>.py[:<arguments>]):")
-    lines += [f"  {f'configs/{n}.py':<{width}}"
-              f"{_first_sentence(os.path.join(PACKAGED_CONFIGS, f'{n}.py'))}" for n in shown]
-    modifiers = [n for n, fields in presets.SCHEMES.items() if "scheme" not in fields]
-    wrap = functools.partial(textwrap.wrap, width=96, subsequent_indent=" " * 13)
-    lines += ["", "Presets (arguments: one size, then schemes and modifiers, applied in order):",
-              *wrap(f"  sizes:     {', '.join(presets.SIZES)}"),
-              *wrap(f"  schemes:   {', '.join(n for n in presets.SCHEMES if n not in modifiers)}"),
-              *wrap(f"  modifiers: {', '.join(modifiers)}"),
-              "", "Position schemes (--config.model.scheme.name=...):",
-              *textwrap.wrap(", ".join(SCHEMES), width=96, initial_indent="  ",
-                             subsequent_indent="  "), ""]
-    config = base_train_config() if config is None else config
-    fields = []
-    for path, meaning in COMMON_FIELDS:
-      try:
-        value = _field(config, path)
-      except KeyError:
-        continue
-      fields.append((f"--config.{path}={dict(value) if hasattr(value, 'keys') else value}",
-                     meaning))
-    width = min(max(len(f) for f, _ in fields), 40)  # a long value does not push the rest
-    lines.append("Common fields (--config.<field>=<value>; the value shown is this config's):")
-    lines += [f"  {f:<{width}}  {meaning}" for f, meaning in fields]
-    lines.append("")
-  if fv is not None and "helpfull" in fv:
-    lines.append(f"{prog} --helpfull lists every flag, including absl's.")
-  return "\n".join(lines).strip("\n")
-
-
 def flags_parser(prog: str, config_flag: str | None = "config",
-                 fv: flags.FlagValues | None = None, usage: str | None = None,
-                 configs: Sequence[str] | None = None) -> Callable[[list[str]], list[str]]:
+                 fv: flags.FlagValues | None = None,
+                 help: Callable[[Any, flags.FlagValues], str] | None = None  # noqa: A002
+                 ) -> Callable[[list[str]], list[str]]:
   """An absl ``flags_parser``: parses ``argv`` into ``fv`` (default ``flags.FLAGS``) and exits
   with ``<prog>: <one line>`` on any error, including a config that fails to load.
 
-  With ``usage``, ``--help`` (``--helpshort``, ``-?``, ``-h``) prints :func:`help_text`
-  (``usage``, ``configs``, and the defaults of the ``--<config_flag>`` given) and exits with
-  status 0; ``--helpfull`` stays absl's list of every flag."""
+  With ``help``, ``--help`` (``--helpshort``, ``-?``, ``-h``) prints ``help(config, fv)``
+  (``config``: the ``--<config_flag>`` given, loaded without its overrides, or None; e.g.
+  :func:`posenc_jax.usage.helper`) and exits with status 0; ``--helpfull`` stays absl's
+  list of every flag."""
   fv = flags.FLAGS if fv is None else fv
 
   def parse(argv: list[str]) -> list[str]:
     if config_flag is not None:
       argv = _with_config_path(argv, config_flag)
-    if usage is not None and any(a in HELP_FLAGS for a in argv[1:]):
-      print(help_text(prog, usage, configs=configs, config=_config_file(argv, config_flag),
-                      fv=fv))
+    if help is not None and any(a in HELP_FLAGS for a in argv[1:]):
+      print(help(_config_file(argv, config_flag), fv))
       sys.exit(0)
     try:
       rest = fv(argv)

@@ -27,6 +27,7 @@ import sys
 from absl import app, flags, logging
 
 from posenc_jax import cli
+from posenc_jax import usage as usage_lib
 
 _CONFIG = cli.define_config("config", None, "configs/compare.py:<experiment>")
 _WORKDIR = flags.DEFINE_string("workdir", None, "ROOT: the cells' folders and the results")
@@ -143,8 +144,8 @@ def usage() -> str:
 
 def run() -> None:
   """The command line, ``python -m posenc_jax.compare``."""
-  app.run(main, flags_parser=cli.flags_parser(PROG, usage=usage(),
-                                              configs=("compare",)))
+  app.run(main, flags_parser=cli.flags_parser(PROG, help=usage_lib.helper(
+      PROG, usage(), configs=("compare",))))
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import sys
 
 from absl import app, flags, logging
 
-from posenc_jax import cli
+from posenc_jax import cli, usage
 
 # The configs/ files it takes, listed by --help.
 CONFIGS = ("finetune_glue", "finetune_wordnet", "finetune_xtreme")
@@ -51,7 +51,8 @@ def main(argv):
 
 def run() -> None:
   """The command line (``python -m posenc_jax.finetune``, or the repository's ``finetune.py``)."""
-  app.run(main, flags_parser=cli.flags_parser("finetune.py", usage=__doc__, configs=CONFIGS))
+  app.run(main, flags_parser=cli.flags_parser("finetune.py", help=usage.helper(
+      "finetune.py", __doc__, configs=CONFIGS)))
 
 
 if __name__ == "__main__":

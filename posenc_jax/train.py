@@ -19,7 +19,7 @@ import sys
 
 from absl import app, flags, logging
 
-from posenc_jax import cli
+from posenc_jax import cli, usage
 
 # The configs/ files it takes, listed by --help.
 CONFIGS = ("pretrain", "lm", "translate", "probe")
@@ -64,7 +64,8 @@ def main(argv):
 
 def run() -> None:
   """The command line (``python -m posenc_jax.train``, or the repository's ``train.py``)."""
-  app.run(main, flags_parser=cli.flags_parser("train.py", usage=__doc__, configs=CONFIGS))
+  app.run(main, flags_parser=cli.flags_parser("train.py", help=usage.helper(
+      "train.py", __doc__, configs=CONFIGS)))
 
 
 if __name__ == "__main__":

@@ -304,10 +304,10 @@ def test_without_matplotlib_one_line_says_how_and_the_tables_are_written(tmp_pat
 
 
 def test_help_lists_the_experiments_configs_and_presets(capsys):
-  from posenc_jax import cli  # noqa: PLC0415
+  from posenc_jax import cli, usage  # noqa: PLC0415
   from posenc_jax.configs.compare import EXPERIMENTS  # noqa: PLC0415
-  parse = cli.flags_parser(compare_cli.PROG, usage=compare_cli.usage(), configs=("compare",),
-                           fv=flags.FlagValues())
+  parse = cli.flags_parser(compare_cli.PROG, fv=flags.FlagValues(), help=usage.helper(
+      compare_cli.PROG, compare_cli.usage(), configs=("compare",)))
   with pytest.raises(SystemExit) as exit_info:
     parse(["compare", "--help"])
   text = capsys.readouterr().out

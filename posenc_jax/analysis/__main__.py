@@ -52,7 +52,7 @@ from typing import Any
 
 import numpy as np
 
-from posenc_jax import cli
+from posenc_jax import cli, usage
 
 COMMANDS = ("probe", "indicators", "rank", "plots", "params")
 # The flags each command reads; giving it any other is an error.
@@ -395,7 +395,7 @@ def main(argv: list[str]) -> int:
   fv = _define_flags(argv)
   if any(a in (*cli.HELP_FLAGS, "help") for a in argv[1:]):
     from posenc_jax.presets import preset_config  # noqa: PLC0415
-    print(cli.help_text("python -m posenc_jax.analysis", __doc__, configs=("model", "pretrain"),
+    print(usage.help_text("python -m posenc_jax.analysis", __doc__, configs=("model", "pretrain"),
                         config=preset_config(), fv=fv))
     return 0
   command = _command(cli.flags_parser("analysis", fv=fv)(argv)[1:])
