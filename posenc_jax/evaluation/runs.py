@@ -311,9 +311,7 @@ def model_at(run: Run, length: int) -> tuple[nn.Module | None, str | None]:
     longer = run.build(max_len=length)
   except ValueError as e:
     return None, f"{refusal}; model.max_len={length} is refused: {first_line(e)}"
-  shapes = checkpoint_lib._shapes  # noqa: SLF001 - the checkpoint's own shape comparison
-  mismatch = checkpoint_lib._compare(shapes(run.params),  # noqa: SLF001
-                                     shapes(abstract_params(longer)))
+  mismatch = checkpoint_lib.shape_mismatch(run.params, abstract_params(longer))
   if mismatch:
     return None, (f"{refusal}; its parameters depend on max_len (trained {max_len} vs "
                   f"{length}: {mismatch.partition(': ')[2]})")

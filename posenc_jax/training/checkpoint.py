@@ -352,6 +352,12 @@ def _shapes(tree: Any) -> dict[str, tuple[int, ...]]:
           for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
 
 
+def shape_mismatch(saved_tree: Any, expected_tree: Any) -> str | None:
+  """One line naming what differs between two parameter trees (arrays or
+  ``ShapeDtypeStruct``s: leaves missing, extra, or of another shape), or None."""
+  return _compare(_shapes(saved_tree), _shapes(expected_tree))
+
+
 def _compare(saved: dict[str, tuple], expected: dict[str, tuple]) -> str | None:
   """One line naming what differs between the saved and the expected parameters, or None."""
   missing = sorted(set(expected) - set(saved))
@@ -435,7 +441,7 @@ def restore_params(workdir: str, abstract_params: Any = None, *, step: int | Non
         expected = saved
         if abstract_params is not None:  # in the saved layout (scanned or unrolled layers)
           expected = jax.eval_shape(lambda p: match_layout(p, saved), abstract_params)
-          mismatch = _compare(_shapes(saved), _shapes(expected))
+          mismatch = shape_mismatch(saved, expected)
           if mismatch:
             raise CheckpointError(f"{field}: checkpoint step {candidate} does not hold the "
                                   f"config's model (is --config the run's?): {mismatch}")
