@@ -5,9 +5,9 @@ flags are parsed so that every mistake a user can type (an unknown preset, a mis
 
   app.run(main, flags_parser=cli.flags_parser("train.py"))
 
-``flags_parser(prog, usage=__doc__, configs=(...))`` makes ``--help`` print
-:func:`help_text`: the usage, the tool's flags, the shipped configs, the presets and schemes,
-and the common ``--config.`` fields with their defaults (``argparse`` tools can print it too).
+``flags_parser(prog, help=usage.helper(prog, __doc__, configs=(...)))`` makes ``--help``
+print :func:`posenc_jax.usage.help_text`: the usage, the tool's flags, the shipped configs,
+the presets and schemes, and the common ``--config.`` fields with their defaults.
 
 Also: :func:`check_output_dir` and :func:`check_output_file`, which tools call on every
 path they will write before any work starts, and for ``argparse`` tools

@@ -34,7 +34,7 @@ def check_out(out: str, workdir: str) -> str:
 
 def table(document: dict[str, Any]) -> str:
   """The document as console lines: a header stating the protocol, then one row per
-  metric (``loss``) or per length (``extrapolation``)."""
+  metric (``loss``) or per length (``extrapolation``, ``probes``)."""
   head = (f"{document['protocol']}: {document['workdir']} step {document['step']} "
           f"(checkpoint {document['checkpoint']}), objective {document['objective']}")
   if document["protocol"] == "loss":
@@ -43,29 +43,33 @@ def table(document: dict[str, Any]) -> str:
         f"  {name:<{width}}  {value:.6g}" for name, value in document["metrics"].items()])
   if document["protocol"] == "probes":
     probe = ", ".join(f"{k}={v}" for k, v in document["probe"].items() if k != "name")
-    lines = [f"{head}, probe {document['probe']['name']} ({probe})",
-             f"  {document['examples']} examples of seed {document['seed']} at every length, "
-             f"trained at length {document['train_length']}",
-             f"  {'length':>7}  {'accuracy':>8}  {'token accuracy':>14}"]
-    for row in document["rows"]:
-      if row["accuracy"] is None:
-        lines.append(f"  {row['length']:>7}  {'n/a':>8}  {row['na']}")
-      else:
-        lines.append(f"  {row['length']:>7}  {row['accuracy']:>8.4f}  "
-                     f"{row['token_accuracy']:>14.4f}")
-    return "\n".join(lines)
+    return _length_table([
+        f"{head}, probe {document['probe']['name']} ({probe})",
+        f"  {document['examples']} examples of seed {document['seed']} at every length, "
+        f"trained at length {document['train_length']}"], document["rows"], [
+        ("accuracy", "accuracy", 8, ".4f"), ("token accuracy", "token_accuracy", 14, ".4f")])
   stride = f", stride {document['stride']}" if document["stride"] is not None else ""
-  lines = [f"{head}, split {document['split']}",
-           f"  windows {document['windows']}{stride}, the first {document['tokens']} tokens "
-           f"at every length, trained at length {document['train_length']}",
-           f"  {'length':>7}  {document['metric']:>10}  {'loss':>8}  {'accuracy':>8}  "
-           f"{'scored':>7}"]
-  for row in document["rows"]:
-    if row["value"] is None:
-      lines.append(f"  {row['length']:>7}  {'n/a':>10}  {row['na']}")
+  return _length_table([
+      f"{head}, split {document['split']}",
+      f"  windows {document['windows']}{stride}, the first {document['tokens']} tokens "
+      f"at every length, trained at length {document['train_length']}"], document["rows"], [
+      (document["metric"], "value", 10, ".4f"), ("loss", "loss", 8, ".4f"),
+      ("accuracy", "accuracy", 8, ".4f"), ("scored", "scored_tokens", 7, "d")])
+
+
+def _length_table(heading: list[str], rows: list[dict[str, Any]],
+                  columns: list[tuple[str, str, int, str]]) -> str:
+  """``heading``, a title line, then one line per row: its length and each of ``columns``
+  (``(title, key, width, format)``), or ``n/a`` and the reason where the first is None."""
+  lines = heading + ["  " + "  ".join([f"{'length':>7}"] + [f"{t:>{w}}" for t, _, w, _ in
+                                                             columns])]
+  for row in rows:
+    _, first, width, _ = columns[0]
+    if row[first] is None:
+      lines.append(f"  {row['length']:>7}  {'n/a':>{width}}  {row['na']}")
     else:
-      lines.append(f"  {row['length']:>7}  {row['value']:>10.4f}  {row['loss']:>8.4f}  "
-                   f"{row['accuracy']:>8.4f}  {row['scored_tokens']:>7}")
+      lines.append("  " + "  ".join([f"{row['length']:>7}"] + [
+          f"{row[k]:>{w}{f}}" for _, k, w, f in columns]))
   return "\n".join(lines)
 
 
