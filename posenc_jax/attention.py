@@ -56,10 +56,10 @@ import numpy as np
 from jax import lax
 
 from posenc_jax import route_table
-from posenc_jax.cli import nearest
 from posenc_jax.kernels import relative_flash, relative_flash_attention
 from posenc_jax.kernels.dropout import dropout_multipliers, dropout_seed
 from posenc_jax.kernels.relative_flash import PRECISIONS, dot_precision
+from posenc_jax.messages import nearest
 from posenc_jax.schemes.base import is_finite_number, is_int
 from posenc_jax.terms import Factored, SchemeTerms, Term, Toeplitz, toeplitz_bias
 

@@ -21,7 +21,6 @@ path they will write before any work starts, and for ``argparse`` tools
 from __future__ import annotations
 
 import argparse
-import difflib
 import logging
 import os
 import re
@@ -32,11 +31,7 @@ from typing import Any, NoReturn
 
 from absl import flags
 
-
-def nearest(name: str, allowed: Sequence[str]) -> str:
-  """``"; did you mean 'x'?;"`` for the closest allowed name, else ``";"``."""
-  close = difflib.get_close_matches(str(name), [str(a) for a in allowed], n=1, cutoff=0.6)
-  return f"; did you mean {close[0]!r}?;" if close else ";"
+from posenc_jax.messages import first_line, nearest
 
 
 def _root(error: BaseException) -> BaseException:
@@ -46,14 +41,6 @@ def _root(error: BaseException) -> BaseException:
     seen.append(error)
     error = error.__cause__ or error.__context__
   return seen[-1]
-
-
-def first_line(error: BaseException) -> str:
-  """The first line of ``error``'s message (without a KeyError's quotes), or its type's name."""
-  text = str(error).strip()
-  if len(text) > 1 and text[0] == text[-1] and text[0] in "'\"":  # a KeyError's repr
-    text = text[1:-1]
-  return text.splitlines()[0] if text else type(error).__name__
 
 
 def _unknown_override(config, argv: Sequence[str], name: str) -> str | None:

@@ -26,7 +26,7 @@ import sys
 
 from absl import app, flags, logging
 
-from posenc_jax import cli
+from posenc_jax import cli, messages
 from posenc_jax import usage as usage_lib
 
 _CONFIG = cli.define_config("config", None, "configs/compare.py:<experiment>")
@@ -74,7 +74,7 @@ def measure_cost(config, root: str, say=None):
                         config.cost)
   except Exception as e:  # noqa: BLE001 - the tables are written without cost
     return {"baseline": checked["baseline"], "rows": {},
-            "note": f"Cost: not measured: {cli.first_line(e)}"}
+            "note": f"Cost: not measured: {messages.first_line(e)}"}
   report.write_atomic(path, json.dumps(rows, indent=2))
   return rows
 

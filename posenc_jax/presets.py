@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import ml_collections
 
-from posenc_jax.cli import nearest
+from posenc_jax.messages import nearest
 from posenc_jax.models.config import HEADS, ModelConfig, ModelConfigError
 
 # Model sizes. Unset fields keep the ModelConfig defaults (BERT-base).

@@ -52,7 +52,7 @@ from typing import Any
 
 import numpy as np
 
-from posenc_jax import cli, usage
+from posenc_jax import cli, messages, usage
 
 COMMANDS = ("probe", "indicators", "rank", "plots", "params")
 # The flags each command reads; giving it any other is an error.
@@ -128,7 +128,7 @@ def _command(args: list[str]) -> str:
     return args[0]
   given = " ".join(args)
   raise SystemExit(f"analysis: command: got {repr(given) if args else 'none'}"
-                   f"{cli.nearest(given, COMMANDS)} allowed: one of {', '.join(COMMANDS)} "
+                   f"{messages.nearest(given, COMMANDS)} allowed: one of {', '.join(COMMANDS)} "
                    "(python -m posenc_jax.analysis --help)")
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import ml_collections
 
-from posenc_jax.cli import first_line
+from posenc_jax.messages import first_line
 
 
 def peak_bytes(size: str, scheme: str, **dims) -> int | None:

@@ -15,7 +15,7 @@ from typing import Any
 
 import ml_collections
 
-from posenc_jax.cli import nearest
+from posenc_jax.messages import nearest
 from posenc_jax.presets import SCHEMES, SIZES
 
 PROTOCOLS = ("finetune", "extrapolation", "probes")

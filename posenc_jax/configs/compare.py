@@ -31,7 +31,7 @@ The defaults run on the bundled data on a laptop CPU in minutes.
 
 from ml_collections import config_dict
 
-from posenc_jax.cli import nearest
+from posenc_jax.messages import nearest
 
 # The probe runs' config spec (configs/probe.py), filled in per cell.
 PROBE_CONFIG = "configs/probe.py:{size},{scheme},{task}"

@@ -15,7 +15,7 @@ Epochs: 10 on the small tasks (CoLA, MRPC, STS-B, RTE, WNLI), 5 on the rest
 
 from ml_collections import config_dict
 
-from posenc_jax.cli import nearest
+from posenc_jax.messages import nearest
 from posenc_jax.presets import preset_config
 from posenc_jax.training.config import base_train_config
 

@@ -14,8 +14,8 @@ decoded answers in the target language. With no presets the model is
 ``--init_checkpoint``'s (without a checkpoint bert_base_multilingual,bert).
 """
 
-from posenc_jax.cli import nearest
 from posenc_jax.configs.finetune_glue import finetune_config
+from posenc_jax.messages import nearest
 
 EVAL_SPLIT = {"xnli": "test", "xquad": "test", "mlqa": "test", "tydiqa": "validation"}
 

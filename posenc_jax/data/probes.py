@@ -37,7 +37,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from posenc_jax.cli import nearest
+from posenc_jax.messages import nearest
 from posenc_jax.training.config import TrainConfigError
 
 SEPARATOR = 1  # copy: between the sequence and its copy; passkey: the question marker

@@ -47,8 +47,9 @@ import ml_collections
 import numpy as np
 from etils import epath
 
-from posenc_jax.cli import absolute, first_line
+from posenc_jax.cli import absolute
 from posenc_jax.evaluation import windows as windows_lib
+from posenc_jax.messages import first_line
 from posenc_jax.models.build import abstract_params, build_model
 from posenc_jax.models.config import model_config
 from posenc_jax.training import checkpoint as checkpoint_lib
@@ -497,7 +498,7 @@ def protocol_options(protocol: str) -> list[str]:
 def check_protocol(protocol: str, options: dict[str, Any]) -> None:
   """``protocol`` is known and takes every one of ``options`` (one line naming the first
   that is not)."""
-  from posenc_jax.cli import nearest  # noqa: PLC0415
+  from posenc_jax.messages import nearest  # noqa: PLC0415
   if protocol not in PROTOCOLS:
     raise EvaluationError(f"protocol: got {protocol!r}{nearest(protocol, list(PROTOCOLS))} "
                           f"allowed: {', '.join(PROTOCOLS)}")

@@ -8,7 +8,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from posenc_jax.cli import nearest
+from posenc_jax.messages import nearest
 from posenc_jax.models.bert import (BertEncoder, BertForMaskedLM, BertForQuestionAnswering,
                                     BertForSequenceClassification)
 from posenc_jax.models.config import HEADS, ModelConfig, ModelConfigError, model_config

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from flax.core import FrozenDict
 
 from posenc_jax.attention import PRECISIONS, ROUTES
-from posenc_jax.cli import nearest
+from posenc_jax.messages import nearest
 from posenc_jax.schemes import SchemeConfigError, build_scheme
 from posenc_jax.schemes.base import is_finite_number, is_int
 from posenc_jax.schemes.linformer import DietAbsLin

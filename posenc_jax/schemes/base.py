@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from posenc_jax.cli import nearest
+from posenc_jax.messages import nearest
 from posenc_jax.terms import SchemeTerms
 
 Array = jax.Array

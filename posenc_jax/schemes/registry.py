@@ -15,7 +15,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from posenc_jax.cli import nearest
+from posenc_jax.messages import nearest
 from posenc_jax.schemes.absolute import LearnedAPE, SinusoidalAPE
 from posenc_jax.schemes.alibi import Alibi
 from posenc_jax.schemes.base import Composite, NoPosition, Scheme, SchemeConfigError

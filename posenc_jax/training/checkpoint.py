@@ -42,7 +42,8 @@ from etils import epath
 from jax.experimental import multihost_utils
 from orbax.checkpoint._src.futures import future, synchronization
 
-from posenc_jax.cli import absolute, first_line
+from posenc_jax.cli import absolute
+from posenc_jax.messages import first_line
 from posenc_jax.models.scan import match_layout
 
 _GOLDEN = 2654435761  # Knuth's multiplicative hash constant: weights differ per position

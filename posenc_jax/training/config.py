@@ -8,7 +8,7 @@ import os
 
 import ml_collections
 
-from posenc_jax.cli import nearest
+from posenc_jax.messages import nearest
 from posenc_jax.models.build import HEADS, check_head
 from posenc_jax.models.config import model_config, scheme_dims
 from posenc_jax.schemes import build_scheme

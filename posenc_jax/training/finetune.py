@@ -40,7 +40,7 @@ import numpy as np
 from etils import epath
 from flax import traverse_util
 
-from posenc_jax.cli import nearest
+from posenc_jax.messages import nearest
 from posenc_jax.models.scan import layout_for, match_layout
 from posenc_jax.training.config import TrainConfigError, validate_train_config
 from posenc_jax.training.input_pipeline import FINETUNE_FEATURES

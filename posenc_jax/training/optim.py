@@ -19,7 +19,7 @@ import jax
 import ml_collections
 import optax
 
-from posenc_jax.cli import nearest
+from posenc_jax.messages import nearest
 
 OPTIMIZERS = ("adamw", "adam", "lamb")
 SCHEDULES = ("linear", "constant", "rsqrt")
