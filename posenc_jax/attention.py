@@ -20,7 +20,7 @@
   Toeplitz or factored term is materialised once per call as such a bias instead: on an
   H100 cuDNN with a ``[1, H, L, L]`` bias can beat the kernel at short lengths.
 * ``route="auto"`` (the default) picks per device, from the benchmark
-  (``python -m posenc_jax.bench --route``): on GPU and TPU the fused route;
+  (``python -m posenc_jax.benchmarks.steps --route``): on GPU and TPU the fused route;
   on CPU the reference route (at short lengths a batch-free term
   materialised once per layer costs less than folding it into every
   example's q/k, and Pallas only interprets on CPU). Attention dropout

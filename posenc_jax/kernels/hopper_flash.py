@@ -46,7 +46,7 @@ head dims a multiple of 64, and shared memory for at least one consumer warpgrou
 (:func:`backward_fits`). Tested
 in Mosaic GPU's interpret mode on CPU (values, lse, gradients through the Triton backward
 and through this one, one and two warpgroups) and lowered for CUDA; their speed is read
-from ``python -m posenc_jax.bench --attention`` on a Hopper GPU.
+from ``python -m posenc_jax.benchmarks.routes`` on a Hopper GPU.
 """
 
 from __future__ import annotations

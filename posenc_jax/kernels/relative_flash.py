@@ -55,7 +55,7 @@ interpret mode on CPU (``interpret=None`` picks it on the CPU backend):
   fourth kernel, one program per such diagonal, recomputes their logit cotangents
   (two more products per tile) and sums them in registers; the band's diagonals are
   summed outside, scatter-free. Which of the two Triton ways is faster is for
-  ``python -m posenc_jax.bench --attention`` to tell on the GPU at hand.
+  ``python -m posenc_jax.benchmarks.routes`` to tell on the GPU at hand.
 * ``roll`` (TPU, Pallas' Mosaic backend, which has no gather): blocks are
   multiples of 128, so each tile's window of ``bq + bk`` offsets is a
   lane-aligned slice; broadcast to the rows and rotated by one strided roll
