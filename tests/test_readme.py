@@ -9,14 +9,60 @@ import sys
 import pytest
 
 README = pathlib.Path(__file__).parent.parent / "README.md"
+DOCS = sorted((README.parent / "docs").glob("*.md"))
+# The least number of python blocks each page must keep: a page that had snippets and lost
+# them (a bad edit of its fences) fails here instead of passing with nothing run.
+SNIPPETS = {"README.md": 3, "models.md": 3}
 
 
-def test_readme_python_snippets_run():
-  blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
-  assert len(blocks) >= 3
+def _python_blocks(page):
+  return re.findall(r"```python\n(.*?)```", page.read_text(), re.S)
+
+
+@pytest.mark.parametrize("page", [README, *DOCS], ids=lambda page: page.name)
+def test_python_snippets_run(page):
+  """Each page's python blocks run in order in one namespace of the page's own."""
+  blocks = _python_blocks(page)
+  assert len(blocks) >= SNIPPETS.get(page.name, 0), page.name
   namespace = {}
   for block in blocks:
-    exec(compile(block, str(README), "exec"), namespace)  # noqa: S102
+    exec(compile(block, str(page), "exec"), namespace)  # noqa: S102
+
+
+def test_every_page_named_in_snippets_exists():
+  assert {"README.md", *(page.name for page in DOCS)} >= set(SNIPPETS)
+
+
+def _anchor(heading):
+  """GitHub's anchor for a markdown heading: lower case, punctuation dropped, spaces to -."""
+  return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+@pytest.mark.parametrize("page", [README, *DOCS], ids=lambda page: page.name)
+def test_relative_links_point_to_existing_files(page):
+  """Every relative link (and its #anchor, if any) names a file and heading that exist."""
+  text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+  links = re.findall(r"\]\(([^)\s]+)\)", text)
+  broken = []
+  for link in links:
+    if re.match(r"[a-z][a-z0-9+.-]*:", link):   # http:, https:, mailto:
+      continue
+    path, _, anchor = link.partition("#")
+    target = (page.parent / path).resolve() if path else page
+    if not target.exists():
+      broken.append(link)
+    elif anchor and target.suffix == ".md":
+      headings = re.findall(r"^#+ (.*)$", re.sub(r"```.*?```", "", target.read_text(), flags=re.S),
+                            re.M)
+      if anchor not in {_anchor(h) for h in headings}:
+        broken.append(link)
+  assert not broken, f"{page.name}: {broken}"
+
+
+def test_docs_pages_are_linked_from_the_readme():
+  text = README.read_text()
+  assert DOCS, "no docs/*.md pages"
+  assert [page.name for page in DOCS if f"(docs/{page.name})" not in text] == []
 
 
 def test_readme_starts_with_the_two_commands():
