@@ -56,9 +56,9 @@ import numpy as np
 from jax import lax
 
 from posenc_jax import route_table
-from posenc_jax.kernels import relative_flash, relative_flash_attention
+from posenc_jax.kernels import blocks, relative_flash, relative_flash_attention
 from posenc_jax.kernels.dropout import dropout_multipliers, dropout_seed
-from posenc_jax.kernels.relative_flash import PRECISIONS, dot_precision
+from posenc_jax.kernels.precision import PRECISIONS, dot_precision
 from posenc_jax.messages import nearest
 from posenc_jax.schemes.base import is_finite_number, is_int
 from posenc_jax.terms import Factored, SchemeTerms, Term, Toeplitz, toeplitz_bias
@@ -222,7 +222,7 @@ def cudnn_unsupported(q_shape: Sequence[int], k_shape: Sequence[int], dtype, *,
   if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
     return f"dtype {jnp.dtype(dtype).name} (cuDNN flash attention takes bfloat16/float16)"
   if compute_capability is None:
-    compute_capability = float(relative_flash.gpu_compute_capability() or 0)
+    compute_capability = float(blocks.gpu_compute_capability() or 0)
   head_max = 256 if compute_capability >= 9.0 else 128
   head_dim = q_shape[-1]
   if head_dim % 8 or head_dim > head_max:

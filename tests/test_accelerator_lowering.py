@@ -22,7 +22,7 @@ from jax._src.cudnn import fused_attention_stablehlo
 from jax._src.pallas.triton import gpu_info
 
 from posenc_jax.attention import attend
-from posenc_jax.kernels import relative_flash
+from posenc_jax.kernels import blocks
 from posenc_jax.models import model_config
 from posenc_jax.models.build import build_model
 from posenc_jax.presets import preset_config
@@ -53,7 +53,7 @@ def on_platform(monkeypatch):
   def use(name):
     h100 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H100)
     monkeypatch.setattr(gpu_info, "get_gpu_info", lambda: h100)
-    monkeypatch.setattr(relative_flash, "gpu_compute_capability", lambda: "9.0")
+    monkeypatch.setattr(blocks, "gpu_compute_capability", lambda: "9.0")
     monkeypatch.setattr(jax, "default_backend", lambda: name)
     monkeypatch.setattr(fused_attention_stablehlo, "check_cudnn_version", lambda: 91000)
     monkeypatch.setattr(fused_attention_stablehlo, "check_compute_capability", lambda cap: True)

@@ -19,7 +19,7 @@ from jax._src.cudnn import fused_attention_stablehlo
 from jax._src.pallas.triton import gpu_info
 
 from posenc_jax import bench, route_table
-from posenc_jax.kernels import relative_flash
+from posenc_jax.kernels import blocks
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SHAPE = dict(batch=1, length=32, heads=2, head_dim=16)
@@ -117,7 +117,7 @@ def like_h100(monkeypatch):
   """JAX's backend reads "gpu"; cuDNN and Pallas' Triton lowering answer as for an H100."""
   h100 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H100)
   monkeypatch.setattr(gpu_info, "get_gpu_info", lambda: h100)
-  monkeypatch.setattr(relative_flash, "gpu_compute_capability", lambda: "9.0")
+  monkeypatch.setattr(blocks, "gpu_compute_capability", lambda: "9.0")
   monkeypatch.setattr(fused_attention_stablehlo, "check_cudnn_version", lambda: 91000)
   monkeypatch.setattr(fused_attention_stablehlo, "check_compute_capability", lambda cap: True)
   monkeypatch.setattr(fused_attention_stablehlo, "is_cuda_compute_capability_equal",
@@ -146,7 +146,7 @@ def test_every_kernel_lowers_for_gpu(like_h100, causal):
 def test_the_hopper_row_needs_a_hopper_gpu(like_h100, monkeypatch):
   qkv = jax.ShapeDtypeStruct((1, 128, 2, 64), jnp.bfloat16)
   hopper = next(k for k in bench.ATTENTION_KERNELS if k.name == route_table.HOPPER_ROW)
-  monkeypatch.setattr(relative_flash, "gpu_compute_capability", lambda: "8.0")
+  monkeypatch.setattr(blocks, "gpu_compute_capability", lambda: "8.0")
   _, reason = bench.attention_kernel(hopper, qkv, causal=False, seed=jnp.zeros((1, 1), jnp.int32))
   assert reason == "Mosaic GPU wgmma needs compute capability 9.x; this device: 8.0"
 

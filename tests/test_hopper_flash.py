@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from posenc_jax.kernels import hopper_flash, relative_flash_attention
+from posenc_jax.kernels import hopper_flash, kernel_blocks, relative_flash_attention
 from posenc_jax.kernels import relative_flash as rf
 from posenc_jax.kernels.dropout import dropout_seed
 from posenc_jax.terms import offsets, relative_offsets
@@ -100,8 +100,8 @@ def _padded_call(length, block_k=64, causal=False, dropout=0.0):
   q, k, v, _ = _inputs(1, length)
   table = jax.random.normal(jax.random.PRNGKey(5), (H, 16))
   ob = _t5(table, offsets(length, length), bidirectional=not causal)
-  blocks = rf.kernel_blocks(length, length, 64, 64, itemsize=2, has_bias=True, block_q=64,
-                            block_k=block_k)
+  blocks = kernel_blocks(length, length, 64, 64, itemsize=2, has_bias=True, block_q=64,
+                         block_k=block_k)
   cfg = rf._Config(has_bias=True, tiles="gather", zero_first=False, causal=causal,
                    scale=0.125, precision="float32", dropout_rate=dropout, blocks=blocks,
                    q_len=length, k_len=length,

@@ -10,7 +10,7 @@ from posenc_jax.attention import attend
 from posenc_jax.kernels import (KernelBlocks, kernel_blocks, kernel_memory, memory_budget,
                                 relative_flash_attention)
 from posenc_jax.kernels.dropout import dropout_multipliers, dropout_seed
-from posenc_jax.kernels.relative_flash import SMEM_BYTES
+from posenc_jax.kernels.common import SMEM_BYTES
 from posenc_jax.schemes.alibi import alibi_slopes
 from posenc_jax.schemes.t5 import relative_position_bucket
 from posenc_jax.terms import Bias, offsets, relative_offsets

@@ -85,7 +85,7 @@ import optax
 
 from posenc_jax import cli, route_table
 from posenc_jax.attention import ROUTES, attend, cudnn_unsupported
-from posenc_jax.kernels import relative_flash, relative_flash_attention
+from posenc_jax.kernels import blocks, relative_flash, relative_flash_attention
 from posenc_jax.kernels.dropout import dropout_seed
 from posenc_jax.models import BertForMaskedLM, model_config
 from posenc_jax.models.config import DTYPES
@@ -340,7 +340,7 @@ def hopper_unsupported(q: jax.Array) -> str | None:
   need a GPU of compute capability 9.x (or the CPU, interpreted) and the forward's shapes
   (:func:`posenc_jax.kernels.relative_flash.hopper_fits`; the backward's are a subset up to
   head dim 128, which padded head dims above 128 never meet either)."""
-  capability = relative_flash.gpu_compute_capability()
+  capability = blocks.gpu_compute_capability()
   if jax.default_backend() != "cpu" and not (capability or "").startswith("9."):
     return f"Mosaic GPU wgmma needs compute capability 9.x; this device: {capability}"
   length, head_dim = q.shape[1], q.shape[-1]

@@ -57,6 +57,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from posenc_jax.kernels.band import bias_band, unit_gradient
+from posenc_jax.kernels.common import NEG, SMEM_BYTES
 from posenc_jax.kernels.dropout import dropout_multiplier
 
 Array = jax.Array
@@ -66,12 +67,8 @@ BLOCK_KS = (64, 128)
 MAX_WARPGROUPS = 2  # consumer warpgroups per block of the grid
 STAGES = 2  # pipeline steps in flight
 MEMORY_REGISTERS = 40  # per thread of the copying warpgroup
-SMEM_BYTES = 227 * 1024  # shared memory of one block of the grid (opt-in) on Hopper, 9.0
 SMEM_ALIGN = 1024  # Mosaic GPU aligns each buffer to 1 KiB
 SMEM_RESERVED = 3 * 1024  # the pipeline's barriers and Mosaic GPU's own (2.1 KiB measured)
-# Finite "minus infinity" for masked logits (avoids inf - inf); empty rows get lse = -NEG.
-# Both forwards and the Triton backward use it (relative_flash reads it from here).
-NEG = -1e30
 
 
 def smem_bytes(*, warpgroups: int, block_k: int, qk_dim: int, v_dim: int, itemsize: int,
@@ -92,11 +89,12 @@ def smem_bytes(*, warpgroups: int, block_k: int, qk_dim: int, v_dim: int, itemsi
 
 def max_warpgroups(*, block_k: int, qk_dim: int, v_dim: int, itemsize: int,
                    has_bias: bool) -> int:
-  """The most consumer warpgroups (up to ``MAX_WARPGROUPS``) whose buffers fit in
-  ``SMEM_BYTES``; 0 if not even one does."""
+  """The most consumer warpgroups (up to ``MAX_WARPGROUPS``) whose buffers fit in a Hopper
+  GPU's shared memory (``SMEM_BYTES["9.0"]``); 0 if not even one does."""
   return max((g for g in range(1, MAX_WARPGROUPS + 1)
               if smem_bytes(warpgroups=g, block_k=block_k, qk_dim=qk_dim, v_dim=v_dim,
-                            itemsize=itemsize, has_bias=has_bias) <= SMEM_BYTES), default=0)
+                            itemsize=itemsize, has_bias=has_bias) <= SMEM_BYTES["9.0"]),
+             default=0)
 
 
 def fits(*, dtype, block_q: int, block_k: int, qk_dim: int, v_dim: int,

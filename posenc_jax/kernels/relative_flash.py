@@ -66,10 +66,11 @@ interpret mode on CPU (``interpret=None`` picks it on the CPU backend):
 Hopper GPUs through Pallas' Mosaic GPU backend instead
 (:mod:`posenc_jax.kernels.hopper_flash`), each on its own.
 
-Tile sizes, Triton's warps and pipelining stages come from :func:`kernel_blocks`,
-which estimates each choice's shared memory (Triton) or VMEM (Mosaic) against
-the device's (:func:`memory_budget`). Float32 inputs are multiplied exactly
-unless ``precision="tensorfloat32"``.
+Tile sizes, Triton's warps and pipelining stages come from
+:func:`~posenc_jax.kernels.blocks.kernel_blocks`, which estimates each choice's shared memory
+(Triton) or VMEM (Mosaic) against the device's (:func:`~posenc_jax.kernels.blocks.memory_budget`).
+Float32 inputs are multiplied exactly unless ``precision="tensorfloat32"``
+(:func:`~posenc_jax.kernels.precision.dot_precision`).
 
 Both lower for their accelerator without one (``jax.export``, tested). The gather
 kernels ran on an H100 (jaxlib 0.11.2): the shared-memory model is fitted to
@@ -93,254 +94,15 @@ from jax.experimental.pallas import triton as plt
 
 from posenc_jax.kernels import hopper_flash
 from posenc_jax.kernels.band import bias_band, unit_gradient
+from posenc_jax.kernels.blocks import (KernelBlocks, kernel_blocks, next_pow2, round_up,
+                                       window_width)
+from posenc_jax.kernels.common import NEG, SMEM_BYTES
 from posenc_jax.kernels.dropout import dropout_multiplier
+from posenc_jax.kernels.precision import dot_precision
 
 Array = jax.Array
 
-_NEG = hopper_flash.NEG  # finite "minus infinity" for masked logits (avoids inf - inf)
 _Q_PAD, _K_PAD = -2, -1  # segment ids of padded query rows / masked keys: never equal
-
-
-def _next_pow2(x: int) -> int:
-  return 1 << max(0, (x - 1).bit_length())
-
-
-def _round_up(x: int, m: int) -> int:
-  return -(-x // m) * m
-
-
-# ---------------------------------------------------------------------------
-# Tile sizes and launch settings from the shapes and the chip's on-chip memory.
-
-# Shared memory one Triton program may use (the opt-in maximum per block), by CUDA compute
-# capability. A GPU not listed gets the smallest.
-SMEM_BYTES = {"8.0": 166912, "8.6": 101376, "8.7": 166912, "8.9": 101376,
-              "9.0": hopper_flash.SMEM_BYTES, "10.0": 232448, "12.0": 101376}
-_SMEM_MARGIN = 8 * 1024  # the model's slack: Triton versions allocate differently
-# Scoped VMEM Mosaic gives a kernel by default on TPU v4 and v5 (v6e: 32 MiB); a quarter is
-# left as margin, the VMEM model being unmeasured.
-VMEM_BYTES = 16 * 2**20
-
-
-@dataclasses.dataclass(frozen=True)
-class KernelBlocks:
-  """Tile sizes and launch settings of :func:`relative_flash_attention`'s kernels.
-
-  Attributes:
-    block_q, block_k: query / key rows of a tile, powers of two (``>= 16`` with gather
-      tiles, ``>= 128`` with roll tiles).
-    qk_dim, v_dim: widths q/k and v are zero-padded to (each a power of two ``>= 16``).
-    num_warps, num_stages: Triton launch settings (``num_stages``: software-pipelining
-      stages of the loads in the kernels' loops); None with roll tiles.
-  """
-
-  block_q: int
-  block_k: int
-  qk_dim: int
-  v_dim: int
-  num_warps: int | None = None
-  num_stages: int | None = None
-
-
-PRECISIONS = ("float32", "tensorfloat32")
-TILES = ("gather", "band", "roll")  # how bias tiles are built (module docstring)
-
-
-def dot_precision(precision: str, dtype) -> lax.Precision | None:
-  """The ``precision`` of attention's matmuls (this kernel's and the other routes') for
-  inputs of ``dtype``.
-
-  ``"float32"``: float32 inputs multiply in full float32 (``Precision.HIGHEST``),
-  so every route agrees with a float32 reference to float32 rounding. JAX's
-  own default is faster and coarser (TF32 on NVIDIA GPUs from Ampere on,
-  bfloat16 passes on TPU); ``"tensorfloat32"`` opts into it. Inputs of 16 bits
-  are unaffected (None).
-  """
-  if precision not in PRECISIONS:
-    raise ValueError(f"precision: got {precision!r}; allowed: {', '.join(PRECISIONS)}")
-  if jnp.dtype(dtype) != jnp.dtype(jnp.float32) or precision == "tensorfloat32":
-    return None
-  return lax.Precision.HIGHEST
-
-
-def gpu_compute_capability() -> str | None:
-  """The CUDA compute capability of the first device (e.g. ``"9.0"``), None if not an NVIDIA
-  GPU. Block choice here and cuDNN's fit (:func:`posenc_jax.attention.cudnn_unsupported`)
-  read it."""
-  return getattr(jax.devices()[0], "compute_capability", None)
-
-
-def memory_budget(tiles: str = "gather", compute_capability: str | None = None) -> int:
-  """Bytes of on-chip memory :func:`kernel_blocks` may plan for, a margin below the limit.
-
-  Args:
-    tiles: ``"gather"``: shared memory of a Triton program on the GPU of
-      ``compute_capability`` (e.g. ``"9.0"``; :data:`SMEM_BYTES`); ``"roll"``: 3/4 of the
-      default scoped VMEM of a TPU (:data:`VMEM_BYTES`).
-    compute_capability: None reads it from ``jax.devices()[0]`` (a GPU's); an unknown one
-      (or none: no GPU) gets the smallest GPU in :data:`SMEM_BYTES`.
-  """
-  if tiles == "roll":
-    return VMEM_BYTES * 3 // 4
-  if compute_capability is None:
-    compute_capability = gpu_compute_capability()
-  return SMEM_BYTES.get(compute_capability, min(SMEM_BYTES.values())) - _SMEM_MARGIN
-
-
-def kernel_memory(blocks: KernelBlocks, *, q_len: int, k_len: int, itemsize: int,
-                  has_bias: bool, tiles: str = "gather", precision: str = "float32") -> int:
-  """Estimated on-chip bytes of the most demanding of the three kernels (forward, dq, dk/dv).
-
-  ``gather`` (Triton): shared memory per program, see :func:`_triton_smem`. ``roll``
-  (Mosaic): VMEM, see :func:`_mosaic_vmem`.
-
-  Args:
-    blocks: the tile sizes and settings.
-    q_len, k_len: unpadded sequence lengths.
-    itemsize: bytes per element of q, k and v.
-    has_bias: whether an offset bias is built into the tiles.
-    tiles: ``"gather"`` or ``"roll"``.
-    precision: as :func:`relative_flash_attention`'s (exact float32 products take another
-      path through Triton).
-  """
-  if tiles == "roll":
-    return _mosaic_vmem(blocks, q_len, k_len, itemsize, has_bias)
-  return _triton_smem(blocks, itemsize, has_bias, exact=itemsize == 4 and precision == "float32")
-
-
-def kernel_blocks(q_len: int, k_len: int, qk_dim: int, v_dim: int, *, itemsize: int,
-                  has_bias: bool, tiles: str = "gather", precision: str = "float32",
-                  budget: int | None = None, block_q: int | None = None,
-                  block_k: int | None = None) -> KernelBlocks:
-  """Picks tile sizes and launch settings that fit on chip (:func:`kernel_memory`).
-
-  Gather (Triton): 64 x 64 tiles, 4 warps, 2 pipelining stages where they fit (on an H100
-  they beat 128-row tiles: BERT-base bf16 at L = 512 took 0.66 ms forward + backward with
-  64 x 64, 0.70 / 0.96 / 1.07 ms with 128 x 64 / 64 x 128 / 128 x 128; at D = 128,
-  L = 2048, 2.1 ms against 2.4-4.3); else the largest tiles down to 16 rows, 2 stages before
-  1, squarer before longer. Roll (Mosaic): 256-row tiles where they add no padding to the
-  128-multiple length and fit, else 128. Blocks never exceed the padded lengths. If nothing
-  fits, the least demanding choice.
-
-  Args:
-    q_len, k_len: sequence lengths (unpadded).
-    qk_dim, v_dim: head dims of q/k (terms folded in) and of v.
-    itemsize: bytes per element of q, k and v.
-    has_bias: whether an offset bias is built into the tiles.
-    tiles: ``"gather"`` or ``"band"`` (Triton; band tiles are square) or ``"roll"``
-      (Mosaic).
-    precision: ``"float32"`` or ``"tensorfloat32"`` (:func:`relative_flash_attention`).
-    budget: bytes of on-chip memory; None gives :func:`memory_budget` of this device.
-    block_q, block_k: fixed tile sizes (validated; gather ones clamped to the padded
-      lengths), or None to choose.
-
-  Returns:
-    The :class:`KernelBlocks`.
-  """
-  if tiles not in TILES:
-    raise ValueError(f"tiles: got {tiles!r}; allowed: {', '.join(TILES)}")
-  if tiles == "band" and None not in (block_q, block_k) and block_q != block_k:
-    raise ValueError(f"block_q, block_k: got {block_q}x{block_k}; band tiles are square")
-  dot_precision(precision, jnp.float32)  # validates the name
-  smallest = 128 if tiles == "roll" else 16
-  for name, size in (("block_q", block_q), ("block_k", block_k)):
-    if size is not None and (size < smallest or size & (size - 1)):
-      raise ValueError(f"{name}: got {size}; expected a power of two >= {smallest} "
-                       f"(tiles={tiles!r})")
-  budget = memory_budget(tiles) if budget is None else budget
-  widths = (max(16, _next_pow2(qk_dim)), max(16, _next_pow2(v_dim)))
-  launches = [(None, None)] if tiles == "roll" else [(4, 2), (4, 1)]
-  candidates = [KernelBlocks(bq, bk, *widths, *launch)
-                for launch in launches
-                for bq in _block_sizes(q_len, block_q, tiles)
-                for bk in _block_sizes(k_len, block_k, tiles)
-                if tiles != "band" or bq == bk]
-  if not candidates:  # band: the clamped sizes differ (one length is short); square them
-    side = min(_block_sizes(q_len, block_q, tiles) + _block_sizes(k_len, block_k, tiles))
-    candidates = [KernelBlocks(side, side, *widths, *launch) for launch in launches]
-
-  def memory(blocks):
-    return kernel_memory(blocks, q_len=q_len, k_len=k_len, itemsize=itemsize,
-                         has_bias=has_bias, tiles=tiles, precision=precision)
-
-  fitting = [c for c in candidates if memory(c) <= budget]
-  if not fitting:
-    return min(candidates, key=memory)
-  return max(fitting, key=lambda c: (c.num_stages or 0, min(c.block_q, c.block_k),
-                                     c.block_q * c.block_k, c.block_q))
-
-
-def _block_sizes(length: int, fixed: int | None, tiles: str) -> list[int]:
-  """Candidate block sizes along a sequence of ``length``: ``fixed`` (gather: clamped to the
-  padded length), else each size the chooser considers that does not overrun it."""
-  if tiles == "roll":
-    padded = _round_up(length, 128)
-    return [fixed] if fixed else [b for b in (256, 128) if padded % b == 0]
-  longest = _next_pow2(max(length, 16))
-  return [min(fixed, longest)] if fixed else [b for b in (64, 32, 16) if b <= longest]
-
-
-def _triton_smem(blocks: KernelBlocks, itemsize: int, has_bias: bool, exact: bool) -> int:
-  """Shared memory (bytes) of the larger Triton backward kernel; the forward's tiles are a
-  subset of dq's.
-
-  Tiles, in bytes: ``Q = bq Dqk``, ``dO = bq Dv`` (the do rows), ``K = bk Dqk``,
-  ``V = bk Dv`` at the inputs' itemsize, ``P = bq bk`` at that itemsize (a probability or
-  cotangent tile converted for a product) and ``F = 4 bq bk`` (a float32 tile).
-
-  * Tensor-core products (bfloat16/float16, TF32): dq holds ``Q + dO`` and, per pipelining
-    stage ``S``, the ``K + V`` its loop loads, plus ``P`` (and ``2 F`` for the bias: its tile
-    and diagonal sums); dk/dv holds ``K + V``, ``S (Q + dO)``, ``2 P`` (and ``F``).
-  * Exact float32 products (FMA, no tensor cores): the four tiles once each, plus
-    ``(S + bias) F``.
-
-  Plus 1 KiB for small buffers. Fitted to the bytes XLA's Triton (jaxlib 0.11.2) asked for
-  on an H100 in 13 configurations (32 to 128-row tiles, head dims 128 and 256, 1 and 2
-  stages, with and without bias, bfloat16, TF32 and exact float32): an upper bound on the
-  larger kernel of each, within 0.3 % in exact float32 and 4-8 % for 64- and 128-row
-  tensor-core tiles, 12-49 % over where Triton takes other paths (TF32 with 32-row tiles or
-  one stage). The TUPE kernels of the old defaults (float32, 64 x 64 tiles, q/k padded
-  136 -> 256 and v with them to 256, 2 stages), which asked for up to 426752 bytes (TF32)
-  and 312064 (exact) against the H100's 232448, are estimated at 443392 and 312320.
-  """
-  bq, bk, stages = blocks.block_q, blocks.block_k, blocks.num_stages
-  q, do = bq * blocks.qk_dim * itemsize, bq * blocks.v_dim * itemsize
-  k, v = bk * blocks.qk_dim * itemsize, bk * blocks.v_dim * itemsize
-  p, f = bq * bk * itemsize, 4 * bq * bk
-  if exact:
-    return q + do + k + v + (stages + has_bias) * f + 1024
-  dq = q + do + stages * (k + v) + p + 2 * f * has_bias
-  dkv = k + v + stages * (q + do) + 2 * p + f * has_bias
-  return max(dq, dkv) + 1024
-
-
-def _mosaic_vmem(blocks: KernelBlocks, q_len: int, k_len: int, itemsize: int,
-                 has_bias: bool) -> int:
-  """VMEM (bytes) of the largest Mosaic kernel, not measured on a TPU.
-
-  Every block of a ``pallas_call`` is double-buffered, in ``(8 or 16, 128)`` tiles (so a
-  ``[L, 1]`` column takes ``L x 128`` words): the forward and dq hold a block of q (and do)
-  and the whole k, v, key segment ids and offset bias; dk/dv a block of k, v and the whole
-  q, do, query segment ids, lse and delta. Then float32 temporaries: accumulators, eight
-  ``[bq, bk]`` tiles and four ``[bq, bq + bk]`` windows for the bias.
-  """
-  bq, bk, dqk, dv = blocks.block_q, blocks.block_k, blocks.qk_dim, blocks.v_dim
-  lq, lk = _round_up(q_len, bq), _round_up(k_len, bk)
-  window = _window(bq, bk, "roll")
-  loff = _next_pow2(lq + lk - (bq + bk) + window)
-
-  def vmem(rows, cols, size=4):
-    return _round_up(rows, 32 // size) * _round_up(cols, 128) * size
-
-  def rows(n, size=itemsize):  # n rows of q/do or of k/v (both widths)
-    return vmem(n, dqk, size) + vmem(n, dv, size)
-
-  bias = vmem(1, loff) * has_bias
-  fwd = rows(bq) + rows(lk) + vmem(1, lk) + 2 * vmem(bq, 1) + bias
-  dq = fwd + rows(bq) + 2 * vmem(bq, 1) + bias
-  dkv = 2 * rows(bk) + rows(lq) + 3 * vmem(lq, 1) + vmem(1, bk) + bias
-  temporaries = rows(max(bq, bk), 4) + 8 * vmem(bq, bk) + 4 * vmem(bq, window) * has_bias
-  return 2 * max(fwd, dq, dkv) + temporaries
 
 
 @dataclasses.dataclass(frozen=True)
@@ -380,14 +142,14 @@ class _Config:
   def window(self) -> int:
     """Width of a tile's window of offsets: its ``bq + bk`` diagonals, widened to a power of
     two with gather tiles (Triton's arrays; the extra columns hold no diagonal of the tile)."""
-    return _window(self.blocks.block_q, self.blocks.block_k, self.tiles)
+    return window_width(self.blocks.block_q, self.blocks.block_k, self.tiles)
 
   @property
   def offset_len(self) -> int:
     """``Loff_p``: the padded offset vector's length, a power of two long enough for every
     offset (``Lq_p + Lk_p - 1``) and for the last tile's whole window."""
     bq, bk = self.blocks.block_q, self.blocks.block_k
-    return _next_pow2(self.q_len + self.k_len - (bq + bk) + self.window)
+    return next_pow2(self.q_len + self.k_len - (bq + bk) + self.window)
 
   def window_start(self, qi, kj):
     """Offset index (in the padded vector) of the first diagonal a tile touches.
@@ -400,11 +162,6 @@ class _Config:
     start = kj * bk - qi * bq + self.q_len - bq
     return pl.multiple_of(start, 128) if self.tiles == "roll" else start
 
-
-def _window(block_q: int, block_k: int, tiles: str) -> int:
-  """Window width of a ``[block_q, block_k]`` tile (:attr:`_Config.window`)."""
-  width = block_q + block_k
-  return width if tiles == "roll" else _next_pow2(width)
 
 
 def _dot(cfg, a, b, contract):
@@ -423,7 +180,7 @@ def _barrier(cfg: _Config) -> None:
 
 
 def _tile(cfg, q, k, ob_ref, qseg, kseg, qi, kj):
-  """Scaled logits + bias ``[bq, bk]`` (float32, masked to ``_NEG``) and the validity mask.
+  """Scaled logits + bias ``[bq, bk]`` (float32, masked to ``NEG``) and the validity mask.
 
   ``qseg`` ``[bq, 1]`` and ``kseg`` ``[1, bk]`` are the tile's segment ids.
   """
@@ -434,7 +191,7 @@ def _tile(cfg, q, k, ob_ref, qseg, kseg, qi, kj):
   valid = qseg == kseg
   if cfg.causal:
     valid = valid & (j <= i)
-  return jnp.where(valid, s, _NEG), valid
+  return jnp.where(valid, s, NEG), valid
 
 
 def _positions(cfg, qi, kj):
@@ -563,14 +320,14 @@ def _fwd_kernel(cfg, q_ref, k_ref, v_ref, ob_ref, qseg_ref, kseg_ref, seed_ref, 
     pv = _dot(cfg, _dropped(p, keep).astype(v.dtype), v, (1, 0))
     return m_new, alpha * l + jnp.sum(p, axis=1, keepdims=True), alpha * acc + pv
 
-  init = (jnp.full((bq, 1), _NEG, jnp.float32), jnp.zeros((bq, 1), jnp.float32),
+  init = (jnp.full((bq, 1), NEG, jnp.float32), jnp.zeros((bq, 1), jnp.float32),
           jnp.zeros(o_ref.shape, jnp.float32))
   m, l, acc = lax.fori_loop(0, _num_k_blocks(cfg, qi), body, init)
   empty = l == 0.0
   l_safe = jnp.where(empty, 1.0, l)
   o_ref[...] = (acc / l_safe).astype(o_ref.dtype)
   # Empty rows get lse = +big so that exp(s - lse) = 0 in the backward.
-  lse_ref[...] = jnp.where(empty, -_NEG, m + jnp.log(l_safe))
+  lse_ref[...] = jnp.where(empty, -NEG, m + jnp.log(l_safe))
 
 
 def _dq_kernel(cfg, q_ref, k_ref, v_ref, ob_ref, qseg_ref, kseg_ref, seed_ref, do_ref, lse_ref,
@@ -959,7 +716,7 @@ def relative_flash_attention(
     raise ValueError(f"forward: 'hopper' takes bfloat16/float16 q, k, v, head dims padded to "
                      f"multiples of 64 and {hopper_flash.BLOCK_Q}-row query blocks, key blocks "
                      f"of {' or '.join(map(str, hopper_flash.BLOCK_KS))} and buffers within "
-                     f"{hopper_flash.SMEM_BYTES} bytes of shared memory; got {q.dtype}, "
+                     f"{SMEM_BYTES['9.0']} bytes of shared memory; got {q.dtype}, "
                      f"head dims {blocks.qk_dim}/{blocks.v_dim}, blocks "
                      f"{blocks.block_q}x{blocks.block_k}")
   if backward == "hopper" and not _hopper_takes(q.dtype, blocks, has_bias=has_bias,
@@ -975,7 +732,7 @@ def relative_flash_attention(
     if not 1 <= warpgroups <= most:
       raise ValueError(f"warpgroups: got {warpgroups!r}; allowed: " + (
           f"1 to {most} at these shapes" if most else "None unless forward='hopper' fits"))
-  lq_p, lk_p = _round_up(lq, blocks.block_q), _round_up(lk, blocks.block_k)
+  lq_p, lk_p = round_up(lq, blocks.block_q), round_up(lk, blocks.block_k)
   cfg = _Config(has_bias=has_bias, tiles=tiles, zero_first=zero_first,
                 causal=causal, scale=float(scale), precision=precision,
                 dropout_rate=float(dropout_rate), blocks=blocks,
