@@ -13,7 +13,7 @@ The fused route (:func:`posenc_jax.attend`) can run two term forms two ways:
 Which is faster depends on the device, the length and the rank: on an H100 a
 materialised bias for cuDNN can beat the kernel at short lengths, never at long ones
 (``../shared/gpu/RESULTS-2026-11-23.md``). So the choice is read from measurements,
-not a rule. A point is one ``python -m posenc_jax.bench --attention`` run: forward+backward
+not a rule. A point is one ``python -m posenc_jax.benchmarks.routes`` run: forward+backward
 milliseconds of both ways at one shape, on one device kind and dtype. For a call the
 route takes the way that was faster at the nearest point of its device kind, dtype and
 form (nearest in ``log2`` length, and for factored terms in ``log2`` folded width ``D +
@@ -27,9 +27,9 @@ bfloat16 at L = 512 and 16384, 2026-11-25), overlaid by the file that
 replaces the packaged one). Fill that file on your device with::
 
   POSENC_JAX_ROUTE_TABLE=~/routes.json  # in the environment of training too
-  python -m posenc_jax.bench --attention --dtype bfloat16 --batch 32 --length 512 \\
+  python -m posenc_jax.benchmarks.routes --dtype bfloat16 --batch 32 --length 512 \\
       --rank 128 --route_table ~/routes.json
-  python -m posenc_jax.bench --attention --dtype bfloat16 --batch 1 --length 16384 \\
+  python -m posenc_jax.benchmarks.routes --dtype bfloat16 --batch 1 --length 16384 \\
       --rank 128 --route_table ~/routes.json
 
 :func:`forced` overrides the table inside a ``with`` block (the bench times both ways
@@ -53,11 +53,11 @@ FORMS = ("toeplitz", "factored")
 FORMAT = 1
 ENV = "POSENC_JAX_ROUTE_TABLE"
 PACKAGED = pathlib.Path(__file__).with_name("route_table.json")
-# The --attention rows a point compares, per form: (default way, materialised ways in order
+# The benchmarks.routes rows a point compares, per form: (default way, materialised ways in order
 # of preference: the first that ran is the one the route would take).
 BENCH_ROWS = {"toeplitz": ("pallas toeplitz", ("cudnn bias", "xla bias")),
               "factored": ("fused factored folded", ("fused factored materialised",))}
-# The --attention rows of the Toeplitz kernel with the Hopper forward, and with the Hopper
+# The benchmarks.routes rows of the Toeplitz kernel with the Hopper forward, and with the Hopper
 # forward and backward: the faster that ran is a third way.
 HOPPER_ROW = "pallas toeplitz hopper fwd"
 HOPPER_BOTH_ROW = "pallas toeplitz hopper"
@@ -306,7 +306,7 @@ def nearest(form: str, *, dtype: str, length: float, head_dim: int, rank: int = 
 
 def points_from_attention(document: Mapping[str, Any], source: str = "") -> tuple[
     list[Point], list[str]]:
-  """The points one ``bench --attention`` JSON document measured, and for each form it
+  """The points one ``benchmarks.routes`` JSON document measured, and for each form it
   could not, a line saying why (a row that did not run)."""
   rows = {row["kernel"]: row for row in document["rows"]}
   found, missing = [], []

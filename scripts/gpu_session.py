@@ -5,7 +5,7 @@
 
 Phases (each fits the device tool's 10-minute call):
 
-- ``kernels``: ``bench --attention`` in bfloat16 at L = 512, 2048, 8192 and 16384
+- ``kernels``: ``benchmarks.routes`` in bfloat16 at L = 512, 2048, 8192 and 16384
   (``B L = 16384`` tokens; ``--lengths`` picks some), with the DIET-ABS rank 128 rows,
   adding every point to the route table ``--routes``, then the Hopper and Triton kernels
   compiled on the GPU against their float32 references (``tests/test_hopper_flash.py``,
@@ -61,21 +61,22 @@ KERNEL_TESTS = ["tests/test_hopper_flash.py", "tests/test_relative_flash.py", "-
 
 def commands(phase: str, routes: str, lengths=LENGTHS,
              schemes: str | None = None) -> list[tuple[str, list[str]]]:
-  """``(name, argv)`` of each command of ``phase``; bench commands are ``posenc_jax.bench``
-  argument lists after ``-m posenc_jax.bench``, the others whole argvs. ``lengths`` are the
-  kernels phase's attention lengths, ``schemes`` a model phase's (default its own)."""
-  bench = [sys.executable, "-m", "posenc_jax.bench"]
+  """``(name, argv)`` of each command of ``phase``: whole argvs, the benchmarks' ``python -m
+  posenc_jax.benchmarks.<tool> ...``. ``lengths`` are the kernels phase's attention lengths,
+  ``schemes`` a model phase's (default its own)."""
+  module = [sys.executable, "-m"]
   if phase == "kernels":
-    return [(f"attention_{length}", bench + [
-        "--attention", "--batch", str(TOKENS // length), "--length", str(length),
+    return [(f"attention_{length}", module + [
+        "posenc_jax.benchmarks.routes", "--batch", str(TOKENS // length), "--length", str(length),
         "--dtype", "bfloat16", "--rank", "128", "--route_table", routes])
         for length in lengths] + [
         ("kernel_tests", [sys.executable, "-m", "pytest", "-v", "-n", "0", "-p",
                           "no:cacheprovider", *KERNEL_TESTS])]
   if phase in SCHEMES:
-    return [(phase, bench + MODEL + ["--schemes", schemes or SCHEMES[phase]])]
+    return [(phase, module + ["posenc_jax.benchmarks.steps", *MODEL, "--schemes",
+                              schemes or SCHEMES[phase]])]
   if phase == "compile":
-    return [("compile", bench + ["--compile"] + MODEL)]
+    return [("compile", module + ["posenc_jax.benchmarks.compile", *MODEL])]
   raise ValueError(f"phase: got {phase!r}; allowed: {', '.join(PHASES)}")
 
 

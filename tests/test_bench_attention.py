@@ -1,4 +1,4 @@
-"""``python -m posenc_jax.bench --attention``: the side-by-side kernel table (issue 14).
+"""``python -m posenc_jax.benchmarks.routes``: the side-by-side kernel table (issue 14).
 
 On CPU the Pallas kernels interpret and cuDNN is absent, so the run here is tiny
 (B=1, L=32, H=2, D=16, one repeat) and checks the table's shape: every kernel a row,
@@ -18,13 +18,13 @@ import pytest
 from jax._src.cudnn import fused_attention_stablehlo
 from jax._src.pallas.triton import gpu_info
 
-from posenc_jax import bench, route_table
+from posenc_jax import route_table
+from posenc_jax.benchmarks import routes as bench
 from posenc_jax.kernels import blocks
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SHAPE = dict(batch=1, length=32, heads=2, head_dim=16)
-ARGS = ["--attention", "--batch", "1", "--length", "32", "--heads", "2", "--head_dim", "16",
-        "--repeats", "1"]
+ARGS = ["--batch", "1", "--length", "32", "--heads", "2", "--head_dim", "16", "--repeats", "1"]
 NAMES = [kernel.name for kernel in bench.ATTENTION_KERNELS]
 # Rows that do not run in this float32 CPU run, and why.
 NOT_HERE = {"cudnn no bias": "backend cpu has no cuDNN", "cudnn bias": "backend cpu has no cuDNN",
@@ -44,7 +44,7 @@ def _table(stdout: str) -> dict[str, list[str]]:
 @pytest.fixture(scope="module")
 def cpu_run(tmp_path_factory):
   out = tmp_path_factory.mktemp("bench") / "attention.json"
-  proc = subprocess.run([sys.executable, "-m", "posenc_jax.bench", *ARGS, "--json", str(out)],
+  proc = subprocess.run([sys.executable, "-m", bench.__name__, *ARGS, "--json", str(out)],
                         cwd=ROOT, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]
   return proc.stdout, json.loads(out.read_text())
@@ -168,20 +168,16 @@ def test_cudnn_in_float32_is_na_with_its_reason(like_h100):
 
 
 BAD = [
-    (["--attention", "--heads", "0"], "bench: --heads: got 0; allowed: a positive integer"),
-    (["--attention", "--head_dim", "-3"], "bench: --head_dim: got -3; allowed: a positive integer"),
-    (["--attention", "--head_dim", "x"], "bench: --head_dim: got 'x'; allowed: a positive integer"),
-    (["--attention", "--length", "0"], "bench: --length: got 0; allowed: a positive integer"),
-    (["--attention", "--dtype", "float16"], "bench: --dtype: got 'float16'"),
-    (["--heads", "4"], "bench: --heads: only with --attention"),
-    (["--head_dim", "32"], "bench: --head_dim: only with --attention"),
-    (["--causal"], "bench: --causal: only with --attention"),
-    (["--attention", "--route", "fused"], "bench: --route: not with --attention"),
-    (["--attention", "--schemes", "t5"], "bench: --schemes: not with --attention"),
-    (["--attention", "--head_dm", "3"],
-     "bench: --head_dm: unknown flag; did you mean '--head_dim'?"),
-    (["--attention", "--json", "{dir}"], "bench: --json: '{dir}' is a directory, not a file"),
-    (["--attention", "--json", "{file}/out.json"], "bench: --json: '{file}' cannot be created"),
+    (["--heads", "0"], f"{bench.PROG}: --heads: got 0; allowed: a positive integer"),
+    (["--head_dim", "-3"], f"{bench.PROG}: --head_dim: got -3; allowed: a positive integer"),
+    (["--head_dim", "x"], f"{bench.PROG}: --head_dim: got 'x'; allowed: a positive integer"),
+    (["--length", "0"], f"{bench.PROG}: --length: got 0; allowed: a positive integer"),
+    (["--dtype", "float16"], f"{bench.PROG}: --dtype: got 'float16'"),
+    (["--route", "fused"], f"{bench.PROG}: --route: unknown flag"),
+    (["--schemes", "t5"], f"{bench.PROG}: --schemes: unknown flag"),
+    (["--head_dm", "3"], f"{bench.PROG}: --head_dm: unknown flag; did you mean '--head_dim'?"),
+    (["--json", "{dir}"], f"{bench.PROG}: --json: '{{dir}}' is a directory, not a file"),
+    (["--json", "{file}/out.json"], f"{bench.PROG}: --json: '{{file}}' cannot be created"),
 ]
 
 

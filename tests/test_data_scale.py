@@ -12,7 +12,8 @@ import pytest
 import seqio
 import tensorflow as tf
 
-from posenc_jax.data import bench, causal_lm
+from posenc_jax.benchmarks import pipeline as bench
+from posenc_jax.data import causal_lm
 from posenc_jax.data import preprocessors as pp
 from posenc_jax.training.input_pipeline import InputIterator
 

@@ -1,7 +1,7 @@
-"""Every bad flag of the command-line tools (``train.py``, ``python -m posenc_jax.bench``,
-``.params``, ``.analysis``) is one line naming the flag, what was given and what is allowed,
-and stops the tool before it prints, compiles or writes anything (``finetune.py``'s own
-fields: tests/test_errors_finetune.py).
+"""Every bad flag of the command-line tools (``train.py``, ``python -m
+posenc_jax.benchmarks.steps``, ``.params``, ``.analysis``) is one line naming the flag, what was
+given and what is allowed, and stops the tool before it prints, compiles or writes anything
+(``finetune.py``'s own fields: tests/test_errors_finetune.py).
 
 Each case runs the tool in a process of its own, forked from one that has imported the libraries
 (tests/forked_cli.py: 0.1 s a case against 1.5-7 s for a plain subprocess); the cases run two at
@@ -52,9 +52,10 @@ CASES = [
     ("train.py", ["--config.mask_rate=0.0", RUN], "train.py: mask_rate:", ["got 0.0", "(0, 1]"]),
     ("train.py", ["--config.mask_rate=1.5", RUN], "train.py: mask_rate:", ["got 1.5"]),
     ("train.py", ["--config.eval_steps=-1", RUN], "train.py: eval_steps:", ["got -1"]),
-    ("data.bench", ["--hosts=0"], "posenc_jax.data.bench: --hosts:",
+    ("benchmarks.pipeline", ["--hosts=0"], "posenc_jax.benchmarks.pipeline: --hosts:",
      ["got 0; allowed: a positive integer"]),
-    ("data.bench", ["--json={dir}"], "posenc_jax.data.bench: --json:", ["is a directory"]),
+    ("benchmarks.pipeline", ["--json={dir}"], "posenc_jax.benchmarks.pipeline: --json:",
+     ["is a directory"]),
     ("train.py", ["--config.cache_data=sometimes", RUN], "train.py: cache_data:",
      ["got 'sometimes'", "auto, true, false"]),
     ("train.py", ["--config.data_sharding=files", RUN], "train.py: data_sharding:",
@@ -124,27 +125,43 @@ CASES = [
     ("train.py", ["--workdirr=x"], "train.py: Unknown command line flag 'workdirr'",
      ["Did you mean: workdir"]),
     # bench: argparse flags.
-    ("bench", ["--length", "-5"], "bench: --length:", ["got -5", "a positive integer"]),
-    ("bench", ["--length", "0"], "bench: --length:", ["got 0", "a positive integer"]),
-    ("bench", ["--length", "x"], "bench: --length:", ["got 'x'", "a positive integer"]),
-    ("bench", ["--length"], "bench: --length:", ["expected one argument"]),
-    ("bench", ["--batch", "0"], "bench: --batch:", ["got 0", "a positive integer"]),
-    ("bench", ["--repeats", "0"], "bench: --repeats:", ["got 0", "a positive integer"]),
-    ("bench", ["--schemes", ""], "bench: --schemes:", ["got ''", "allowed: bert, none"]),
-    ("bench", ["--schemes", "bert,,t5"], "bench: --schemes:", ["got '' in 'bert,,t5'"]),
-    ("bench", ["--schemes", "t5,diet_abz"], "bench: --schemes:",
+    ("benchmarks.steps", ["--length", "-5"], "posenc_jax.benchmarks.steps: --length:",
+     ["got -5", "a positive integer"]),
+    ("benchmarks.steps", ["--length", "0"], "posenc_jax.benchmarks.steps: --length:",
+     ["got 0", "a positive integer"]),
+    ("benchmarks.steps", ["--length", "x"], "posenc_jax.benchmarks.steps: --length:",
+     ["got 'x'", "a positive integer"]),
+    ("benchmarks.steps", ["--length"], "posenc_jax.benchmarks.steps: --length:",
+     ["expected one argument"]),
+    ("benchmarks.steps", ["--batch", "0"], "posenc_jax.benchmarks.steps: --batch:",
+     ["got 0", "a positive integer"]),
+    ("benchmarks.steps", ["--repeats", "0"], "posenc_jax.benchmarks.steps: --repeats:",
+     ["got 0", "a positive integer"]),
+    ("benchmarks.steps", ["--schemes", ""], "posenc_jax.benchmarks.steps: --schemes:",
+     ["got ''", "allowed: bert, none"]),
+    ("benchmarks.steps", ["--schemes", "bert,,t5"], "posenc_jax.benchmarks.steps: --schemes:",
+     ["got '' in 'bert,,t5'"]),
+    ("benchmarks.steps", ["--schemes", "t5,diet_abz"], "posenc_jax.benchmarks.steps: --schemes:",
      ["got 'diet_abz' in 't5,diet_abz'", "did you mean 'diet_abs'?", "allowed: bert"]),
-    ("bench", ["--schemes", "bf16"], "bench: --schemes:", ["got 'bf16'", "allowed: bert"]),
-    ("bench", ["--baseline", "nope"], "bench: --baseline:", ["got 'nope'", "allowed: bert"]),
-    ("bench", ["--size", "tinyy"], "bench: --size:",
+    ("benchmarks.steps", ["--schemes", "bf16"], "posenc_jax.benchmarks.steps: --schemes:",
+     ["got 'bf16'", "allowed: bert"]),
+    ("benchmarks.steps", ["--baseline", "nope"], "posenc_jax.benchmarks.steps: --baseline:",
+     ["got 'nope'", "allowed: bert"]),
+    ("benchmarks.steps", ["--size", "tinyy"], "posenc_jax.benchmarks.steps: --size:",
      ["got 'tinyy'", "did you mean 'tiny'?", "allowed: tiny, small, base"]),
-    ("bench", ["--dtype", "float16"], "bench: --dtype:", ["got 'float16'", "float32, bfloat16"]),
-    ("bench", ["--route", "fuse"], "bench: --route:", ["got 'fuse'", "did you mean 'fused'?"]),
-    ("bench", ["--lenght", "5"], "bench: --lenght: unknown flag", ["did you mean '--length'?"]),
-    ("bench", ["tiny"], "bench: unexpected argument", ["'tiny'"]),
-    ("bench", ["--json", "{dir}"], "bench: --json:", ["{dir}", "is a directory, not a file"]),
-    ("bench", ["--json", "{file}/out.json"], "bench: --json:", ["{file}", "is a file"]),
-    ("bench", ["--json", "{ro}/out.json"], "bench: --json:", ["{ro}", "is not writable"]),
+    ("benchmarks.steps", ["--dtype", "float16"], "posenc_jax.benchmarks.steps: --dtype:",
+     ["got 'float16'", "float32, bfloat16"]),
+    ("benchmarks.steps", ["--route", "fuse"], "posenc_jax.benchmarks.steps: --route:",
+     ["got 'fuse'", "did you mean 'fused'?"]),
+    ("benchmarks.steps", ["--lenght", "5"], "posenc_jax.benchmarks.steps: --lenght: unknown flag",
+     ["did you mean '--length'?"]),
+    ("benchmarks.steps", ["tiny"], "posenc_jax.benchmarks.steps: unexpected argument", ["'tiny'"]),
+    ("benchmarks.steps", ["--json", "{dir}"], "posenc_jax.benchmarks.steps: --json:",
+     ["{dir}", "is a directory, not a file"]),
+    ("benchmarks.steps", ["--json", "{file}/out.json"], "posenc_jax.benchmarks.steps: --json:",
+     ["{file}", "is a file"]),
+    ("benchmarks.steps", ["--json", "{ro}/out.json"], "posenc_jax.benchmarks.steps: --json:",
+     ["{ro}", "is not writable"]),
     # params: absl flags and the config's presets and fields.
     ("params", ["--config=configs/model.py:bert_tiny,diet_abz"], "params: config preset:",
      ["'diet_abz' is unknown", "did you mean 'diet_abs'?"]),
@@ -301,7 +318,7 @@ def test_params_counts_bert_tiny():
 
 
 def test_bench_help_lists_the_schemes():
-  proc = subprocess.run([sys.executable, "-m", "posenc_jax.bench", "--help"], cwd=ROOT,
+  proc = subprocess.run([sys.executable, "-m", "posenc_jax.benchmarks.steps", "--help"], cwd=ROOT,
                         capture_output=True, text=True, timeout=120)
   assert proc.returncode == 0 and "diet_abs_share" in proc.stdout and "--repeats" in proc.stdout
 

@@ -2,13 +2,14 @@
 bench's own flag checks, its kernel tests select the compiled value tests, and a phase keeps
 to its time budget and still prints its summary last."""
 
+import importlib
 import pathlib
 import subprocess
 import sys
 
 import pytest
 
-from posenc_jax import bench
+from posenc_jax.benchmarks import routes
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -17,15 +18,15 @@ import gpu_session  # noqa: E402
 
 @pytest.mark.parametrize("phase", gpu_session.PHASES)
 def test_every_bench_command_passes_the_bench_flag_checks(phase, tmp_path):
-  routes = str(tmp_path / "routes.json")
-  benches = [argv[3:] for _, argv in gpu_session.commands(phase, routes)
-             if argv[1:3] == ["-m", "posenc_jax.bench"]]
+  benches = [(importlib.import_module(argv[2]), argv[3:])
+             for _, argv in gpu_session.commands(phase, str(tmp_path / "routes.json"))
+             if argv[2].startswith("posenc_jax.benchmarks.")]
   assert benches
-  for argv in benches:
+  for bench, argv in benches:
     args = bench.parse_args(argv)
-    assert args.dtype == "bfloat16" and (args.attention or args.size in ("base", ("base",)))
+    assert args.dtype == "bfloat16" and (bench is routes or args.size in ("base", ("base",)))
   if phase == "kernels":
-    assert [bench.parse_args(a).length for a in benches] == list(gpu_session.LENGTHS)
+    assert [bench.parse_args(a).length for bench, a in benches] == list(gpu_session.LENGTHS)
 
 
 def test_the_kernel_tests_are_the_compiled_value_tests():

@@ -82,9 +82,9 @@ def test_import_does_not_load_tensorflow():
 
 
 def test_bench_runs_and_prints_ratios(tmp_path):
-  out = subprocess.run([sys.executable, "-m", "posenc_jax.bench", "--size", "tiny", "--batch", "2",
-                        "--length", "16", "--repeats", "1", "--schemes", "diet_abs,shaw",
-                        "--json", str(tmp_path / "bench.json")],
+  out = subprocess.run([sys.executable, "-m", "posenc_jax.benchmarks.steps", "--size", "tiny",
+                        "--batch", "2", "--length", "16", "--repeats", "1", "--schemes",
+                        "diet_abs,shaw", "--json", str(tmp_path / "bench.json")],
                        capture_output=True, text=True, check=True)
   rows = {line.split()[0]: line.split()[1:] for line in out.stdout.splitlines()[2:]}
   assert set(rows) == {"diet_abs", "shaw"}
@@ -96,8 +96,8 @@ def test_bench_runs_and_prints_ratios(tmp_path):
 
 def test_bench_fused_route_against_no_positional_term(tmp_path):
   """The long-sequence comparison: the Pallas Toeplitz kernel against itself with no bias."""
-  out = subprocess.run([sys.executable, "-m", "posenc_jax.bench", "--size", "tiny", "--batch", "1",
-                        "--length", "16", "--repeats", "1", "--schemes", "diet_rel",
+  out = subprocess.run([sys.executable, "-m", "posenc_jax.benchmarks.steps", "--size", "tiny",
+                        "--batch", "1", "--length", "16", "--repeats", "1", "--schemes", "diet_rel",
                         "--baseline", "none", "--route", "fused",
                         "--json", str(tmp_path / "bench.json")],
                        capture_output=True, text=True, check=True)
@@ -108,10 +108,11 @@ def test_bench_fused_route_against_no_positional_term(tmp_path):
 
 
 def test_bench_unknown_scheme_is_one_line():
-  out = subprocess.run([sys.executable, "-m", "posenc_jax.bench", "--baseline", "nope"],
+  out = subprocess.run([sys.executable, "-m", "posenc_jax.benchmarks.steps", "--baseline", "nope"],
                        capture_output=True, text=True)
   assert out.returncode == 2 and "Traceback" not in out.stderr
   assert out.stderr.strip().splitlines() == [
-      "bench: --baseline: got 'nope'; did you mean 'rope'?; allowed: bert, none, sinusoidal, "
+      "posenc_jax.benchmarks.steps: --baseline: got 'nope'; did you mean 'rope'?; allowed: bert, "
+      "none, sinusoidal, "
       "sinusoidal_learnable, shaw, sinusoidal_rpe, t5, tupe_a, tupe_a_tie_cls, tupe_r, bert_ad, "
       "diet_rel, diet_rel_share, diet_abs, diet_abs_share, linformer, diet_abs_lin, alibi, rope"]

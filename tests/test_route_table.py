@@ -231,7 +231,7 @@ def test_the_bench_writes_a_point_that_attend_follows(tmp_path, monkeypatch):
   that, and with the file in the environment the fused route materialises."""
   path = tmp_path / "routes.json"
   proc = subprocess.run(
-      [sys.executable, "-m", "posenc_jax.bench", "--attention", "--batch", "1", "--length", "32",
+      [sys.executable, "-m", "posenc_jax.benchmarks.routes", "--batch", "1", "--length", "32",
        "--heads", "2", "--head_dim", "16", "--repeats", "1", "--rank", "8",
        "--route_table", str(path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]
@@ -258,16 +258,16 @@ def test_the_bench_writes_a_point_that_attend_follows(tmp_path, monkeypatch):
 
 def test_a_bad_route_table_file_stops_the_bench_before_any_work(tmp_path):
   path = _table_file(tmp_path, {"form": "dense"})
-  proc = subprocess.run([sys.executable, "-m", "posenc_jax.bench", "--attention",
+  proc = subprocess.run([sys.executable, "-m", "posenc_jax.benchmarks.routes",
                          "--route_table", str(path)], cwd=ROOT, capture_output=True, text=True,
                         timeout=120)
   assert proc.returncode == 2 and proc.stdout == ""
   assert proc.stderr.strip().splitlines() == [
-      f"bench: --route_table: route table {path}: points[0].form: got 'dense'; allowed: "
-      "toeplitz, factored"]
-  proc = subprocess.run([sys.executable, "-m", "posenc_jax.bench", "--route_table", str(path)],
-                        cwd=ROOT, capture_output=True, text=True, timeout=120)
-  assert proc.returncode == 2 and "--route_table: only with --attention" in proc.stderr
+      f"posenc_jax.benchmarks.routes: --route_table: route table {path}: points[0].form: got "
+      "'dense'; allowed: toeplitz, factored"]
+  proc = subprocess.run([sys.executable, "-m", "posenc_jax.benchmarks.steps", "--route_table",
+                         str(path)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 2 and "--route_table: unknown flag" in proc.stderr
 
 
 @pytest.mark.parametrize("preset, form", [("diet_rel", "toeplitz"), ("alibi", "toeplitz"),

@@ -1,7 +1,7 @@
 """The masked-LM input pipeline alone: examples/s and source lines read per (simulated) host.
 
-  python -m posenc_jax.data.bench [--source bundled,mock] [--hosts 4] [--sharding source,stream]
-      [--seq_len 128] [--batch_size 32] [--shuffle_block 1024] [--split validation]
+  python -m posenc_jax.benchmarks.pipeline [--source bundled,mock] [--hosts 4]
+      [--sharding source,stream] [--seq_len 128] [--batch_size 32] [--shuffle_block 1024] [--split validation]
       [--mock_files 8] [--mock_lines 5000] [--json out.json]
 
 For each source, sharding mode and host count ``n`` in ``1, --hosts``, hosts
@@ -122,7 +122,7 @@ def measure(task_name: str, split: str, counter, *, hosts: int, shardings: Seque
 def main(argv: Sequence[str] | None = None) -> int:
   from posenc_jax import cli  # noqa: PLC0415
 
-  parser = cli.ArgumentParser(prog="posenc_jax.data.bench",
+  parser = cli.ArgumentParser(prog="posenc_jax.benchmarks.pipeline",
                               description=__doc__.splitlines()[0])
   parser.add_argument("--source", type=cli.one_of(("bundled", "mock"), sep=","),
                       default=("bundled", "mock"), help="bundled, mock or both (comma-separated)")

@@ -1,6 +1,6 @@
 """Each scheme's training cost against the baseline's (DIET Table 1), with the functions of
-:mod:`posenc_jax.bench`: the masked-LM BERT of the experiment's size at ``cost.batch`` x
-``cost.length``, its train step (forward, backward, AdamW) timed alternately with the
+:mod:`posenc_jax.benchmarks.model_steps`: the masked-LM BERT of the experiment's size at
+``cost.batch`` x ``cost.length``, its train step (forward, backward, AdamW) timed alternately with the
 baseline's in this process, and the peak memory XLA plans for that step (compiled memory
 analysis: on every backend, and per scheme, unlike a device's running peak).
 """
@@ -15,12 +15,13 @@ from posenc_jax.messages import first_line
 
 
 def peak_bytes(size: str, scheme: str, **dims) -> int | None:
-  """The peak memory of the compiled train step of :func:`posenc_jax.bench.model_steps`."""
+  """The peak memory of the compiled train step of
+  :func:`posenc_jax.benchmarks.model_steps.model_steps`."""
   import jax  # noqa: PLC0415
 
-  from posenc_jax import bench  # noqa: PLC0415
+  from posenc_jax.benchmarks.model_steps import model_steps  # noqa: PLC0415
 
-  _, train, _, init = bench.model_steps(size, scheme, **dims)
+  _, train, _, init = model_steps(size, scheme, **dims)
   stats = jax.jit(train).lower(*jax.eval_shape(init)).compile().memory_analysis()
   if stats is None:
     return None
@@ -33,24 +34,25 @@ def measure(size: str, schemes: list[str], baseline: str,
             cost: ml_collections.ConfigDict) -> dict[str, Any]:
   """``{"baseline", "size", "batch", "length", "rows": {scheme: {"train_ms", "train_ratio",
   "peak_bytes", "memory_ratio"} or {"na": reason}}, "note"}``."""
-  from posenc_jax import bench  # noqa: PLC0415
+  from posenc_jax.benchmarks.model_steps import SIZES, compiled_steps  # noqa: PLC0415
+  from posenc_jax.benchmarks.timing import timed_against  # noqa: PLC0415
 
-  sizes = {preset: name for name, preset in bench.SIZES.items()}
+  sizes = {preset: name for name, preset in SIZES.items()}
   dims = dict(batch=cost.batch, length=cost.length, dtype=cost.dtype)
   note = (f"Cost: BERT MLM train step at {size}, batch {cost.batch}, length {cost.length}, "
           f"{cost.dtype}; median of {cost.repeats} runs timed alternately with {baseline}; "
           "peak memory as XLA plans the compiled step.")
   out = {"baseline": baseline, "size": size, **dims, "note": note, "rows": {}}
   if size not in sizes:
-    return out | {"note": f"Cost: not measured: {size} is no size of posenc_jax.bench "
+    return out | {"note": f"Cost: not measured: {size} is no size of posenc_jax.benchmarks "
                           f"({', '.join(sizes)})"}
-  base_train = bench.compiled_steps(sizes[size], baseline, **dims)[0]
+  base_train = compiled_steps(sizes[size], baseline, **dims)[0]
   base_bytes = peak_bytes(sizes[size], baseline, **dims)
   for scheme in schemes:
     try:
-      train = base_train if scheme == baseline else bench.compiled_steps(sizes[size], scheme,
-                                                                         **dims)[0]
-      train_s, base_s = bench.timed_against(train, base_train, cost.repeats)
+      train = base_train if scheme == baseline else compiled_steps(sizes[size], scheme,
+                                                                   **dims)[0]
+      train_s, base_s = timed_against(train, base_train, cost.repeats)
       memory = peak_bytes(sizes[size], scheme, **dims)
     except Exception as e:  # noqa: BLE001 - one scheme that does not build is one n/a row
       out["rows"][scheme] = {"na": first_line(e)}

@@ -25,7 +25,7 @@ strings. ``train_config``, ``finetune_config`` are config specs where ``{size}``
 ``--config.<field>`` overrides for every run (the budgets; a field not listed there is
 added in a copy of this file); ``evaluate`` holds the evaluate tool's flags (unset: its
 defaults). ``cost`` times each scheme's training step and its peak
-memory against ``baseline`` (default: the first scheme) with ``posenc_jax.bench``.
+memory against ``baseline`` (default: the first scheme) with ``posenc_jax.benchmarks``.
 The defaults run on the bundled data on a laptop CPU in minutes.
 """
 

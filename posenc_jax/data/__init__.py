@@ -22,8 +22,6 @@ load TensorFlow/seqio when they are imported (``tasks``, ``preprocessors``) or c
     causal_lm       ``wordnet_glosses_lm`` (packed ``targets``), ``lm_dataset`` for the trainer
     probes          synthetic probes generated on the fly (copy/reverse, MQAR, passkey),
                     task ``probe:<name>`` for the trainer, ``score`` per length
-    bench           ``python -m posenc_jax.data.bench``: the input pipeline alone, examples/s
-                    and source lines read per simulated host
     bundled/        the corpus files, their licence and the bundled vocabulary
 
 ``import posenc_jax.tasks`` registers every family.

@@ -89,7 +89,7 @@ def register_text_lines(name: str, split_to_files: Mapping[str, str | os.PathLik
   A split is one file, a glob pattern, or a list of files (source sharding hands whole files
   to hosts when a split has at least as many files as hosts). Either all files are gzip
   (names ending in ``.gz``) or none is. ``read_counter`` (an int64 ``tf.Variable``) counts
-  the lines read, for the input benchmark and tests (:mod:`posenc_jax.data.bench`); it is
+  the lines read, for the input benchmark and tests (:mod:`posenc_jax.benchmarks.pipeline`); it is
   state outside the pipeline, so saving an iterator that is reading a file through it needs
   ``tf.data.Options().experimental_external_state_policy`` ``IGNORE`` (the count is not
   saved).

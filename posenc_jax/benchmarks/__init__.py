@@ -1,0 +1,9 @@
+"""Benchmarks: tools that time the library, one module per tool (``python -m <module>``).
+
+    steps        each scheme's BERT train and inference steps against a baseline's
+    routes       each attention kernel and route at one shape; points for the route table
+    compile      compile seconds with unrolled and with scanned layers
+    pipeline     the masked-LM input pipeline alone, per simulated host
+    model_steps  the masked-LM BERT that ``steps``, ``compile`` and the comparison time
+    timing       medians of steps timed alternately
+"""

@@ -1,0 +1,125 @@
+"""Each scheme's cost in a whole BERT, train and inference steps as time ratios.
+
+  python -m posenc_jax.benchmarks.steps [--size tiny|small|base] [--length 128] [--batch 8]
+      [--schemes bert,diet_abs,diet_rel,...] [--baseline bert] [--route auto]
+      [--dtype float32|bfloat16] [--repeats 10] [--json out.json]
+
+For every scheme preset (``posenc_jax.presets.SCHEMES``) it builds the
+masked-LM BERT of the given size (:mod:`posenc_jax.benchmarks.model_steps`), compiles a
+training step (forward, backward, AdamW update) and an inference forward pass, and times both
+after warm-up as the median of ``--repeats`` runs, each timed alternately with the
+baseline (default ``bert``: Devlin et al.'s input table; ``--baseline none``
+compares against the same attention with no positional term) so that load
+drifts cancel. ``--route`` sets the attention route of every model
+(``reference``, ``fused``, ``auto``; see :mod:`posenc_jax.attention`), e.g.
+``--route fused --baseline none --schemes diet_rel`` measures the Pallas
+Toeplitz kernel against itself without a bias.
+It prints milliseconds, the ratio to the baseline, tokens/s, peak device
+memory where the device reports it, MFU (analytic FLOPs over the
+device's peak) on accelerators, and the seconds of the first train step and
+inference pass (compile and one run, layers scanned); ``--json`` writes the
+same rows. A scheme that is also the baseline is compiled once.
+
+Attention alone: :mod:`posenc_jax.benchmarks.routes`; compile seconds:
+:mod:`posenc_jax.benchmarks.compile`. Compilation is excluded. Every flag is checked (and the
+``--json`` path made) before anything compiles; a bad one is one line
+``posenc_jax.benchmarks.steps: --<flag>: got ...; allowed: ...``.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax
+
+from posenc_jax import cli
+from posenc_jax.benchmarks.model_steps import BASELINE, POSITION_SCHEMES, SIZES, compiled_steps
+from posenc_jax.benchmarks.timing import timed_against
+from posenc_jax.models.config import DTYPES
+from posenc_jax.route_plan import ROUTES
+from posenc_jax.training.metrics import peak_flops, train_flops_per_step
+
+PROG = "posenc_jax.benchmarks.steps"
+DEFAULT_SCHEMES = ("bert", "shaw", "t5", "tupe_a", "tupe_r", "diet_rel", "diet_rel_share",
+                   "diet_abs", "diet_abs_share", "alibi", "rope")
+
+
+def peak_memory() -> int | None:
+  """Peak bytes in use on the first device, where the backend reports it (GPU, TPU)."""
+  stats = jax.devices()[0].memory_stats() or {}
+  return stats.get("peak_bytes_in_use")
+
+
+def parse_args(argv=None):
+  """The flags of ``argv``, checked (and the ``--json`` path made) before anything compiles;
+  a bad one exits with one line ``<prog>: --<flag>: got ...; allowed: ...``."""
+  parser = cli.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+  parser.add_argument("--size", type=cli.one_of(SIZES), default="tiny",
+                      help=f"BERT size: {', '.join(SIZES)} (default tiny)")
+  parser.add_argument("--length", type=cli.positive_int, default=128, help="tokens per example")
+  parser.add_argument("--batch", type=cli.positive_int, default=8, help="examples per step")
+  parser.add_argument("--dtype", type=cli.one_of(DTYPES), default="float32",
+                      help=f"compute dtype: {', '.join(DTYPES)}")
+  parser.add_argument("--repeats", type=cli.positive_int, default=10,
+                      help="timed runs of each step, the median is reported (default 10)")
+  parser.add_argument("--schemes", type=cli.one_of(POSITION_SCHEMES, sep=","),
+                      default=DEFAULT_SCHEMES,
+                      help=f"comma-separated scheme presets: {', '.join(POSITION_SCHEMES)} "
+                      f"(default {','.join(DEFAULT_SCHEMES)})")
+  parser.add_argument("--baseline", type=cli.one_of(POSITION_SCHEMES), default=BASELINE,
+                      help=f"scheme preset to divide by (default {BASELINE})")
+  parser.add_argument("--route", type=cli.one_of(ROUTES), default="auto",
+                      help=f"attention route: {', '.join(ROUTES)} (default auto)")
+  parser.add_argument("--json", default=None, help="also write the rows to this file")
+  args = parser.parse_args(argv)
+  if args.json is not None:
+    try:  # before anything compiles, so no timing is lost to a bad path
+      cli.check_output_file("--json", args.json)
+    except cli.OutputPathError as e:
+      parser.error(str(e))
+  return args
+
+
+def main(argv=None):
+  args = parse_args(argv)
+  dims = dict(batch=args.batch, length=args.length, dtype=args.dtype, route=args.route)
+  tokens = args.batch * args.length
+  peak = peak_flops(dtype=args.dtype)
+  print(f"device: {jax.devices()[0].device_kind}; BERT-{args.size}, B={args.batch} "
+        f"L={args.length} {args.dtype}, route {args.route}; median of {args.repeats}, each "
+        f"timed alternately with the '{args.baseline}' baseline; train = fwd+bwd+AdamW, "
+        f"infer = fwd")
+  compiled = {args.baseline: compiled_steps(args.size, args.baseline, **dims)}
+  base_train, base_infer, _, _ = compiled[args.baseline]
+  ratio = f"x {args.baseline}"[:8]
+  print(f"{'scheme':<16}{'train ms':>10}{ratio:>8}{'infer ms':>10}{ratio:>8}"
+        f"{'tokens/s':>11}{'peak MB':>9}{'MFU':>7}{'compile s':>11}")
+  rows = []
+  for scheme in args.schemes:
+    if scheme not in compiled:  # the baseline's row times it against itself, compiled once
+      compiled[scheme] = compiled_steps(args.size, scheme, **dims)
+    train, infer, cfg, first = compiled[scheme]
+    train_s, train_base = timed_against(train, base_train, args.repeats)
+    infer_s, infer_base = timed_against(infer, base_infer, args.repeats)
+    flops = train_flops_per_step(cfg, args.batch, args.length)  # the MLM head at every token
+    memory = peak_memory()
+    row = {"scheme": scheme, "train_ms": 1e3 * train_s, "train_ratio": train_s / train_base,
+           "infer_ms": 1e3 * infer_s, "infer_ratio": infer_s / infer_base,
+           "tokens_per_s": tokens / train_s, "peak_bytes": memory,
+           "mfu": flops / train_s / peak if peak else None,
+           "first_train_s": first["train_s"], "first_infer_s": first["infer_s"]}
+    rows.append(row)
+    mem = f"{memory / 2**20:>9.0f}" if memory else f"{'n/a':>9}"
+    mfu = f"{row['mfu']:>7.1%}" if row["mfu"] is not None else f"{'n/a':>7}"
+    print(f"{scheme:<16}{row['train_ms']:>10.2f}{row['train_ratio']:>8.2f}"
+          f"{row['infer_ms']:>10.2f}{row['infer_ratio']:>8.2f}{row['tokens_per_s']:>11.0f}"
+          f"{mem}{mfu}{row['first_train_s'] + row['first_infer_s']:>11.1f}", flush=True)
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump({"device": jax.devices()[0].device_kind, "size": args.size,
+                 "baseline": args.baseline, **dims, "rows": rows}, f, indent=2)
+  return rows
+
+
+if __name__ == "__main__":
+  main()
