@@ -33,10 +33,10 @@ import json
 import jax
 
 from posenc_jax import cli
+from posenc_jax.attention import ROUTES
 from posenc_jax.benchmarks.model_steps import BASELINE, POSITION_SCHEMES, SIZES, compiled_steps
 from posenc_jax.benchmarks.timing import timed_against
 from posenc_jax.models.config import DTYPES
-from posenc_jax.route_plan import ROUTES
 from posenc_jax.training.metrics import peak_flops, train_flops_per_step
 
 PROG = "posenc_jax.benchmarks.steps"
