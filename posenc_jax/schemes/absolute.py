@@ -45,6 +45,7 @@ class LearnedAPE(Scheme):
 
   scheme_name = "learned_ape"
   absolute_table = True
+  fits_linformer = True
 
   @nn.compact
   def __call__(self, length, segment_ids=None, position_ids=None):
@@ -67,6 +68,7 @@ class SinusoidalAPE(Scheme):
 
   scheme_name = "sinusoidal_ape"
   even_dimension = "d_model"
+  fits_linformer = True
   hyperparameters = {"learnable": BOOL}
 
   @nn.compact

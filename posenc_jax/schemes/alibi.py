@@ -77,6 +77,7 @@ class Alibi(Scheme):
 
   scheme_name = "alibi"
   hyperparameters = {"causal": BOOL, "slopes": one_of(*SLOPE_FORMS)}
+  causal_fields = {"causal": True}
 
   @nn.compact
   def __call__(self, length, segment_ids=None, position_ids=None):

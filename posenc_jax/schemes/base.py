@@ -67,6 +67,11 @@ POSITIVE_FLOAT = Check(lambda x: is_finite_number(x) and x > 0, "a finite positi
 BOOL = Check(lambda x: isinstance(x, bool), "true or false")
 
 
+def shared_sizes(sharing: str, num_layers: int, num_heads: int) -> tuple[int, int]:
+  """(layers, heads) axis sizes of a table under ``sharing`` (:data:`SHARING`)."""
+  return (1 if sharing == "layer" else num_layers), (1 if sharing == "head" else num_heads)
+
+
 def one_of(*values: str) -> Check:
   return Check(lambda x: x in values, "one of " + ", ".join(repr(v) for v in values), values)
 
@@ -100,17 +105,39 @@ class Scheme(nn.Module):
   even_dimension = None
   # Hyperparameter -> its rule (the registry's fields, less a registration's fixed ones).
   hyperparameters: ClassVar[Mapping[str, Check]] = {}
+  # The hyperparameters of the decoder (causal) form, set over the config's.
+  causal_fields: ClassVar[Mapping[str, Any]] = {}
+  # A segment scheme (``model.segment``): it reads ``segment_ids`` in ``[0, num_segments)``.
+  segment_scheme = False
+  # Its terms fit Linformer's projected keys: input-level, or a key side of ``k`` rows.
+  # Relative, query-dependent, rotary and ``[L, L]`` absolute terms index the key
+  # positions that the projection removes.
+  fits_linformer = False
 
   def __post_init__(self):
-    for field in DIMENSIONS:
-      POSITIVE_INT.enforce(self.scheme_name, field, getattr(self, field))
-    self.check_hyperparameters(self.scheme_name,
-                               {f: getattr(self, f) for f in self.hyperparameters})
-    field = self.even_dimension
-    if field is not None and getattr(self, field) % 2:
-      raise SchemeConfigError(f"scheme {self.scheme_name!r}: {field} must be even, "
-                              f"got {getattr(self, field)}")
+    self.check_config(self.scheme_name, {f: getattr(self, f) for f in DIMENSIONS},
+                      {f: getattr(self, f) for f in self.hyperparameters})
     super().__post_init__()
+
+  @classmethod
+  def check_config(cls, scheme: str, dims: Mapping[str, int], values: Mapping[str, Any]) -> None:
+    """Raises one :class:`SchemeConfigError` line for the first invalid model dimension or
+    hyperparameter: what creating the module checks, without creating it.
+
+    Args:
+      scheme: the registry name, for the message.
+      dims: the model's :data:`DIMENSIONS`.
+      values: every hyperparameter of ``cls`` (defaults filled in).
+    """
+    for field in DIMENSIONS:
+      POSITIVE_INT.enforce(scheme, field, dims[field])
+    cls.check_hyperparameters(scheme, values)
+    field = cls.even_dimension
+    if field is not None and dims[field] % 2:
+      raise SchemeConfigError(f"scheme {scheme!r}: {field} must be even, got {dims[field]}")
+    problem = cls.dimension_problem(dims, values)
+    if problem:
+      raise SchemeConfigError(f"scheme {scheme!r}: {problem}")
 
   @classmethod
   def check_hyperparameters(cls, scheme: str, values: Mapping[str, Any]) -> None:
@@ -132,6 +159,46 @@ class Scheme(nn.Module):
     or None; ``values`` as in :meth:`check_hyperparameters`."""
     del values
     return None
+
+  @classmethod
+  def dimension_problem(cls, dims: Mapping[str, int], values: Mapping[str, Any]) -> str | None:
+    """What makes valid hyperparameters invalid at the model's dimensions, or None; ``dims``
+    and ``values`` as in :meth:`check_config`."""
+    del dims, values
+    return None
+
+  @classmethod
+  def projected_keys(cls, values: Mapping[str, Any]) -> int | None:
+    """Linformer's ``k`` when the key side of the scheme's terms has ``k`` rows (the
+    projected keys), so the model must run Linformer with that ``k``; None otherwise.
+    ``values`` as in :meth:`check_hyperparameters`."""
+    del values
+    return None
+
+  @classmethod
+  def folded_rank(cls, values: Mapping[str, Any], head_dim: int) -> int:
+    """``r``: the width the fused route concatenates to each head's q and k for the
+    scheme's factored terms (0: none); ``values`` as in :meth:`check_hyperparameters`,
+    ``head_dim`` D."""
+    del values, head_dim
+    return 0
+
+  @classmethod
+  def layer_flops(cls, values: Mapping[str, Any], dims: Mapping[str, int], length: int) -> int:
+    """Forward matmul FLOPs of one example that each self-attention layer over ``length``
+    tokens spends on the scheme's terms besides ``Q K^T`` over the folded rank (Shaw's
+    query-offset products); ``values`` and ``dims`` as in :meth:`check_config`."""
+    del values, dims, length
+    return 0
+
+  @classmethod
+  def input_flops(cls, values: Mapping[str, Any], dims: Mapping[str, int], length: int) -> int:
+    """Forward matmul FLOPs of one example of ``length`` tokens that the scheme itself
+    spends once per pass (the segment schemes' one-hot contractions; batch-free work,
+    done once whatever the batch, is not counted); ``values`` and ``dims`` as in
+    :meth:`check_config`."""
+    del values, dims, length
+    return 0
 
   def check_length(self, length: int) -> None:
     """Raises one :class:`SchemeConfigError` line unless ``length`` is a positive integer
@@ -198,9 +265,7 @@ class Scheme(nn.Module):
 
   def sharing_dims(self, sharing: str) -> tuple[int, int]:
     """(layers, heads) axis sizes of a table under ``sharing``."""
-    layers = 1 if sharing == "layer" else self.num_layers
-    heads = 1 if sharing == "head" else self.num_heads
-    return layers, heads
+    return shared_sizes(sharing, self.num_layers, self.num_heads)
 
   def logical_param(self, name: str, init, shape: Sequence[int], axes: Sequence[str]) -> Array:
     """A parameter annotated with logical axis names (for mesh sharding)."""
@@ -228,6 +293,7 @@ class NoPosition(Scheme):
   """No positional information (a bag-of-words baseline)."""
 
   scheme_name = "none"
+  fits_linformer = True
 
   @nn.compact
   def __call__(self, length, segment_ids=None, position_ids=None):

@@ -31,6 +31,11 @@ class ClippedOffsets:
     return lookup(table, jnp.clip(-rel, -self.clip, self.clip) + self.clip)
 
 
+def position_rank(rank: int | None, head_dim: int) -> int:
+  """``d_p``, the rank of DIET-ABS's position tables: ``rank``, or D (``head_dim``) for None."""
+  return head_dim if rank is None else rank
+
+
 class DietRel(Scheme):
   """``T[h,i,j] = R_h[clip(i - j, -t, t)]``.
 
@@ -79,11 +84,15 @@ class DietAbs(Scheme):
   hyperparameters = {"rank": optional(POSITIVE_INT), "sharing": one_of(*SHARING),
                      "content_scale": optional(POSITIVE_FLOAT)}
 
+  @classmethod
+  def folded_rank(cls, values, head_dim):
+    return position_rank(values["rank"], head_dim)
+
   @nn.compact
   def __call__(self, length, segment_ids=None, position_ids=None):
     self.check_length(length)
     ids = self.check_position_ids(length, position_ids, self.max_len)
-    rank = self.head_dim if self.rank is None else self.rank
+    rank = position_rank(self.rank, self.head_dim)
     layers, heads = self.sharing_dims(self.sharing)
     shape = (layers, self.max_len, heads, rank)
     axes = ("layers", "abspos", "heads", "rank")

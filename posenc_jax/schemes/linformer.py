@@ -20,6 +20,7 @@ from __future__ import annotations
 import flax.linen as nn
 
 from posenc_jax.schemes.base import POSITIVE_INT, SHARING, Scheme, one_of, optional
+from posenc_jax.schemes.diet import position_rank
 from posenc_jax.terms import Factored, SchemeTerms, lookup_rows
 
 
@@ -45,8 +46,17 @@ class DietAbsLin(Scheme):
 
   scheme_name = "diet_abs_lin"
   absolute_table = True
+  fits_linformer = True
   hyperparameters = {"rank": optional(POSITIVE_INT), "k": POSITIVE_INT,
                      "sharing": one_of(*SHARING)}
+
+  @classmethod
+  def projected_keys(cls, values):
+    return values["k"]
+
+  @classmethod
+  def folded_rank(cls, values, head_dim):
+    return position_rank(values["rank"], head_dim)
 
   @nn.compact
   def __call__(self, length, segment_ids=None, position_ids=None):
@@ -56,7 +66,7 @@ class DietAbsLin(Scheme):
     """
     self.check_length(length)
     ids = self.check_position_ids(length, position_ids, self.max_len)
-    rank = self.head_dim if self.rank is None else self.rank
+    rank = position_rank(self.rank, self.head_dim)
     layers, heads = self.sharing_dims(self.sharing)
     init = nn.initializers.normal(0.02)
     p_q = self.logical_param("p_query", init, (layers, self.max_len, heads, rank),

@@ -7,6 +7,9 @@ A scheme is chosen by a plain config, a dict or an ``ml_collections``
 
 Unknown names, unknown fields and invalid values raise one
 :class:`SchemeConfigError` line naming the field and what is allowed.
+A validated config is a :class:`SchemePart` (a sequence composes several);
+the facts about it (its causal form, segment and Linformer fit, folded rank,
+FLOPs) are its module class's, asked without building the module.
 """
 
 from __future__ import annotations
@@ -50,6 +53,16 @@ class SchemeSpec:
     return {f: defaults[f] for f in self.module.hyperparameters} | dict(self.fixed) | dict(hyper)
 
 
+@dataclasses.dataclass(frozen=True)
+class SchemePart:
+  """One validated scheme config: its registry name, module class and every hyperparameter
+  (defaults, then the registration's fixed settings, then the config's)."""
+
+  name: str
+  module: type[Scheme]
+  values: Mapping[str, Any]
+
+
 SCHEMES: dict[str, SchemeSpec] = {
     "none": SchemeSpec(NoPosition),
     "learned_ape": SchemeSpec(LearnedAPE),
@@ -79,8 +92,8 @@ def _as_dict(config: Any) -> dict[str, Any]:
   return dict(config)
 
 
-def validate_scheme_config(config: Any) -> tuple[SchemeSpec, dict[str, Any]]:
-  """Checks a scheme config; returns its spec and hyperparameters.
+def validate_scheme_config(config: Any) -> SchemePart:
+  """Checks a scheme config ``{"name": ..., **hyperparameters}``.
 
   Raises one :class:`SchemeConfigError` line for an unknown name or field (with the
   nearest allowed one) or an invalid value, alone or with the others (T5's buckets).
@@ -97,8 +110,38 @@ def validate_scheme_config(config: Any) -> tuple[SchemeSpec, dict[str, Any]]:
       raise SchemeConfigError(f"scheme {name!r}: unknown field {field!r}"
                               f"{nearest(field, spec.fields)} allowed fields: "
                               f"{', '.join(sorted(spec.fields)) or 'none'}")
-  spec.module.check_hyperparameters(name, spec.values(config))
-  return spec, config
+  values = spec.values(config)
+  spec.module.check_hyperparameters(name, values)
+  return SchemePart(name, spec.module, values)
+
+
+def scheme_parts(config: Any) -> tuple[SchemePart, ...]:
+  """The validated parts of a scheme config, or of a sequence of them to compose.
+
+  Raises one :class:`SchemeConfigError` line as :func:`validate_scheme_config` does, or for
+  an empty sequence.
+  """
+  if isinstance(config, Sequence) and not isinstance(config, str):
+    if not config:
+      raise SchemeConfigError("scheme config: got an empty list; allowed: a scheme config or a "
+                              "non-empty list of them")
+    return tuple(part for c in config for part in scheme_parts(c))
+  return (validate_scheme_config(config),)
+
+
+def check_scheme(config: Any, *, num_layers: int, num_heads: int, head_dim: int, d_model: int,
+                 max_len: int = 512) -> tuple[SchemePart, ...]:
+  """The parts of ``config`` (:func:`scheme_parts`), checked at the model's dimensions as
+  :func:`build_scheme` checks them, without building a module.
+
+  Raises one :class:`SchemeConfigError` line for the first invalid config or dimension.
+  """
+  dims = dict(num_layers=num_layers, num_heads=num_heads, head_dim=head_dim, d_model=d_model,
+              max_len=max_len)
+  parts = scheme_parts(config)
+  for part in parts:
+    part.module.check_config(part.name, dims, part.values)
+  return parts
 
 
 def build_scheme(config: Any, *, num_layers: int, num_heads: int, head_dim: int, d_model: int,
@@ -122,10 +165,7 @@ def build_scheme(config: Any, *, num_layers: int, num_heads: int, head_dim: int,
   dims = dict(num_layers=num_layers, num_heads=num_heads, head_dim=head_dim, d_model=d_model,
               max_len=max_len)
   if isinstance(config, Sequence) and not isinstance(config, str):
-    if not config:
-      raise SchemeConfigError("scheme config: got an empty list; allowed: a scheme config or a "
-                              "non-empty list of them")
-    parts = [build_scheme(c, **dims) for c in config]
-    return Composite(schemes=parts, name=name, **dims)
-  spec, hyper = validate_scheme_config(config)
-  return spec.module(**dims, **spec.fixed, **hyper, name=name)
+    scheme_parts(config)  # one line for an empty list or any invalid part
+    return Composite(schemes=[build_scheme(c, **dims) for c in config], name=name, **dims)
+  part = validate_scheme_config(config)
+  return part.module(**dims, **part.values, name=name)

@@ -14,7 +14,7 @@ import numpy as np
 
 from posenc_jax.schemes.absolute import sinusoid_frequencies
 from posenc_jax.schemes.base import (POSITIVE_FLOAT, POSITIVE_INT, Check, Scheme,
-                                     SchemeConfigError, is_finite_number, one_of, optional)
+                                     is_finite_number, one_of, optional)
 from posenc_jax.terms import Rotation, SchemeTerms
 
 Array = jax.Array
@@ -32,6 +32,11 @@ SCALING_FIELDS = {
     "low_freq_factor": ("llama3",),
     "high_freq_factor": ("llama3",),
 }
+
+
+def rotated_dims(fraction: float, head_dim: int) -> int:
+  """``R = round(fraction * D)``, the rotated features of each head."""
+  return round(fraction * head_dim)
 
 
 class Rope(Scheme):
@@ -123,21 +128,22 @@ class Rope(Scheme):
               f"got {values['high_freq_factor']!r}")
     return None
 
-  def __post_init__(self):
-    super().__post_init__()
+  @classmethod
+  def dimension_problem(cls, dims, values):
+    rotated = rotated_dims(values["fraction"], dims["head_dim"])
     # NTK's exponent R / (R - 2) needs R > 2.
-    least = 4 if self.scaling == "ntk" else 2
-    if self.rotated_dim % 2 or self.rotated_dim < least:
-      with_ntk = " with scaling 'ntk'" if self.scaling == "ntk" else ""
-      raise SchemeConfigError(
-          f"scheme {self.scheme_name!r}: fraction must make the rotated dims, round(fraction * "
-          f"head_dim), an even number >= {least}{with_ntk}, got round({self.fraction!r} * "
-          f"{self.head_dim}) = {self.rotated_dim}")
+    least = 4 if values["scaling"] == "ntk" else 2
+    if rotated % 2 or rotated < least:
+      with_ntk = " with scaling 'ntk'" if values["scaling"] == "ntk" else ""
+      return (f"fraction must make the rotated dims, round(fraction * head_dim), an even "
+              f"number >= {least}{with_ntk}, got round({values['fraction']!r} * "
+              f"{dims['head_dim']}) = {rotated}")
+    return None
 
   @property
   def rotated_dim(self) -> int:
-    """``R = round(fraction * D)``, the rotated features of each head."""
-    return round(self.fraction * self.head_dim)
+    """R, :func:`rotated_dims` of this head."""
+    return rotated_dims(self.fraction, self.head_dim)
 
   @property
   def original_length(self) -> int:

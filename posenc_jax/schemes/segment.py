@@ -7,7 +7,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from posenc_jax.schemes.base import POSITIVE_INT, SHARING, Scheme, SchemeConfigError, one_of
+from posenc_jax.schemes.base import (POSITIVE_INT, SHARING, Scheme, SchemeConfigError, one_of,
+                                     shared_sizes)
 from posenc_jax.terms import Factored, InputEmbedding, SchemeTerms
 
 Array = jax.Array
@@ -36,6 +37,13 @@ class SegmentInput(Scheme):
 
   scheme_name = "segment_input"
   hyperparameters = {"num_segments": POSITIVE_INT}
+  segment_scheme = True
+  fits_linformer = True
+
+  @classmethod
+  def input_flops(cls, values, dims, length):
+    """The one-hot segments times the table, ``[L, n_seg] x [n_seg, d]``."""
+    return 2 * length * values["num_segments"] * dims["d_model"]
 
   @nn.compact
   def __call__(self, length, segment_ids=None, position_ids=None):
@@ -61,6 +69,18 @@ class SegmentPerHead(Scheme):
 
   scheme_name = "segment_per_head"
   hyperparameters = {"num_segments": POSITIVE_INT, "sharing": one_of(*SHARING)}
+  segment_scheme = True
+
+  @classmethod
+  def folded_rank(cls, values, head_dim):
+    return values["num_segments"]
+
+  @classmethod
+  def input_flops(cls, values, dims, length):
+    """``u``: the one-hot segments times each table (layers x heads, fewer when shared),
+    ``[L, n_seg] x [n_seg, n_seg]``."""
+    layers, heads = shared_sizes(values["sharing"], dims["num_layers"], dims["num_heads"])
+    return 2 * length * values["num_segments"] ** 2 * layers * heads
 
   @nn.compact
   def __call__(self, length, segment_ids=None, position_ids=None):
@@ -68,8 +88,8 @@ class SegmentPerHead(Scheme):
     one_hot = _one_hot_segments(self, length, segment_ids, self.num_segments)
     layers, heads = self.sharing_dims(self.sharing)
     n = self.num_segments
-    table = self.logical_param("segment_bias", nn.initializers.normal(0.02),
-                               (layers, heads, n, n), ("layers", "heads", "query_segments", "key_segments"))
+    table = self.logical_param("segment_bias", nn.initializers.normal(0.02), (layers, heads, n, n),
+                               ("layers", "heads", "query_segments", "key_segments"))
     u = jnp.einsum("bis,lhst->lbiht", one_hot, table)
     v = one_hot[None, :, :, None, :]
     return SchemeTerms(terms=(Factored(u, v),))

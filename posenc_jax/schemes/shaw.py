@@ -12,7 +12,19 @@ from posenc_jax.schemes.base import BOOL, NON_NEGATIVE_INT, Scheme, one_of
 from posenc_jax.terms import QueryRelative, SchemeTerms
 
 
-class ShawRPE(Scheme):
+class QueryOffsetScheme(Scheme):
+  """A scheme whose term is one :class:`QueryRelative` over the offsets clipped to
+  ``[-clip, clip]``, with a value table too when ``value`` (both hyperparameters)."""
+
+  @classmethod
+  def layer_flops(cls, values, dims, length):
+    """Each query times the ``2 clip + 1`` offset rows, ``2 H L (2 clip + 1) D``; twice with
+    the value table."""
+    rows = (2 * values["clip"] + 1) * (2 if values["value"] else 1)
+    return 2 * dims["num_heads"] * length * rows * dims["head_dim"]
+
+
+class ShawRPE(QueryOffsetScheme):
   """``T[b,h,i,j] = c q_i . a^K_{clip(j-i, -t, t)}``; one table per layer shared by heads.
 
   Attributes:
@@ -42,7 +54,7 @@ class ShawRPE(Scheme):
                                             position_ids=None if ids is None else ids[None]),))
 
 
-class SinusoidalRPE(Scheme):
+class SinusoidalRPE(QueryOffsetScheme):
   """Wang et al.'s eq. 5 with ``P_r = sinusoid(r)`` over ``D`` dims, shared by heads and layers.
 
   The key term ``T[b,h,i,j] = c q_i . P_{clip(j-i)}`` and, with ``value``, the value

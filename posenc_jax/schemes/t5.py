@@ -161,6 +161,7 @@ class T5Bias(Scheme):
   scheme_name = "t5"
   hyperparameters = {"num_buckets": POSITIVE_INT, "max_distance": POSITIVE_INT,
                      "bidirectional": BOOL, "sharing": one_of(*SHARING)}
+  causal_fields = {"bidirectional": False}
 
   @classmethod
   def joint_problem(cls, values):

@@ -115,6 +115,11 @@ class Tupe(Scheme):
       return None
     return bucket_problem(values["num_buckets"], values["max_distance"], bidirectional=True)
 
+  @classmethod
+  def folded_rank(cls, values, head_dim):
+    """D, and 2 more for the [CLS] reset's correction."""
+    return head_dim + (2 if values["untie_cls"] else 0)
+
   @nn.compact
   def __call__(self, length, segment_ids=None, position_ids=None):
     """With ``position_ids`` the [CLS] reset applies to every token at position 0 (each
