@@ -6,7 +6,7 @@ returns a frozen :class:`ModelConfig` that Flax modules can hold. Bad input
 raises one :class:`ModelConfigError` line naming the field, what was given and
 what is allowed (the nearest name for a typo), before any model is built: the
 schemes are checked against the model's dimensions, the decoder's causal form
-included.
+included, by asking their classes (no scheme module is built).
 """
 
 from __future__ import annotations
@@ -20,23 +20,14 @@ from flax.core import FrozenDict
 
 from posenc_jax.attention import PRECISIONS, ROUTES
 from posenc_jax.messages import nearest
-from posenc_jax.schemes import SchemeConfigError, build_scheme
-from posenc_jax.schemes.base import is_finite_number, is_int
-from posenc_jax.schemes.linformer import DietAbsLin
+from posenc_jax.schemes.base import SchemeConfigError, is_finite_number, is_int
+from posenc_jax.schemes.registry import SCHEMES, SchemePart, check_scheme
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu")
 DTYPES = ("float32", "bfloat16")
 ATTENTIONS = ("full", "linformer")
 REMAT = ("none", "dots", "full")
 LINFORMER_SHARING = ("none", "kv", "layer")
-# Schemes whose terms fit Linformer's projected keys: input-level ones, and
-# DIET-ABS-LIN (key side of k rows). Relative, query-dependent, RoPE and
-# [L, L] absolute terms index key positions that the projection removes.
-LINFORMER_SCHEMES = ("none", "learned_ape", "sinusoidal_ape", "diet_abs_lin", "segment_input")
-# The schemes of the ``segment`` field (token types); ``scheme`` takes the others.
-SEGMENT_SCHEMES = ("segment_input", "segment_per_head")
-# Scheme fields that turn a scheme into its decoder (causal) variant.
-CAUSAL_FIELDS = {"t5": {"bidirectional": False}, "alibi": {"causal": True}}
 
 
 # The models a config can be built as (:func:`posenc_jax.models.build.build_model`).
@@ -160,10 +151,12 @@ def _thaw(value):
 
 
 def causal_variant(scheme: Any) -> Any:
-  """The decoder form of a scheme config: T5 unidirectional, ALiBi causal, others unchanged.
+  """The decoder form of a scheme config: each scheme's
+  :attr:`~posenc_jax.schemes.Scheme.causal_fields` set (T5 unidirectional, ALiBi causal),
+  others unchanged.
 
   Args:
-    scheme: ``{"name": ..., **hyperparameters}`` or a tuple of them.
+    scheme: ``{"name": ..., **hyperparameters}`` (a registered name) or a tuple of them.
 
   Returns:
     The same config(s) as plain dicts, with the causal fields set.
@@ -171,7 +164,7 @@ def causal_variant(scheme: Any) -> Any:
   if isinstance(scheme, (tuple, list)):
     return tuple(causal_variant(s) for s in scheme)
   scheme = dict(scheme)
-  return scheme | CAUSAL_FIELDS.get(scheme["name"], {})
+  return scheme | SCHEMES[scheme["name"]].module.causal_fields
 
 
 def scheme_dims(config: ModelConfig, num_layers: int | None = None) -> dict[str, int]:
@@ -239,69 +232,74 @@ def model_config(config: Any = None, **overrides) -> ModelConfig:
   if cfg.attention == "linformer":
     _check("linformer_k", cfg.linformer_k <= cfg.max_len, cfg.linformer_k,
            f"at most max_len={cfg.max_len} (E projects the L <= max_len keys to k rows)")
-  _check_scheme(cfg, "scheme", cfg.scheme)
+  parts = {"scheme": _check_scheme(cfg, "scheme", cfg.scheme)}
   if cfg.segment is not None:
-    _check_scheme(cfg, "segment", cfg.segment)
-  _check_linformer(cfg)
+    parts["segment"] = _check_scheme(cfg, "segment", cfg.segment)
+  for field, checked in parts.items():
+    _check_linformer(cfg, field, checked)
   return cfg
 
 
-def _names(config: Any) -> tuple[str, ...]:
-  """The registry names of a (checked) scheme config or tuple of them."""
-  return tuple(part["name"] for part in (config if isinstance(config, tuple) else (config,)))
-
-
-def _build_form(cfg: ModelConfig, field: str, label: str, form: Any, num_layers: int) -> None:
-  """One :class:`ModelConfigError` line ``model.<field>: <label><why>`` unless the scheme
-  config ``form`` builds at the model's dimensions with ``num_layers`` layers."""
+def _checked_parts(cfg: ModelConfig, field: str, label: str, form: Any,
+                   num_layers: int) -> tuple[SchemePart, ...]:
+  """The parts of the scheme config ``form`` checked at the model's dimensions with
+  ``num_layers`` layers; one :class:`ModelConfigError` line ``model.<field>: <label><why>``
+  for the first that does not fit."""
   try:
-    build_scheme(form, **scheme_dims(cfg, num_layers))
+    return check_scheme(form, **scheme_dims(cfg, num_layers))
   except SchemeConfigError as e:
     raise ModelConfigError(f"model.{field}: {label}{e}") from None
 
 
 def check_causal_form(cfg: ModelConfig, num_layers: int, owner: str = "decoder") -> None:
   """One :class:`ModelConfigError` line unless ``cfg.scheme``'s causal form
-  (:func:`causal_variant`) builds for a causal stack of ``num_layers`` layers (``owner``
+  (:func:`causal_variant`) fits a causal stack of ``num_layers`` layers (``owner``
   names it in the message)."""
-  _build_form(cfg, "scheme", f"{owner} (causal form): ", causal_variant(cfg.scheme), num_layers)
+  _checked_parts(cfg, "scheme", f"{owner} (causal form): ", causal_variant(cfg.scheme),
+                 num_layers)
 
 
-def _check_scheme(cfg: ModelConfig, field: str, config: Any) -> None:
-  """``config`` builds at the model's dimensions (and, for the scheme of a model with a
-  decoder, so does its causal form), and is a segment scheme exactly when ``field`` is
-  ``segment``."""
-  _build_form(cfg, field, "", config, cfg.num_layers)
+def _registered(fact: str) -> str:
+  """The registered names whose module class has ``fact`` true, comma-separated."""
+  return ", ".join(name for name, spec in SCHEMES.items() if getattr(spec.module, fact))
+
+
+def _check_scheme(cfg: ModelConfig, field: str, config: Any) -> tuple[SchemePart, ...]:
+  """The parts of ``config`` after checking that they fit the model's dimensions (and, for
+  the scheme of a model with a decoder, so does its causal form), each a segment scheme
+  exactly when ``field`` is ``segment``."""
+  parts = _checked_parts(cfg, field, "", config, cfg.num_layers)
   if field == "scheme" and cfg.num_decoder_layers:
     check_causal_form(cfg, cfg.num_decoder_layers)
-  for name in _names(config):
-    if field == "segment" and name not in SEGMENT_SCHEMES:
-      raise ModelConfigError(f"model.segment: got {name!r}; allowed: "
-                             f"{', '.join(SEGMENT_SCHEMES)} or None")
-    if field == "scheme" and name in SEGMENT_SCHEMES:
-      raise ModelConfigError(f"model.scheme: got {name!r}, a segment scheme; allowed: a "
+  for part in parts:
+    if field == "segment" and not part.module.segment_scheme:
+      raise ModelConfigError(f"model.segment: got {part.name!r}; allowed: "
+                             f"{_registered('segment_scheme')} or None")
+    if field == "scheme" and part.module.segment_scheme:
+      raise ModelConfigError(f"model.scheme: got {part.name!r}, a segment scheme; allowed: a "
                              "position scheme (segment schemes go in model.segment)")
+  return parts
 
 
-def _check_linformer(cfg: ModelConfig) -> None:
-  """Linformer takes only schemes whose terms have k key rows; DIET-ABS-LIN needs Linformer."""
-  for field in ("scheme", "segment"):
-    config = getattr(cfg, field)
-    for part in () if config is None else config if isinstance(config, tuple) else (config,):
-      name = part["name"]
-      if cfg.attention == "linformer" and name not in LINFORMER_SCHEMES:
-        raise ModelConfigError(
-            f"model.{field}: {name!r} has attention terms over the L key positions, which "
-            f"attention='linformer' projects away; allowed with linformer: "
-            f"{', '.join(LINFORMER_SCHEMES)}")
-      if name == "diet_abs_lin":
-        k = part.get("k", DietAbsLin.k)
-        if cfg.attention != "linformer":
-          raise ModelConfigError(f"model.{field}: 'diet_abs_lin' needs attention='linformer' "
-                                 f"(its key side has linformer_k rows), got {cfg.attention!r}")
-        if k != cfg.linformer_k:
-          raise ModelConfigError(f"model.{field}: diet_abs_lin k={k} must equal "
-                                 f"model.linformer_k={cfg.linformer_k}")
-        if cfg.num_decoder_layers:
-          raise ModelConfigError(f"model.{field}: 'diet_abs_lin' has no decoder form (decoder "
-                                 "self-attention is full); set num_decoder_layers=0")
+def _check_linformer(cfg: ModelConfig, field: str, parts: tuple[SchemePart, ...]) -> None:
+  """Linformer takes only schemes whose terms fit its projected keys; a scheme whose key side
+  has ``k`` projected rows (DIET-ABS-LIN) needs Linformer with that ``k``."""
+  for part in parts:
+    name = part.name
+    if cfg.attention == "linformer" and not part.module.fits_linformer:
+      raise ModelConfigError(
+          f"model.{field}: {name!r} has attention terms over the L key positions, which "
+          f"attention='linformer' projects away; allowed with linformer: "
+          f"{_registered('fits_linformer')}")
+    k = part.module.projected_keys(part.values)
+    if k is None:
+      continue
+    if cfg.attention != "linformer":
+      raise ModelConfigError(f"model.{field}: {name!r} needs attention='linformer' "
+                             f"(its key side has linformer_k rows), got {cfg.attention!r}")
+    if k != cfg.linformer_k:
+      raise ModelConfigError(f"model.{field}: {name} k={k} must equal "
+                             f"model.linformer_k={cfg.linformer_k}")
+    if cfg.num_decoder_layers:
+      raise ModelConfigError(f"model.{field}: {name!r} has no decoder form (decoder "
+                             "self-attention is full); set num_decoder_layers=0")
