@@ -51,6 +51,8 @@ from ``python -m posenc_jax.benchmarks.routes`` on a Hopper GPU.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -375,6 +377,39 @@ def backward_fits(*, dtype, block_q: int, block_k: int, qk_dim: int, v_dim: int)
           and all(d % 64 == 0 and d <= BACKWARD_MAX_DIM for d in (qk_dim, v_dim)))
 
 
+@dataclasses.dataclass(frozen=True)
+class _Backward:
+  """Static settings of :func:`backward`'s kernels; blocks are 64 rows (``BLOCK_Q``)."""
+
+  scale: float
+  causal: bool
+  zero_first: bool
+  has_bias: bool
+  dropout_rate: float
+  interpret: bool
+  dtype: jnp.dtype  # of q, k, v
+  qk_dim: int  # Dqk_p
+  v_dim: int  # Dv_p
+  nq: int  # query blocks
+  nk: int  # key blocks
+  groups: int  # consumer warpgroups per block of the dq and dk/dv grids (backward_warpgroups)
+
+  @property
+  def q_ctas(self) -> int:
+    """Blocks of dq's grid, ``G`` query blocks each."""
+    return -(-self.nq // self.groups)
+
+  @property
+  def k_ctas(self) -> int:
+    """Blocks of dk/dv's grid, ``G`` key blocks each."""
+    return -(-self.nk // self.groups)
+
+  @property
+  def lead(self) -> int:
+    """Band units before the first tile's: dq's idle warpgroups in its last grid block."""
+    return self.q_ctas * self.groups - self.nq
+
+
 def backward(q: Array, k: Array, v: Array, offset_bias: Array, q_segments: Array,
              kv_segments: Array, seed: Array, lse: Array, delta: Array, do: Array, *,
              scale: float, causal: bool, zero_first: bool, has_bias: bool,
@@ -393,71 +428,97 @@ def backward(q: Array, k: Array, v: Array, offset_bias: Array, q_segments: Array
     ``dq``, ``dk``, ``dv`` shaped and typed as q, k, v, and the offset vector's gradient
     ``[H, 1, Loff_p]`` float32 (zeros without a bias).
   """
-  plgpu = _mosaic_gpu()
-  b_size, heads, q_len, qk_dim = q.shape
+  q_len, qk_dim = q.shape[2:]
   k_len, v_dim = k.shape[2], v.shape[-1]
-  dtype = q.dtype
-  nq, nk = q_len // BLOCK_Q, k_len // BLOCK_Q
-  units = nq + nk - 1  # diagonals of the tile grid: unit kj - qi + nq - 1
-  tile = (BLOCK_Q, BLOCK_Q)
-  rows_layout, cols_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
   groups = backward_warpgroups(qk_dim=qk_dim, v_dim=v_dim)
-  q_ctas, k_ctas = -(-nq // groups), -(-nk // groups)
+  cfg = _Backward(scale=scale, causal=causal, zero_first=zero_first, has_bias=has_bias,
+                  dropout_rate=dropout_rate, interpret=interpret, dtype=q.dtype,
+                  qk_dim=qk_dim, v_dim=v_dim, nq=q_len // BLOCK_Q, nk=k_len // BLOCK_Q,
+                  groups=groups)
   # One band for the three kernels, padded for dq's idle warpgroups (the last grid block's
   # query blocks past the end: before the first unit) and dk/dv's (after the last unit).
-  lead = q_ctas * groups - nq
-  band = (hopper_band(offset_bias, q_len, k_len, lead=lead, trail=k_ctas * groups - nk)
+  band = (hopper_band(offset_bias, q_len, k_len, lead=cfg.lead,
+                      trail=cfg.k_ctas * groups - cfg.nk)
           if has_bias else jnp.zeros((1, BLOCK_Q, BLOCK_Q), jnp.float32))
+  # What every kernel reads: q, k, v, the band, segment ids [B, Lq_p] and [B, Lk_p], the
+  # seed [1], lse and delta [B, H, Lq_p], do.
   inputs = (q, k, v, band, q_segments[:, :, 0], kv_segments[:, 0, :], jnp.reshape(seed, (1,)),
             lse[..., 0], delta[..., 0], do)
+  dq = _backward_dq(cfg, inputs)
+  dk, dv = _backward_dkv(cfg, inputs)
+  if not has_bias:
+    return dq, dk, dv, jnp.zeros((q.shape[1], 1, offset_bias.shape[-1]), jnp.float32)
+  return dq, dk, dv, unit_gradient(_backward_dbias(cfg, inputs), offset_bias.shape[-1])[:, None, :]
 
-  def cotangents(q_tile, k_tile, v_tile, do_tile, bias_tile, q_seg, k_seg, lse_rows,
-                 delta_rows, q0, k0, seed_value, b, h):
-    """``(p, ds, i, j)`` of one tile: the probabilities as applied (dropped out),
-    ``ds = P * (Z * dO v^T - delta)`` and the positions (None unless zero_first)."""
-    s, valid, i, j = _logits(q_tile, k_tile, bias_tile, q_seg, k_seg, q0, k0, scale=scale,
-                             causal=causal, zero_first=zero_first,
-                             positions=bool(dropout_rate))
-    p = jnp.where(valid, jnp.exp(s - lax.broadcast_in_dim(lse_rows, tile, [0])), 0.0)
-    dp = _product(do_tile, v_tile.T, tile)
-    if dropout_rate:
-      keep = dropout_multiplier(seed_value, b, h, i, j, dropout_rate)
-      p_applied, dp = p * keep, dp * keep
-    else:
-      p_applied = p
-    return p_applied, p * (dp - lax.broadcast_in_dim(delta_rows, tile, [0])), i, j
 
-  def spec(cols, index_map, operand=True):
-    return plgpu.BlockSpec((BLOCK_Q, cols), index_map,
-                           transforms=_transforms(cols, dtype) if operand else ())
+def _cotangents(cfg, q_tile, k_tile, v_tile, do_tile, bias_tile, q_seg, k_seg, lse_rows,
+                delta_rows, q0, k0, seed_value, b, h):
+  """``(p, ds, i, j)`` of one 64 x 64 tile (float32, WGMMA layout): the probabilities as
+  applied (dropped out), ``ds = P * (Z * dO v^T - delta)`` and the positions (None unless
+  zero_first, causal or dropout needs them); the arguments as :func:`_logits`' and the
+  tile's ``[64]`` rows of lse and delta."""
+  tile = (BLOCK_Q, BLOCK_Q)
+  s, valid, i, j = _logits(q_tile, k_tile, bias_tile, q_seg, k_seg, q0, k0, scale=cfg.scale,
+                           causal=cfg.causal, zero_first=cfg.zero_first,
+                           positions=bool(cfg.dropout_rate))
+  p = jnp.where(valid, jnp.exp(s - lax.broadcast_in_dim(lse_rows, tile, [0])), 0.0)
+  dp = _product(do_tile, v_tile.T, tile)
+  if cfg.dropout_rate:
+    keep = dropout_multiplier(seed_value, b, h, i, j, cfg.dropout_rate)
+    p_applied, dp = p * keep, dp * keep
+  else:
+    p_applied = p
+  return p_applied, p * (dp - lax.broadcast_in_dim(delta_rows, tile, [0])), i, j
 
-  def row_spec(index_map):  # segment ids, lse, delta of 64 rows
-    return plgpu.BlockSpec((BLOCK_Q,), index_map)
 
-  def smem(cols, dtype=dtype):
-    return plgpu.SMEM((BLOCK_Q, cols), dtype,
-                      transforms=_transforms(cols, dtype) if dtype != jnp.float32 else ())
+def _tile_spec(cfg, cols: int, index_map):
+  """Pipeline block of 64 rows of a ``cols``-wide ``wgmma`` operand (q, k, v or do)."""
+  plgpu = _mosaic_gpu()
+  return plgpu.BlockSpec((BLOCK_Q, cols), index_map, transforms=_transforms(cols, cfg.dtype))
 
-  def store(value, buffer, target):
-    buffer[...] = value.astype(buffer.dtype)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(buffer, target)
 
-  def zeros(cols):
-    return plgpu.layout_cast(jnp.zeros((BLOCK_Q, cols), jnp.float32), plgpu.Layout.WGMMA)
+def _row_spec(index_map):
+  """Pipeline block of 64 entries of a row (segment ids, lse, delta)."""
+  return _mosaic_gpu().BlockSpec((BLOCK_Q,), index_map)
 
-  def call(kernel, grid, out_type, scratch, name, groups=None):
-    """``kernel`` on ``inputs``; ``groups``: consumer warpgroups (plus the memory one) per
-    block of the grid, None for one warpgroup."""
-    threads = {} if groups is None else dict(num_threads=groups + 1, thread_name="wg")
-    return plgpu.kernel(kernel, out_type=out_type, scratch_types=scratch, grid=grid,
-                        grid_names=("batch", "heads", "blocks"), **threads,
-                        interpret=plgpu.InterpretGPUParams() if interpret else False,
-                        kernel_name=name)(*inputs)
 
-  def dq_kernel(q_ref, k_ref, v_ref, band_ref, qs_ref, ks_ref, seed_ref, lse_ref, delta_ref,
-                do_ref, dq_ref, q_smem, do_smem, ds_smem, out_smem, barriers):
-    """Query blocks ``cta G + g`` (warpgroup g) against every key block."""
+def _store(value: Array, buffer, target) -> None:
+  """Copies ``value`` through the shared-memory ``buffer`` to ``target`` in global memory."""
+  plgpu = _mosaic_gpu()
+  buffer[...] = value.astype(buffer.dtype)
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(buffer, target)
+
+
+def _zeros(cols: int) -> Array:
+  """``[64, cols]`` float32 zeros in the WGMMA layout (an accumulator's start)."""
+  plgpu = _mosaic_gpu()
+  return plgpu.layout_cast(jnp.zeros((BLOCK_Q, cols), jnp.float32), plgpu.Layout.WGMMA)
+
+
+def _backward_call(cfg, kernel, inputs, blocks: int, out_type, scratch, name: str,
+                   groups: int | None = None):
+  """``kernel`` on :func:`backward`'s ``inputs`` over a ``(B, H, blocks)`` grid; ``groups``:
+  consumer warpgroups (plus the memory one) per block of the grid, None for one warpgroup."""
+  plgpu = _mosaic_gpu()
+  threads = {} if groups is None else dict(num_threads=groups + 1, thread_name="wg")
+  return plgpu.kernel(kernel, out_type=out_type, scratch_types=scratch,
+                      grid=(*inputs[0].shape[:2], blocks),
+                      grid_names=("batch", "heads", "blocks"), **threads,
+                      interpret=plgpu.InterpretGPUParams() if cfg.interpret else False,
+                      kernel_name=name)(*inputs)
+
+
+def _backward_dq(cfg, inputs) -> Array:
+  """dq ``[B, H, Lq_p, Dqk_p]``: query blocks ``cta G + g`` (warpgroup g) against every key
+  block, warp-specialised as the forward (each step copies a key block and, with a bias, a
+  window of ``G`` band units)."""
+  plgpu = _mosaic_gpu()
+  rows_layout, cols_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
+  groups, nq, qk_dim = cfg.groups, cfg.nq, cfg.qk_dim
+
+  def kernel(q_ref, k_ref, v_ref, band_ref, qs_ref, ks_ref, seed_ref, lse_ref, delta_ref,
+             do_ref, dq_ref, q_smem, do_smem, ds_smem, out_smem, barriers):
     b, h, cta, wg = (lax.axis_index(a) for a in ("batch", "heads", "blocks", "wg"))
     qi = cta * groups + wg
     live = qi < nq
@@ -472,11 +533,11 @@ def backward(q: Array, k: Array, v: Array, offset_bias: Array, q_segments: Array
                                  delta_ref.at[b, h, rows]))
       plgpu.barrier_wait(barriers.at[2 * wg])
       plgpu.barrier_wait(barriers.at[2 * wg + 1])
-      dq, *_ = pipeline((zeros(qk_dim), *loaded))
+      dq, *_ = pipeline((_zeros(qk_dim), *loaded))
 
       @pl.when(live)
       def _():
-        store(dq * scale, out_smem.at[wg], dq_ref.at[b, h, rows])
+        _store(dq * cfg.scale, out_smem.at[wg], dq_ref.at[b, h, rows])
         plgpu.wait_smem_to_gmem(0)
 
     def step(index, k_smem, v_smem, ks_smem, *rest):
@@ -486,30 +547,48 @@ def backward(q: Array, k: Array, v: Array, offset_bias: Array, q_segments: Array
       def attend(carry):
         dq, q_seg, lse_rows, delta_rows = carry
         # Warpgroup g's unit is G - 1 - g into the step's window (as the forward's).
-        bias = t_smem[0].at[:, pl.ds((groups - 1 - wg) * BLOCK_Q, BLOCK_Q)] if has_bias else None
-        _, ds, _, _ = cotangents(q_tile, k_smem, v_smem, do_tile, bias, q_seg,
-                                 plgpu.load(ks_smem, layout=cols_layout), lse_rows,
-                                 delta_rows, qi * BLOCK_Q, kj * BLOCK_Q,
-                                 seed_ref[0] if dropout_rate else None, b, h)
-        ds_tile[...] = ds.astype(dtype)
+        bias = (t_smem[0].at[:, pl.ds((groups - 1 - wg) * BLOCK_Q, BLOCK_Q)] if cfg.has_bias
+                else None)
+        _, ds, _, _ = _cotangents(cfg, q_tile, k_smem, v_smem, do_tile, bias, q_seg,
+                                  plgpu.load(ks_smem, layout=cols_layout), lse_rows,
+                                  delta_rows, qi * BLOCK_Q, kj * BLOCK_Q,
+                                  seed_ref[0] if cfg.dropout_rate else None, b, h)
+        ds_tile[...] = ds.astype(cfg.dtype)
         plgpu.commit_smem()
         return dq + _product(ds_tile, k_smem, (BLOCK_Q, qk_dim)), q_seg, lse_rows, delta_rows
 
-      run = live & (kj <= qi) if causal else live  # causal: later key blocks masked whole
+      run = live & (kj <= qi) if cfg.causal else live  # causal: later key blocks masked whole
       return lax.cond(run, attend, lambda c: c, carry)
 
-    specs = [spec(qk_dim, lambda kj: (kj, 0)), spec(v_dim, lambda kj: (kj, 0)),
-             row_spec(lambda kj: (kj,))]
+    specs = [_tile_spec(cfg, qk_dim, lambda kj: (kj, 0)),
+             _tile_spec(cfg, cfg.v_dim, lambda kj: (kj, 0)), _row_spec(lambda kj: (kj,))]
     sources = [k_ref.at[b, h], v_ref.at[b, h], ks_ref.at[b]]
-    if has_bias:  # units kj + (ctas - 1 - cta) G + [0, G) of the band (after its lead)
-      specs.append(_window_spec(groups, lambda kj: kj + (q_ctas - 1 - cta) * groups))
+    if cfg.has_bias:  # units kj + (ctas - 1 - cta) G + [0, G) of the band (after its lead)
+      specs.append(_window_spec(groups, lambda kj: kj + (cfg.q_ctas - 1 - cta) * groups))
       sources.append(band_ref.at[h])
-    _specialised_pipeline(step, specs, compute, steps=nk, groups=groups)(*sources)
+    _specialised_pipeline(step, specs, compute, steps=cfg.nk, groups=groups)(*sources)
 
-  def dkv_kernel(q_ref, k_ref, v_ref, band_ref, qs_ref, ks_ref, seed_ref, lse_ref, delta_ref,
-                 do_ref, dk_ref, dv_ref, k_smem, v_smem, ks_smem, p_smem, ds_smem, dk_smem,
-                 dv_smem, barriers):
-    """Key blocks ``cta G + g`` (warpgroup g) against every query block."""
+  def tiles(cols):
+    return _warpgroup_buffers(groups, cols, cfg.dtype)
+
+  return _backward_call(
+      cfg, kernel, inputs, cfg.q_ctas, jax.ShapeDtypeStruct(inputs[0].shape, cfg.dtype),
+      [tiles(qk_dim), tiles(cfg.v_dim), tiles(BLOCK_Q), tiles(qk_dim),
+       plgpu.Barrier(num_barriers=2 * groups)], "relative_flash_dq_hopper", groups)
+
+
+def _backward_dkv(cfg, inputs) -> tuple[Array, Array]:
+  """dk ``[B, H, Lk_p, Dqk_p]`` and dv ``[B, H, Lk_p, Dv_p]``: key blocks ``cta G + g``
+  (warpgroup g) against every query block, warp-specialised (``p^T dO`` and ``dS^T q`` from
+  transposed shared-memory operands)."""
+  plgpu = _mosaic_gpu()
+  rows_layout, cols_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
+  groups, nq, nk = cfg.groups, cfg.nq, cfg.nk
+  qk_dim, v_dim = cfg.qk_dim, cfg.v_dim
+
+  def kernel(q_ref, k_ref, v_ref, band_ref, qs_ref, ks_ref, seed_ref, lse_ref, delta_ref,
+             do_ref, dk_ref, dv_ref, k_smem, v_smem, ks_smem, p_smem, ds_smem, dk_smem,
+             dv_smem, barriers):
     b, h, cta, wg = (lax.axis_index(a) for a in ("batch", "heads", "blocks", "wg"))
     kj = cta * groups + wg
     live = kj < nk
@@ -524,13 +603,13 @@ def backward(q: Array, k: Array, v: Array, offset_bias: Array, q_segments: Array
         plgpu.copy_gmem_to_smem(source, target, barriers.at[3 * wg + n])
       for n in range(3):
         plgpu.barrier_wait(barriers.at[3 * wg + n])
-      dk, dv, _ = pipeline((zeros(qk_dim), zeros(v_dim),
+      dk, dv, _ = pipeline((_zeros(qk_dim), _zeros(v_dim),
                             plgpu.load(ks_tile, layout=cols_layout)))
 
       @pl.when(live)
       def _():
-        store(dk * scale, dk_smem.at[wg], dk_ref.at[b, h, keys])
-        store(dv, dv_smem.at[wg], dv_ref.at[b, h, keys])
+        _store(dk * cfg.scale, dk_smem.at[wg], dk_ref.at[b, h, keys])
+        _store(dv, dv_smem.at[wg], dv_ref.at[b, h, keys])
         plgpu.wait_smem_to_gmem(0)
 
     def step(index, q_tile, do_tile, qs_smem, lse_smem, delta_smem, *rest):
@@ -540,37 +619,60 @@ def backward(q: Array, k: Array, v: Array, offset_bias: Array, q_segments: Array
       def attend(carry):
         dk, dv, k_seg = carry
         # Warpgroup g's unit is g into the step's window.
-        bias = t_smem[0].at[:, pl.ds(wg * BLOCK_Q, BLOCK_Q)] if has_bias else None
+        bias = t_smem[0].at[:, pl.ds(wg * BLOCK_Q, BLOCK_Q)] if cfg.has_bias else None
         q_seg, lse_rows, delta_rows = (plgpu.load(x, layout=rows_layout)
                                        for x in (qs_smem, lse_smem, delta_smem))
-        p, ds, _, _ = cotangents(q_tile, k_tile, v_tile, do_tile, bias, q_seg, k_seg,
-                                 lse_rows, delta_rows, qi * BLOCK_Q, kj * BLOCK_Q,
-                                 seed_ref[0] if dropout_rate else None, b, h)
-        p_tile[...] = p.astype(dtype)
-        ds_tile[...] = ds.astype(dtype)
+        p, ds, _, _ = _cotangents(cfg, q_tile, k_tile, v_tile, do_tile, bias, q_seg, k_seg,
+                                  lse_rows, delta_rows, qi * BLOCK_Q, kj * BLOCK_Q,
+                                  seed_ref[0] if cfg.dropout_rate else None, b, h)
+        p_tile[...] = p.astype(cfg.dtype)
+        ds_tile[...] = ds.astype(cfg.dtype)
         plgpu.commit_smem()
         return (dk + _product(ds_tile.T, q_tile, (BLOCK_Q, qk_dim)),
                 dv + _product(p_tile.T, do_tile, (BLOCK_Q, v_dim)), k_seg)
 
-      run = live & (qi >= kj) if causal else live  # causal: earlier query blocks masked whole
+      run = live & (qi >= kj) if cfg.causal else live  # causal: earlier q blocks masked whole
       return lax.cond(run, attend, lambda c: c, carry)
 
-    specs = [spec(qk_dim, lambda qi: (qi, 0)), spec(v_dim, lambda qi: (qi, 0))]
-    specs += [row_spec(lambda qi: (qi,))] * 3
+    specs = [_tile_spec(cfg, qk_dim, lambda qi: (qi, 0)),
+             _tile_spec(cfg, v_dim, lambda qi: (qi, 0))]
+    specs += [_row_spec(lambda qi: (qi,))] * 3
     sources = [q_ref.at[b, h], do_ref.at[b, h], qs_ref.at[b], lse_ref.at[b, h],
                delta_ref.at[b, h]]
-    if has_bias:  # units cta G - qi + nq - 1 + [0, G) past the band's lead
-      specs.append(_window_spec(groups, lambda qi: lead + cta * groups - qi + nq - 1))
+    if cfg.has_bias:  # units cta G - qi + nq - 1 + [0, G) past the band's lead
+      specs.append(_window_spec(groups, lambda qi: cfg.lead + cta * groups - qi + nq - 1))
       sources.append(band_ref.at[h])
     _specialised_pipeline(step, specs, compute, steps=nq, groups=groups)(*sources)
 
-  def du_kernel(q_ref, k_ref, v_ref, band_ref, qs_ref, ks_ref, seed_ref, lse_ref, delta_ref,
-                do_ref, du_ref, t_smem, du_smem, barrier):
+  def tiles(cols):
+    return _warpgroup_buffers(groups, cols, cfg.dtype)
+
+  k, v = inputs[1:3]
+  return _backward_call(
+      cfg, kernel, inputs, cfg.k_ctas,
+      (jax.ShapeDtypeStruct(k.shape, cfg.dtype), jax.ShapeDtypeStruct(v.shape, cfg.dtype)),
+      [tiles(qk_dim), tiles(v_dim), plgpu.SMEM((groups, BLOCK_Q), jnp.int32), tiles(BLOCK_Q),
+       tiles(BLOCK_Q), tiles(qk_dim), tiles(v_dim), plgpu.Barrier(num_barriers=3 * groups)],
+      "relative_flash_dkv_hopper", groups)
+
+
+def _backward_dbias(cfg, inputs) -> Array:
+  """The bias gradient's units ``[B, H, nq + nk - 1, 64, 64]`` float32
+  (:func:`~posenc_jax.kernels.band.unit_gradient` sums them into the offset vector's): one
+  warpgroup per unit of the band (a diagonal of the tile grid), summing the logit cotangents
+  of its (query block, key block) pairs in registers."""
+  plgpu = _mosaic_gpu()
+  rows_layout, cols_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
+  nq, nk = cfg.nq, cfg.nk
+  units = nq + nk - 1  # diagonals of the tile grid: unit kj - qi + nq - 1
+
+  def kernel(q_ref, k_ref, v_ref, band_ref, qs_ref, ks_ref, seed_ref, lse_ref, delta_ref,
+             do_ref, du_ref, t_smem, du_smem, barrier):
     b, h, n = (lax.axis_index(a) for a in ("batch", "heads", "blocks"))
     shift = n - (nq - 1)  # kj - qi on this unit
-    plgpu.copy_gmem_to_smem(band_ref.at[h, :, pl.ds((lead + n) * BLOCK_Q, BLOCK_Q)], t_smem,
-                            barrier)
-    seed_value = seed_ref[0] if dropout_rate else None
+    plgpu.copy_gmem_to_smem(band_ref.at[h, :, pl.ds((cfg.lead + n) * BLOCK_Q, BLOCK_Q)],
+                            t_smem, barrier)
+    seed_value = seed_ref[0] if cfg.dropout_rate else None
     plgpu.barrier_wait(barrier)
 
     def key_block(qi):  # clamped: steps off the grid load a block they do not use
@@ -582,49 +684,39 @@ def backward(q: Array, k: Array, v: Array, offset_bias: Array, q_segments: Array
       kj = qi + shift
 
       def attend(du):
-        _, ds, i, j = cotangents(
-            q_smem, k_smem, v_smem, do_smem, t_smem,
+        _, ds, i, j = _cotangents(
+            cfg, q_smem, k_smem, v_smem, do_smem, t_smem,
             plgpu.load(qs_smem, layout=rows_layout), plgpu.load(ks_smem, layout=cols_layout),
             *(plgpu.load(x, layout=rows_layout) for x in (lse_smem, delta_smem)),
             qi * BLOCK_Q, kj * BLOCK_Q, seed_value, b, h)
-        if zero_first:  # the bias is zero there: no gradient reaches the vector
+        if cfg.zero_first:  # the bias is zero there: no gradient reaches the vector
           ds = jnp.where((i == 0) | (j == 0), 0.0, ds)
         return du + ds
 
       run = (kj >= 0) & (kj < nk)
-      if causal:
+      if cfg.causal:
         run = run & (kj <= qi)
       return lax.cond(run, attend, lambda c: c, du)
 
-    specs = [spec(qk_dim, lambda qi: (qi, 0)), spec(v_dim, lambda qi: (qi, 0))]
-    specs += [row_spec(lambda qi: (qi,))] * 3
-    specs += [spec(qk_dim, lambda qi: (key_block(qi), 0)),
-              spec(v_dim, lambda qi: (key_block(qi), 0)),
-              row_spec(lambda qi: (key_block(qi),))]
+    qk_dim, v_dim = cfg.qk_dim, cfg.v_dim
+    specs = [_tile_spec(cfg, qk_dim, lambda qi: (qi, 0)),
+             _tile_spec(cfg, v_dim, lambda qi: (qi, 0))]
+    specs += [_row_spec(lambda qi: (qi,))] * 3
+    specs += [_tile_spec(cfg, qk_dim, lambda qi: (key_block(qi), 0)),
+              _tile_spec(cfg, v_dim, lambda qi: (key_block(qi), 0)),
+              _row_spec(lambda qi: (key_block(qi),))]
     sources = [q_ref.at[b, h], do_ref.at[b, h], qs_ref.at[b], lse_ref.at[b, h],
                delta_ref.at[b, h], k_ref.at[b, h], v_ref.at[b, h], ks_ref.at[b]]
-    du = plgpu.emit_pipeline(step, grid=(nq,), in_specs=specs, init_carry=zeros(BLOCK_Q),
+    du = plgpu.emit_pipeline(step, grid=(nq,), in_specs=specs, init_carry=_zeros(BLOCK_Q),
                              max_concurrent_steps=min(STAGES, nq))(*sources)
-    store(du, du_smem, du_ref.at[b, h, n])
+    _store(du, du_smem, du_ref.at[b, h, n])
     plgpu.wait_smem_to_gmem(0)
 
-  def tiles(cols):
-    return _warpgroup_buffers(groups, cols, dtype)
+  def tile():  # float32: no tiling or swizzle
+    return plgpu.SMEM((BLOCK_Q, BLOCK_Q), jnp.float32, transforms=())
 
-  grid = (b_size, heads)
-  dq = call(dq_kernel, (*grid, q_ctas), jax.ShapeDtypeStruct(q.shape, dtype),
-            [tiles(qk_dim), tiles(v_dim), tiles(BLOCK_Q), tiles(qk_dim),
-             plgpu.Barrier(num_barriers=2 * groups)], "relative_flash_dq_hopper", groups)
-  dk, dv = call(dkv_kernel, (*grid, k_ctas),
-                (jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype)),
-                [tiles(qk_dim), tiles(v_dim), plgpu.SMEM((groups, BLOCK_Q), jnp.int32),
-                 tiles(BLOCK_Q), tiles(BLOCK_Q), tiles(qk_dim), tiles(v_dim),
-                 plgpu.Barrier(num_barriers=3 * groups)], "relative_flash_dkv_hopper",
-                groups)
-  if not has_bias:
-    return dq, dk, dv, jnp.zeros((heads, 1, offset_bias.shape[-1]), jnp.float32)
-  du = call(du_kernel, (*grid, units),
-            jax.ShapeDtypeStruct((b_size, heads, units, BLOCK_Q, BLOCK_Q), jnp.float32),
-            [smem(BLOCK_Q, jnp.float32), smem(BLOCK_Q, jnp.float32), plgpu.Barrier()],
-            "relative_flash_dbias_hopper")
-  return dq, dk, dv, unit_gradient(du, offset_bias.shape[-1])[:, None, :]
+  b_size, heads = inputs[0].shape[:2]
+  return _backward_call(
+      cfg, kernel, inputs, units,
+      jax.ShapeDtypeStruct((b_size, heads, units, BLOCK_Q, BLOCK_Q), jnp.float32),
+      [tile(), tile(), plgpu.Barrier()], "relative_flash_dbias_hopper")
