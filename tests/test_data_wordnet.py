@@ -161,12 +161,12 @@ def test_seqio_vocabulary():
 
 
 def test_vocab_training_is_deterministic(tmp_path):
-  from posenc_jax.data import vocab
+  from posenc_jax.data import train_vocab, vocab
   small = tmp_path / "small.txt.gz"
   with gzip.open(small, "wt", encoding="utf-8") as f:
     f.write("\n".join(_lines("pretrain_validation.txt.gz")[:2000]) + "\n")
   for name in "ab":
-    vocab.main([f"--files={small}", "--vocab_size=400", f"--output={tmp_path}/{name}"])
+    train_vocab.main([f"--files={small}", "--vocab_size=400", f"--output={tmp_path}/{name}"])
   assert (tmp_path / "a.model").read_bytes() == (tmp_path / "b.model").read_bytes()
   v = vocab.vocabulary(tmp_path / "a.model")
   assert v.vocab_size == 400
@@ -175,8 +175,8 @@ def test_vocab_training_is_deterministic(tmp_path):
 
 
 def test_vocab_reads_the_raw_text_of_a_task():
-  from posenc_jax.data import vocab
-  assert list(vocab.read_task_text("wordnet_glosses", "validation", "text")) == _lines(
+  from posenc_jax.data import train_vocab
+  assert list(train_vocab.read_task_text("wordnet_glosses", "validation", "text")) == _lines(
       "pretrain_validation.txt.gz")
 
 

@@ -31,8 +31,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from posenc_jax.models.config import ModelConfig, ModelConfigError, scheme_dims
-from posenc_jax.models.layers import (ACTIVATION_FNS, EncoderLayer, as_mask, check_ids_like,
-                                      check_like, check_token_ids, dense, layer_norm,
+from posenc_jax.models.inputs import as_mask, check_ids_like, check_like, check_token_ids
+from posenc_jax.models.layers import (ACTIVATION_FNS, EncoderLayer, dense, layer_norm,
                                       token_embedding)
 from posenc_jax.models.linformer import shared_projection
 from posenc_jax.models.stack import layer_stack, run_stack

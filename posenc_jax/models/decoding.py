@@ -29,7 +29,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from posenc_jax.models.layers import check_token_ids
+from posenc_jax.models.inputs import check_token_ids
 from posenc_jax.models.stack import SCANNED
 from posenc_jax.schemes.base import is_finite_number, is_int
 

@@ -16,10 +16,10 @@ from collections.abc import Sequence
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 
 from posenc_jax.attention import MultiHeadAttention
 from posenc_jax.models.config import ModelConfig
+from posenc_jax.models.linformer import LinformerSelfAttention
 from posenc_jax.terms import Term
 
 Array = jax.Array
@@ -70,7 +70,6 @@ class FeedForward(nn.Module):
 def self_attention(config: ModelConfig, name: str | None = None) -> nn.Module:
   """The self-attention module the config asks for (full or Linformer)."""
   if config.attention == "linformer":
-    from posenc_jax.models.linformer import LinformerSelfAttention  # noqa: PLC0415
     return LinformerSelfAttention(config, name=name)
   return full_attention(config, name)
 
@@ -182,38 +181,3 @@ class DecoderLayer(nn.Module):
       x = residual(cfg, self.cross_attention_norm, self.dropout, attend_source, x, deterministic)
     return residual(cfg, self.mlp_norm, self.dropout, lambda y: self.mlp(y, deterministic), x,
                     deterministic)
-
-
-def check_token_ids(owner: str, name: str, ids: Array, batch: int | None = None
-                    ) -> tuple[int, int]:
-  """``(B, L)`` of ``ids`` ``[B, L]`` (integer dtype; ``batch`` examples if given), or one
-  ValueError line ``<owner>: <name>: ...``. Static facts only: the values are not read."""
-  shape, dtype = jnp.shape(ids), jnp.result_type(ids)
-  if len(shape) != 2 or not jnp.issubdtype(dtype, jnp.integer):
-    raise ValueError(f"{owner}: {name}: got shape {shape} of {dtype}; expected [B, L] "
-                     "integer ids")
-  if batch is not None and shape[0] != batch:
-    raise ValueError(f"{owner}: {name}: got shape {shape}; expected B = {batch} examples")
-  return shape
-
-
-def check_like(owner: str, name: str, x: Array | None, shape: tuple[int, int]) -> None:
-  """One ValueError line unless ``x`` (segment ids, a padding mask) is None or ``[B, L]`` =
-  ``shape``, that of the ids or inputs it goes with."""
-  if x is not None and tuple(jnp.shape(x)) != tuple(shape):
-    raise ValueError(f"{owner}: {name}: got shape {jnp.shape(x)}; expected [B, L] = "
-                     f"{tuple(shape)}")
-
-
-def check_ids_like(owner: str, name: str, x: Array | None, shape: tuple[int, int]) -> None:
-  """:func:`check_like` for integer ids that go with the inputs (position ids, packed
-  segment ids): one ValueError line for a wrong shape or a non-integer dtype."""
-  check_like(owner, name, x, shape)
-  if x is not None and not jnp.issubdtype(jnp.result_type(x), jnp.integer):
-    raise ValueError(f"{owner}: {name}: got dtype {jnp.result_type(x)}; expected [B, L] "
-                     "integer ids")
-
-
-def as_mask(mask: Array | None, shape: tuple[int, int]) -> Array:
-  """``[B, L]`` bool padding mask (True = token); None means no padding."""
-  return jnp.ones(shape, bool) if mask is None else mask.astype(bool)

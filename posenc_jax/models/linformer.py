@@ -54,7 +54,7 @@ from flax import struct
 
 from posenc_jax.attention import attend, head_projection, output_projection
 from posenc_jax.models.config import ModelConfig
-from posenc_jax.models.layers import check_like
+from posenc_jax.models.inputs import check_like
 from posenc_jax.terms import SchemeTerms, Term
 
 Array = jax.Array

@@ -68,8 +68,8 @@ import jax
 import jax.numpy as jnp
 
 from posenc_jax.models.config import ModelConfig, ModelConfigError, causal_variant, scheme_dims
-from posenc_jax.models.layers import (DecoderLayer, EncoderLayer, as_mask, check_ids_like,
-                                      check_like, check_token_ids, dense, layer_norm,
+from posenc_jax.models.inputs import as_mask, check_ids_like, check_like, check_token_ids
+from posenc_jax.models.layers import (DecoderLayer, EncoderLayer, dense, layer_norm,
                                       token_embedding)
 from posenc_jax.models.stack import layer_stack, run_stack
 from posenc_jax.schemes import build_scheme
