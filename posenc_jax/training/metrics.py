@@ -27,9 +27,9 @@ import jax.numpy as jnp
 from etils import epath
 
 from posenc_jax.cli import is_remote
-from posenc_jax.models.config import HEADS, ModelConfig, causal_variant, model_config
+from posenc_jax.models.config import HEADS, ModelConfig, causal_variant, model_config, scheme_dims
 from posenc_jax.schemes.base import is_int
-from posenc_jax.schemes.registry import SCHEMES
+from posenc_jax.schemes.registry import SchemePart, scheme_parts
 
 # Dense (no 2:4 sparsity) peak FLOP/s of one JAX device, ``(bfloat16, float32)``, keyed by the
 # exact ``jax.Device.device_kind``. "float32" is the rate of JAX's default precision for
@@ -145,52 +145,11 @@ def peak_flops(device: jax.Device | None = None, dtype: Any = "bfloat16") -> flo
 # --- Analytic FLOPs of the model the loop runs -------------------------------------------------
 
 
-def _scheme_parts(config: Any) -> list[dict[str, Any]]:
-  """Each part of a scheme config (one, or a tuple composed) with every hyperparameter,
-  the registry's defaults filled in."""
-  if config is None:
-    return []
-  parts = config if isinstance(config, (tuple, list)) else (config,)
-  out = []
-  for part in parts:
-    hyper = dict(part)
-    name = hyper.pop("name")
-    out.append({"name": name, **SCHEMES[name].values(hyper)})
-  return out
-
-
-def _folded_rank(cfg: ModelConfig, parts: list[dict[str, Any]]) -> int:
-  """Width the fused route concatenates to q and k: the rank of every factored term
-  (DIET-ABS(-LIN) ``d_p``, TUPE's ``D`` plus 2 for the [CLS] reset, per-head segments'
-  ``n_seg``)."""
-  rank = 0
-  for part in parts:
-    name = part["name"]
-    if name in ("diet_abs", "diet_abs_lin"):
-      rank += cfg.dim_per_head if part["rank"] is None else part["rank"]
-    elif name in ("tupe_a", "tupe_r"):
-      rank += cfg.dim_per_head + (2 if part["untie_cls"] else 0)
-    elif name == "segment_per_head":
-      rank += part["num_segments"]
-  return rank
-
-
-def _relative_rows(parts: list[dict[str, Any]]) -> int:
-  """Offset rows each query is multiplied with by Shaw's query-dependent terms: ``2t + 1`` for
-  the key table, as many again for Shaw's value table."""
-  rows = 0
-  for part in parts:
-    if part["name"] in ("shaw", "sinusoidal_rpe"):
-      rows += (2 * part["clip"] + 1) * (2 if part.get("value") else 1)
-  return rows
-
-
 def _attention(cfg: ModelConfig, q_len: int, k_len: int, *, rank: int = 0,
-               relative_rows: int = 0, causal: bool = False, linformer: bool = False) -> int:
+               causal: bool = False, linformer: bool = False) -> int:
   """Forward FLOPs of one attention block for one example: the q/k/v/o projections, the
   sequence projections of Linformer's layer input, ``Q K^T`` over the head dim plus the
-  folded rank, ``P V``, and Shaw's query-offset products. Causal halves ``Q K^T`` and
-  ``P V``."""
+  folded rank, and ``P V``. Causal halves ``Q K^T`` and ``P V``."""
   inner = cfg.num_heads * cfg.dim_per_head
   keys, flops = k_len, 0
   if linformer:  # E X and F X along the sequence (one when E = F), then W_K, W_V on k rows
@@ -198,35 +157,31 @@ def _attention(cfg: ModelConfig, q_len: int, k_len: int, *, rank: int = 0,
     flops = (2 if cfg.linformer_sharing == "none" else 1) * 2 * keys * k_len * cfg.d_model
   flops += 2 * cfg.d_model * inner * (2 * q_len + 2 * keys)
   mixing = 2 * cfg.num_heads * q_len * keys * (2 * cfg.dim_per_head + rank)
-  flops += mixing // 2 if causal else mixing
-  return flops + 2 * cfg.num_heads * q_len * relative_rows * cfg.dim_per_head
+  return flops + (mixing // 2 if causal else mixing)
 
 
 def _mlp(cfg: ModelConfig, tokens: int) -> int:
   return 2 * 2 * cfg.d_model * cfg.mlp_dim * tokens
 
 
+def _stack(cfg: ModelConfig, num_layers: int, length: int, parts: tuple[SchemePart, ...],
+           **attention: bool) -> int:
+  """Forward FLOPs of one example through ``num_layers`` layers of self-attention over
+  ``length`` tokens and MLP, with the scheme ``parts``: the folded rank each adds to
+  ``Q K^T``, its terms' work in every layer, and its own once per pass (the classes'
+  :meth:`~posenc_jax.schemes.Scheme.folded_rank`, ``layer_flops`` and ``input_flops``).
+  ``attention``: :func:`_attention`'s ``causal`` and ``linformer``."""
+  dims = scheme_dims(cfg, num_layers)
+  rank = sum(p.module.folded_rank(p.values, cfg.dim_per_head) for p in parts)
+  layer = (_attention(cfg, length, length, rank=rank, **attention) + _mlp(cfg, length)
+           + sum(p.module.layer_flops(p.values, dims, length) for p in parts))
+  return num_layers * layer + sum(p.module.input_flops(p.values, dims, length) for p in parts)
+
+
 def _encoder(cfg: ModelConfig, length: int) -> int:
   """Forward FLOPs of the encoder stack for one example of ``length`` tokens."""
-  parts = _scheme_parts(cfg.scheme) + _scheme_parts(cfg.segment)
-  layer = _attention(cfg, length, length, rank=_folded_rank(cfg, parts),
-                     relative_rows=_relative_rows(parts),
-                     linformer=cfg.attention == "linformer") + _mlp(cfg, length)
-  return cfg.num_layers * layer + sum(_segment_tables(cfg, p, length) for p in parts)
-
-
-def _segment_tables(cfg: ModelConfig, part: dict[str, Any], length: int) -> int:
-  """Per-example FLOPs of a segment scheme's one-hot contractions: BERT's token types
-  ``[L, n_seg] x [n_seg, d]``; the per-head segments' ``u``, ``[L, n_seg] x [n_seg, n_seg]``
-  for each of their tables (layers x heads, fewer when shared)."""
-  segments = part.get("num_segments", 0)
-  if part["name"] == "segment_input":
-    return 2 * length * segments * cfg.d_model
-  if part["name"] == "segment_per_head":
-    layers = 1 if part["sharing"] == "layer" else cfg.num_layers
-    heads = 1 if part["sharing"] == "head" else cfg.num_heads
-    return 2 * length * segments * segments * layers * heads
-  return 0
+  parts = scheme_parts(cfg.scheme) + (() if cfg.segment is None else scheme_parts(cfg.segment))
+  return _stack(cfg, cfg.num_layers, length, parts, linformer=cfg.attention == "linformer")
 
 
 def _decoder(cfg: ModelConfig, num_layers: int, length: int,
@@ -234,12 +189,11 @@ def _decoder(cfg: ModelConfig, num_layers: int, length: int,
   """Forward FLOPs of a decoder stack of ``num_layers`` layers for one example: causal
   self-attention with the scheme's causal form, content-only cross-attention to
   ``source_length`` states (None: decoder-only, none), MLP."""
-  parts = _scheme_parts(causal_variant(cfg.scheme))
-  layer = (_attention(cfg, length, length, rank=_folded_rank(cfg, parts),
-                      relative_rows=_relative_rows(parts), causal=True) + _mlp(cfg, length))
+  parts = scheme_parts(causal_variant(cfg.scheme))
+  flops = _stack(cfg, num_layers, length, parts, causal=True)
   if source_length is not None:
-    layer += _attention(cfg, length, source_length)
-  return num_layers * layer
+    flops += num_layers * _attention(cfg, length, source_length)
+  return flops
 
 
 def _fail(field: str, value: Any, allowed: str) -> None:
@@ -252,7 +206,9 @@ def train_flops_per_step(cfg: ModelConfig | Mapping[str, Any], batch: int, lengt
                          num_labels: int = 2) -> float:
   """Analytic matmul FLOPs of one training step of the model ``cfg`` builds (3 x forward).
 
-  Counted per example, 2 FLOPs per multiply-add, from the config alone:
+  Counted per example, 2 FLOPs per multiply-add, from the config alone (what each scheme
+  adds, its class says: :meth:`~posenc_jax.schemes.Scheme.folded_rank`, ``layer_flops``
+  and ``input_flops``):
 
   * each encoder layer: the q/k/v/o projections ``4 x 2 L d HD``, the MLP ``2 x 2 L d F``,
     ``Q K^T`` ``2 H L^2 (D + r)`` and ``P V`` ``2 H L^2 D``, where ``r`` is the rank the
@@ -263,12 +219,13 @@ def train_flops_per_step(cfg: ModelConfig | Mapping[str, Any], batch: int, lengt
     ``E = F``), the key and value projections on its ``k`` rows, and attention over ``k``
     keys;
   * embeddings: lookups cost nothing; BERT's token-type one-hot times its table,
-    ``2 L n_seg d``;
+    ``2 L n_seg d``, and the per-head segments' ``u``, ``2 L n_seg^2`` per table;
   * the head: MLM transform and tied decoder ``2 d^2 + 2 d V`` at every position, or at
     ``P = predictions_per_seq`` positions plus their one-hot selection from the hidden
-    states, ``2 P L d`` (a matmul, so that no gather or scatter runs); the classifier's pooler and output
-    ``2 d^2 + 2 d C``; span logits ``2 L d 2``; the encoder head's pooler ``2 d^2`` when the
-    config has one (the MLM and span models drop the pooled vector, and so does XLA);
+    states, ``2 P L d`` (a matmul, so that no gather or scatter runs); the classifier's
+    pooler and output ``2 d^2 + 2 d C``; span logits ``2 L d 2``; the encoder head's pooler
+    ``2 d^2`` when the config has one (the MLM and span models drop the pooled vector, and
+    so does XLA);
   * the encoder-decoder: the encoder over ``length`` source tokens; per decoder layer causal
     self-attention (``Q K^T`` and ``P V`` halved: ``L_t^2 / 2`` of the pairs), cross-attention
     (q and o over the ``L_t`` targets, k and v over the ``length`` sources, ``2 H L_t L_s D``
