@@ -10,8 +10,8 @@ import ml_collections
 
 from posenc_jax.messages import nearest
 from posenc_jax.models.build import HEADS, check_head
-from posenc_jax.models.config import model_config, scheme_dims
-from posenc_jax.schemes import build_scheme
+from posenc_jax.models.config import ModelConfig
+from posenc_jax.schemes.registry import scheme_parts
 from posenc_jax.training.mesh import check_mesh_config
 from posenc_jax.training.objectives import HEAD_OF, OBJECTIVES
 from posenc_jax.training.optim import check_optimizer_config, default_optimizer_config
@@ -77,16 +77,9 @@ def _positive_int(config, field: str) -> None:
     _fail(field, value, "a positive integer")
 
 
-def absolute_table_schemes(model) -> list[str]:
-  """Names of the schemes in ``model`` that own an absolute position table."""
-  cfg = model_config(model)
-  parts = cfg.scheme if isinstance(cfg.scheme, tuple) else (cfg.scheme,)
-  names = []
-  for part in parts:
-    scheme = build_scheme(part, **scheme_dims(cfg, num_layers=1))
-    if scheme.absolute_table:
-      names.append(scheme.scheme_name)
-  return names
+def absolute_table_schemes(cfg: ModelConfig) -> list[str]:
+  """Names of the schemes of ``cfg.scheme`` that own an absolute position table."""
+  return [part.name for part in scheme_parts(cfg.scheme) if part.module.absolute_table]
 
 
 def compilation_cache_dir(config: ml_collections.ConfigDict) -> str | None:
@@ -129,9 +122,12 @@ def max_predictions(config: ml_collections.ConfigDict) -> int | None:
   return most_masked(config) if predictions is None else (predictions or None)
 
 
-def validate_train_config(config: ml_collections.ConfigDict) -> None:
-  """Raises one :class:`TrainConfigError` (or a Model-, Optimizer- or MeshConfigError) line
-  naming the bad field."""
+def validate_train_config(config: ml_collections.ConfigDict) -> ModelConfig:
+  """The validated model config of ``config``, after checking every field.
+
+  Raises one :class:`TrainConfigError` (or a Model-, Optimizer- or MeshConfigError) line
+  naming the bad field.
+  """
   for field, allowed in (("objective", OBJECTIVES), ("head", HEADS)):
     if config[field] not in allowed:
       raise TrainConfigError(f"{field}: got {config[field]!r}{nearest(config[field], allowed)} "
@@ -189,8 +185,9 @@ def validate_train_config(config: ml_collections.ConfigDict) -> None:
   lengths = [config.seq_len] + [config.get(f) for f in ("input_len", "target_len")
                                 if config.get(f)]
   if max(lengths) > cfg.max_len:
-    tables = absolute_table_schemes(config.model)
+    tables = absolute_table_schemes(cfg)
     if tables or cfg.attention == "linformer":
       what = f"scheme {tables[0]!r}" if tables else "Linformer's E/F"
       raise TrainConfigError(f"seq_len: {max(lengths)} exceeds model.max_len={cfg.max_len}, "
                              f"the length {what} covers")
+  return cfg

@@ -33,8 +33,8 @@ from flax.training import train_state
 
 from posenc_jax.cli import OutputPathError, absolute, check_output_dir
 from posenc_jax.models.build import build_model
-from posenc_jax.models.config import ModelConfig, model_config, scheme_dims
-from posenc_jax.schemes import build_scheme
+from posenc_jax.models.config import ModelConfig
+from posenc_jax.schemes.registry import scheme_parts
 from posenc_jax.training import mesh as mesh_lib
 from posenc_jax.training import workdir as workdir_lib
 from posenc_jax.training.checkpoint import Checkpointer
@@ -61,12 +61,9 @@ def batch_limits(cfg: ModelConfig) -> dict[str, tuple[int, str]]:
   """``{feature: (bound, name of the bound)}``: ids must lie in ``[0, bound)``."""
   vocab = (cfg.vocab_size, f"model.vocab_size={cfg.vocab_size}")
   limits = {k: vocab for k in ("input_ids", "inputs", "targets", "mlm_targets")}
-  parts = cfg.segment if isinstance(cfg.segment, tuple) else (cfg.segment,)
-  for part in (p for p in parts if p is not None):
-    scheme = build_scheme(part, **scheme_dims(cfg, num_layers=1))
-    if hasattr(scheme, "num_segments"):
-      limits["segment_ids"] = (scheme.num_segments,
-                               f"model.segment num_segments={scheme.num_segments}")
+  for part in () if cfg.segment is None else scheme_parts(cfg.segment):  # segment schemes
+    segments = part.values["num_segments"]
+    limits["segment_ids"] = (segments, f"model.segment num_segments={segments}")
   return limits
 
 
@@ -371,7 +368,7 @@ def train(config: ml_collections.ConfigDict, workdir: str,
   Raises:
     NonFiniteLossError: the loss became NaN or Inf (the last good checkpoint stays).
   """
-  validate_train_config(config)  # before anything is compiled or written
+  cfg = validate_train_config(config)  # before anything is compiled or written
   mesh = mesh_lib.make_mesh(config.mesh.shape, config.mesh.axes)
   mesh_lib.check_batch(config.batch_size, mesh)
   if data is None:
@@ -380,7 +377,7 @@ def train(config: ml_collections.ConfigDict, workdir: str,
     data = make_batches
   workdir_lib.claim(workdir, config)  # refuses another config's workdir, touching nothing
   use_compilation_cache(compilation_cache_dir(config))
-  model = build_model(config.model, config.head, num_labels=config.get("num_labels", 2))
+  model = build_model(cfg, config.head, num_labels=config.get("num_labels", 2))
   tx, schedule = make_optimizer(config.optimizer, config.total_steps)
   batch_sharding = mesh_lib.batch_sharding(mesh)
   host = dict(shard_id=jax.process_index(), num_shards=jax.process_count())
@@ -388,7 +385,7 @@ def train(config: ml_collections.ConfigDict, workdir: str,
   checkpointer = Checkpointer(workdir, save_interval_steps=config.checkpoint_every,
                               max_to_keep=config.keep_checkpoints,
                               async_save=config.async_checkpointing)
-  limits = batch_limits(model_config(config.model))
+  limits = batch_limits(cfg)
   predictions = max_predictions(config)
   first_batch = check_batch(next(data(config, "train", 0, **host)), limits, 0, predictions)
   state, state_shardings = init_state(model, tx, _global(first_batch, batch_sharding), mesh,
@@ -414,7 +411,6 @@ def train(config: ml_collections.ConfigDict, workdir: str,
   best = BestKeeper(workdir, config.get("best_metric"))
   length = config.get("target_len") or config.seq_len
   tokens_per_step = config.batch_size * length
-  cfg = model_config(config.model)
   flops = train_flops_per_step(
       cfg, config.batch_size, config.get("input_len") or config.seq_len,
       target_length=config.get("target_len"), predictions_per_seq=predictions,
