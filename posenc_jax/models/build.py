@@ -24,8 +24,8 @@ def check_head(model: Any, head: str) -> ModelConfig:
   Raises one :class:`ModelConfigError` line for an unknown head (with the nearest name), an
   invalid config, or a config the head cannot run (decoder layers under a BERT head; see
   :func:`~posenc_jax.models.transformer.check_translation_config` and
-  :func:`~posenc_jax.models.lm.check_lm_config`). Builds nothing: the train config's
-  validation calls it before anything is written.
+  :func:`~posenc_jax.models.decoder_lm.check_lm_config`). Builds nothing: the train
+  config's validation calls it before anything is written.
   """
   cfg = model if isinstance(model, ModelConfig) else model_config(model)
   if head not in HEADS:
@@ -35,7 +35,7 @@ def check_head(model: Any, head: str) -> ModelConfig:
     from posenc_jax.models.transformer import check_translation_config  # noqa: PLC0415
     check_translation_config(cfg)
   elif head == "lm":
-    from posenc_jax.models.lm import check_lm_config  # noqa: PLC0415
+    from posenc_jax.models.decoder_lm import check_lm_config  # noqa: PLC0415
     check_lm_config(cfg)
   elif cfg.num_decoder_layers:
     raise ModelConfigError(f"model.num_decoder_layers: got {cfg.num_decoder_layers}; allowed: 0 "
@@ -55,7 +55,7 @@ def build_model(model: Any, head: str = "mlm", *, num_labels: int = 2) -> nn.Mod
     from posenc_jax.models.transformer import EncoderDecoder  # noqa: PLC0415
     return EncoderDecoder(cfg)
   if head == "lm":
-    from posenc_jax.models.lm import CausalLM  # noqa: PLC0415
+    from posenc_jax.models.decoder_lm import CausalLM  # noqa: PLC0415
     return CausalLM(cfg)
   if head == "classification":
     return BertForSequenceClassification(cfg, num_labels=num_labels)

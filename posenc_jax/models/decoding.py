@@ -8,8 +8,8 @@ that runs one decoding step, with a fixed ``max_decode_len`` and
 :func:`jax.lax.while_loop` (they stop early once every sequence is done, and
 run under :func:`jax.jit`). :func:`translate` and :func:`greedy_translate`
 wire them to an :class:`~posenc_jax.models.transformer.EncoderDecoder`,
-:func:`generate` to a :class:`~posenc_jax.models.lm.CausalLM` (a prompt, then greedy or
-sampled continuations).
+:func:`generate` to a :class:`~posenc_jax.models.decoder_lm.CausalLM` (a prompt, then greedy
+or sampled continuations).
 
 Conventions: decoding starts from ``bos_id`` (0, the pad id, as in the flax
 WMT example); outputs are ``[.., max_decode_len]`` tokens without the BOS,
@@ -374,8 +374,8 @@ def translate(model: nn.Module, params: Any, src_ids: Array, src_mask: Array | N
 def generate(model: nn.Module, params: Any, prompt: Array, *, max_new_tokens: int,
              rng: Array | None = None, temperature: float = 1.0, top_k: int = 0,
              bos_id: int = 0, eos_id: int = 1, pad_id: int = 0) -> tuple[Array, Array]:
-  """Continues ``prompt`` with a :class:`~posenc_jax.models.lm.CausalLM`: greedy, or sampled
-  with ``rng`` (:func:`sample_search`'s ``temperature`` and ``top_k``).
+  """Continues ``prompt`` with a :class:`~posenc_jax.models.decoder_lm.CausalLM`: greedy, or
+  sampled with ``rng`` (:func:`sample_search`'s ``temperature`` and ``top_k``).
 
   The model reads ``[bos, prompt..., new tokens...]`` (its training inputs are the targets
   shifted right behind ``bos_id``). The cache covers ``P + max_new_tokens`` positions
@@ -385,7 +385,7 @@ def generate(model: nn.Module, params: Any, prompt: Array, *, max_new_tokens: in
   ``max_new_tokens`` (and ``temperature``, ``top_k``) static.
 
   Args:
-    model: a :class:`~posenc_jax.models.lm.CausalLM`.
+    model: a :class:`~posenc_jax.models.decoder_lm.CausalLM`.
     params: its parameters (in the layer layout of the model's config).
     prompt: ``[B, P]`` int ids, ``P >= 0``, no padding.
     max_new_tokens: N, the tokens to generate at most (a positive integer).

@@ -138,7 +138,7 @@ class Decoder(nn.Module):
   """Scaled target embeddings, the causal scheme's terms, N decoder layers.
 
   Without ``encoded`` it is a decoder-only stack (no cross-attention): the causal language
-  model's (:class:`~posenc_jax.models.lm.CausalLM`).
+  model's (:class:`~posenc_jax.models.decoder_lm.CausalLM`).
 
   Attributes:
     config: a validated :class:`ModelConfig`.
