@@ -38,7 +38,7 @@ SIZES: dict[str, dict] = {
 LINFORMER_K = 32  # DIET Tables 2-3 label Linformer rows by k: 32 and 256.
 
 # Position schemes named after the papers' rows, plus modifiers.
-SCHEMES: dict[str, dict] = {
+SCHEME_PRESETS: dict[str, dict] = {
     "bert": dict(scheme={"name": "learned_ape"}),
     "none": dict(scheme={"name": "none"}),
     "sinusoidal": dict(scheme={"name": "sinusoidal_ape"}),
@@ -66,6 +66,8 @@ SCHEMES: dict[str, dict] = {
     "pre_ln": dict(pre_ln=True),
     "bf16": dict(dtype="bfloat16"),
 }
+# The presets that set a position scheme (not the modifiers: segment_per_head, pre_ln, ...).
+POSITION_PRESETS = tuple(name for name, preset in SCHEME_PRESETS.items() if "scheme" in preset)
 
 
 def default_head(size: str) -> str:
@@ -85,10 +87,10 @@ def preset_config(arg: str = "bert_base,bert") -> ml_collections.ConfigDict:
                            f"allowed: {', '.join(SIZES)}")
   model = ModelConfig().to_dict() | SIZES[names[0]]  # every field, so any can be overridden
   for name in names[1:]:
-    if name not in SCHEMES:
-      raise ModelConfigError(f"config preset: {name!r} is unknown{nearest(name, SCHEMES)} "
-                             f"allowed: {', '.join(SCHEMES)}")
-    model.update(SCHEMES[name])
+    if name not in SCHEME_PRESETS:
+      raise ModelConfigError(f"config preset: {name!r} is unknown{nearest(name, SCHEME_PRESETS)} "
+                             f"allowed: {', '.join(SCHEME_PRESETS)}")
+    model.update(SCHEME_PRESETS[name])
   config = ml_collections.ConfigDict()
   # Fields that may be None or change type (a scheme dict) stay unlocked-typed.
   # A None field (head_dim) becomes a typed placeholder, so ``--config.model.head_dim=64`` parses.

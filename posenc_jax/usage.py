@@ -99,11 +99,11 @@ def help_text(prog: str, usage: str, *, configs: Sequence[str] | None = None, co
     lines.append("Configs (--config=configs/<file>.py[:<arguments>]):")
     lines += [f"  {f'configs/{n}.py':<{width}}"
               f"{_first_sentence(os.path.join(PACKAGED_CONFIGS, f'{n}.py'))}" for n in shown]
-    modifiers = [n for n, fields in presets.SCHEMES.items() if "scheme" not in fields]
+    modifiers = [n for n in presets.SCHEME_PRESETS if n not in presets.POSITION_PRESETS]
     wrap = functools.partial(textwrap.wrap, width=96, subsequent_indent=" " * 13)
     lines += ["", "Presets (arguments: one size, then schemes and modifiers, applied in order):",
               *wrap(f"  sizes:     {', '.join(presets.SIZES)}"),
-              *wrap(f"  schemes:   {', '.join(n for n in presets.SCHEMES if n not in modifiers)}"),
+              *wrap(f"  schemes:   {', '.join(presets.POSITION_PRESETS)}"),
               *wrap(f"  modifiers: {', '.join(modifiers)}"),
               "", "Position schemes (--config.model.scheme.name=...):",
               *textwrap.wrap(", ".join(SCHEMES), width=96, initial_indent="  ",

@@ -131,7 +131,7 @@ SIZE = "bert_tiny"          # 2 layers, d_model 128, 2 heads, 8k vocabulary
 SCHEME = "diet_abs_share"   # change me
 
 print("sizes:  ", ", ".join(presets.SIZES))
-print("schemes:", ", ".join(presets.SCHEMES))
+print("schemes:", ", ".join(presets.SCHEME_PRESETS))
 '''),
     ("markdown", '''\
 The training config is `configs/pretrain.py`'s, as `train.py --config=configs/pretrain.py:<size>,<scheme>`
@@ -536,7 +536,7 @@ count Linformer's `E`/`F` projections in the total.'''),
 from posenc_jax import presets
 
 print(f"{'preset':<22}{'scheme config':<52}{'position params':>16}{'total (M)':>11}")
-for name, preset in presets.SCHEMES.items():
+for name, preset in presets.SCHEME_PRESETS.items():
   if "scheme" not in preset:  # modifiers: segment_per_head, pre_ln, ...
     continue
   counts = model_counts(preset_config(f"bert_base,{name}"))

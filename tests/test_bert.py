@@ -17,7 +17,7 @@ from posenc_jax.models import (BertEncoder, BertForMaskedLM, BertForQuestionAnsw
 from posenc_jax.models.build import abstract_params, build_model
 from posenc_jax.models.layers import FeedForward
 from posenc_jax.params import breakdown, count, diet6_rows
-from posenc_jax.presets import SCHEMES, preset_config
+from posenc_jax.presets import SCHEME_PRESETS, preset_config
 
 TINY = dict(vocab_size=50, d_model=32, num_layers=2, num_heads=4, mlp_dim=48, max_len=16)
 
@@ -108,7 +108,7 @@ def test_params_cli_prints_json_and_table():
 
 
 # Every scheme preset except Linformer's (its keys are projected: tested separately).
-MASKABLE = sorted(n for n, p in SCHEMES.items()
+MASKABLE = sorted(n for n, p in SCHEME_PRESETS.items()
                   if "scheme" in p and p.get("attention") != "linformer")
 
 

@@ -24,10 +24,10 @@ import jax
 
 from posenc_jax import cli
 from posenc_jax.attention import ROUTES
-from posenc_jax.benchmarks.model_steps import BASELINE, POSITION_SCHEMES, SIZES, model_steps
+from posenc_jax.benchmarks import flags
+from posenc_jax.benchmarks.model_steps import BASELINE, BERT_SIZES, model_steps
 from posenc_jax.models import model_config
-from posenc_jax.models.config import DTYPES
-from posenc_jax.presets import preset_config
+from posenc_jax.presets import POSITION_PRESETS, preset_config
 
 PROG = "posenc_jax.benchmarks.compile"
 
@@ -66,7 +66,7 @@ def compile_table(args) -> list[dict]:
                 for _ in range(args.repeats)]
       median = lambda values: sorted(values)[len(values) // 2]  # noqa: E731
       row = {"size": size, "scheme": scheme,
-             "layers": model_config(preset_config(SIZES[size]).model).num_layers}
+             "layers": model_config(preset_config(BERT_SIZES[size]).model).num_layers}
       for part in ("train_s", "infer_s"):
         unrolled = median([r[0][part] for r in rounds])
         scanned = median([r[1][part] for r in rounds])
@@ -84,28 +84,19 @@ def parse_args(argv=None):
   """The flags of ``argv``, checked (and the ``--json`` path made) before anything compiles;
   a bad one exits with one line ``<prog>: --<flag>: got ...; allowed: ...``."""
   parser = cli.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
-  parser.add_argument("--size", type=cli.one_of(SIZES, sep=","), default=("tiny",),
-                      help=f"comma-separated BERT sizes: {', '.join(SIZES)} (default tiny)")
-  parser.add_argument("--length", type=cli.positive_int, default=128, help="tokens per example")
-  parser.add_argument("--batch", type=cli.positive_int, default=8, help="examples per step")
-  parser.add_argument("--dtype", type=cli.one_of(DTYPES), default="float32",
-                      help=f"compute dtype: {', '.join(DTYPES)}")
+  parser.add_argument("--size", type=cli.one_of(BERT_SIZES, sep=","), default=("tiny",),
+                      help=f"comma-separated BERT sizes: {', '.join(BERT_SIZES)} (default tiny)")
+  flags.add_model_flags(parser)
   parser.add_argument("--repeats", type=cli.positive_int, default=1,
                       help="compiles of each model, the median is reported (default 1)")
-  parser.add_argument("--schemes", type=cli.one_of(POSITION_SCHEMES, sep=","),
+  parser.add_argument("--schemes", type=cli.one_of(POSITION_PRESETS, sep=","),
                       default=(BASELINE,),
-                      help=f"comma-separated scheme presets: {', '.join(POSITION_SCHEMES)} "
+                      help=f"comma-separated scheme presets: {', '.join(POSITION_PRESETS)} "
                       f"(default {BASELINE})")
   parser.add_argument("--route", type=cli.one_of(ROUTES), default="auto",
                       help=f"attention route: {', '.join(ROUTES)} (default auto)")
   parser.add_argument("--json", default=None, help="also write the rows to this file")
-  args = parser.parse_args(argv)
-  if args.json is not None:
-    try:  # before anything compiles, so no timing is lost to a bad path
-      cli.check_output_file("--json", args.json)
-    except cli.OutputPathError as e:
-      parser.error(str(e))
-  return args
+  return flags.parse_checked(parser, argv)
 
 
 def main(argv=None):

@@ -1,6 +1,6 @@
 """The masked-LM BERT that the step and compile benchmarks (and the comparison's cost) time.
 
-:func:`model_steps` builds one size and scheme preset (``posenc_jax.presets.SCHEMES``) as
+:func:`model_steps` builds one size and scheme preset (``posenc_jax.presets.SCHEME_PRESETS``) as
 uncompiled steps on a fixed random batch ``[B, L]``; :func:`compiled_steps` compiles and warms
 them up into zero-argument callables for timing.
 """
@@ -14,13 +14,12 @@ import jax.numpy as jnp
 import optax
 
 from posenc_jax.models import BertForMaskedLM, model_config
-from posenc_jax.presets import SCHEMES, preset_config
+from posenc_jax.presets import preset_config
 from posenc_jax.training.objectives import weighted_cross_entropy
 
-SIZES = {"tiny": "bert_tiny", "small": "bert_small", "base": "bert_base"}
+# The benchmarks' --size names and the size presets they build.
+BERT_SIZES = {"tiny": "bert_tiny", "small": "bert_small", "base": "bert_base"}
 BASELINE = "bert"
-# Presets that set a position scheme (not the modifiers: segment_per_head, pre_ln, bf16, ...).
-POSITION_SCHEMES = tuple(name for name, preset in SCHEMES.items() if "scheme" in preset)
 
 
 def model_steps(size: str, scheme: str, *, batch: int, length: int, dtype: str,
@@ -31,7 +30,7 @@ def model_steps(size: str, scheme: str, *, batch: int, length: int, dtype: str,
   (15% of the tokens weighted), ``infer(params)`` the forward pass (logits ``[batch, length,
   vocab]``), ``init()`` the initial ``(params, opt_state)``.
   """
-  cfg = preset_config(f"{SIZES[size]},{scheme}").model
+  cfg = preset_config(f"{BERT_SIZES[size]},{scheme}").model
   cfg = model_config(cfg, max_len=max(length, cfg.get("max_len", 512)), dtype=dtype,
                      dropout_rate=0.0, attention_dropout_rate=0.0, route=route,
                      scan_layers=scan_layers)

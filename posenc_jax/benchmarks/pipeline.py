@@ -1,8 +1,8 @@
 """The masked-LM input pipeline alone: examples/s and source lines read per (simulated) host.
 
   python -m posenc_jax.benchmarks.pipeline [--source bundled,mock] [--hosts 4]
-      [--sharding source,stream] [--seq_len 128] [--batch_size 32] [--shuffle_block 1024] [--split validation]
-      [--mock_files 8] [--mock_lines 5000] [--json out.json]
+      [--sharding source,stream] [--seq_len 128] [--batch_size 32] [--shuffle_block 1024]
+      [--split validation] [--mock_files 8] [--mock_lines 5000] [--json out.json]
 
 For each source, sharding mode and host count ``n`` in ``1, --hosts``, hosts
 ``k = 0 .. n-1`` run one after the other in this process, each through one epoch of its
@@ -121,6 +121,7 @@ def measure(task_name: str, split: str, counter, *, hosts: int, shardings: Seque
 
 def main(argv: Sequence[str] | None = None) -> int:
   from posenc_jax import cli  # noqa: PLC0415
+  from posenc_jax.benchmarks import flags  # noqa: PLC0415
 
   parser = cli.ArgumentParser(prog="posenc_jax.benchmarks.pipeline",
                               description=__doc__.splitlines()[0])
@@ -140,18 +141,13 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument("--mock_lines", type=cli.positive_int, default=5000,
                       help="lines per mock file")
   parser.add_argument("--json", default=None, help="also write the rows to this file")
-  args = parser.parse_args(argv)
+  args = flags.parse_checked(parser, argv)
   if args.seq_len < 2:
     parser.error(f"--seq_len: got {args.seq_len}; allowed: an integer >= 2 ([CLS] and one "
                  "token)")
   if args.batch_size % args.hosts:
     parser.error(f"--batch_size: got {args.batch_size}; allowed: a multiple of --hosts="
                  f"{args.hosts}")
-  if args.json is not None:
-    try:
-      cli.check_output_file("--json", args.json)
-    except cli.OutputPathError as e:
-      parser.error(str(e))
 
   import tensorflow as tf  # noqa: PLC0415
 

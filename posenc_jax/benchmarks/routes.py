@@ -55,6 +55,7 @@ import jax.numpy as jnp
 
 from posenc_jax import cli, route_table
 from posenc_jax.attention import attend, cudnn_unsupported
+from posenc_jax.benchmarks import flags
 from posenc_jax.benchmarks.timing import seconds, timed, timed_against
 from posenc_jax.kernels import blocks, relative_flash, relative_flash_attention
 from posenc_jax.kernels.dropout import dropout_seed
@@ -389,17 +390,12 @@ def parse_args(argv=None):
   parser.add_argument("--repeats", type=cli.positive_int, default=10,
                       help="timed runs of each kernel, the median is reported (default 10)")
   parser.add_argument("--json", default=None, help="also write the rows to this file")
-  args = parser.parse_args(argv)
-  for flag in ("json", "route_table"):
-    if getattr(args, flag) is not None:
-      try:  # before anything compiles, so no timing is lost to a bad path
-        cli.check_output_file(f"--{flag}", getattr(args, flag))
-        if flag == "route_table":  # a file to add to: it must be a table already
-          route_table.read(args.route_table)
-      except cli.OutputPathError as e:
-        parser.error(str(e))
-      except ValueError as e:
-        parser.error(f"--{flag}: {e}")
+  args = flags.parse_checked(parser, argv, outputs=("json", "route_table"))
+  if args.route_table is not None:
+    try:  # a file to add to: it must be a table already
+      route_table.read(args.route_table)
+    except ValueError as e:
+      parser.error(f"--route_table: {e}")
   return args
 
 

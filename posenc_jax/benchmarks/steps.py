@@ -4,7 +4,7 @@
       [--schemes bert,diet_abs,diet_rel,...] [--baseline bert] [--route auto]
       [--dtype float32|bfloat16] [--repeats 10] [--json out.json]
 
-For every scheme preset (``posenc_jax.presets.SCHEMES``) it builds the
+For every scheme preset (``posenc_jax.presets.SCHEME_PRESETS``) it builds the
 masked-LM BERT of the given size (:mod:`posenc_jax.benchmarks.model_steps`), compiles a
 training step (forward, backward, AdamW update) and an inference forward pass, and times both
 after warm-up as the median of ``--repeats`` runs, each timed alternately with the
@@ -34,9 +34,10 @@ import jax
 
 from posenc_jax import cli
 from posenc_jax.attention import ROUTES
-from posenc_jax.benchmarks.model_steps import BASELINE, POSITION_SCHEMES, SIZES, compiled_steps
+from posenc_jax.benchmarks import flags
+from posenc_jax.benchmarks.model_steps import BASELINE, BERT_SIZES, compiled_steps
 from posenc_jax.benchmarks.timing import timed_against
-from posenc_jax.models.config import DTYPES
+from posenc_jax.presets import POSITION_PRESETS
 from posenc_jax.training.metrics import peak_flops, train_flops_per_step
 
 PROG = "posenc_jax.benchmarks.steps"
@@ -54,30 +55,21 @@ def parse_args(argv=None):
   """The flags of ``argv``, checked (and the ``--json`` path made) before anything compiles;
   a bad one exits with one line ``<prog>: --<flag>: got ...; allowed: ...``."""
   parser = cli.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
-  parser.add_argument("--size", type=cli.one_of(SIZES), default="tiny",
-                      help=f"BERT size: {', '.join(SIZES)} (default tiny)")
-  parser.add_argument("--length", type=cli.positive_int, default=128, help="tokens per example")
-  parser.add_argument("--batch", type=cli.positive_int, default=8, help="examples per step")
-  parser.add_argument("--dtype", type=cli.one_of(DTYPES), default="float32",
-                      help=f"compute dtype: {', '.join(DTYPES)}")
+  parser.add_argument("--size", type=cli.one_of(BERT_SIZES), default="tiny",
+                      help=f"BERT size: {', '.join(BERT_SIZES)} (default tiny)")
+  flags.add_model_flags(parser)
   parser.add_argument("--repeats", type=cli.positive_int, default=10,
                       help="timed runs of each step, the median is reported (default 10)")
-  parser.add_argument("--schemes", type=cli.one_of(POSITION_SCHEMES, sep=","),
+  parser.add_argument("--schemes", type=cli.one_of(POSITION_PRESETS, sep=","),
                       default=DEFAULT_SCHEMES,
-                      help=f"comma-separated scheme presets: {', '.join(POSITION_SCHEMES)} "
+                      help=f"comma-separated scheme presets: {', '.join(POSITION_PRESETS)} "
                       f"(default {','.join(DEFAULT_SCHEMES)})")
-  parser.add_argument("--baseline", type=cli.one_of(POSITION_SCHEMES), default=BASELINE,
+  parser.add_argument("--baseline", type=cli.one_of(POSITION_PRESETS), default=BASELINE,
                       help=f"scheme preset to divide by (default {BASELINE})")
   parser.add_argument("--route", type=cli.one_of(ROUTES), default="auto",
                       help=f"attention route: {', '.join(ROUTES)} (default auto)")
   parser.add_argument("--json", default=None, help="also write the rows to this file")
-  args = parser.parse_args(argv)
-  if args.json is not None:
-    try:  # before anything compiles, so no timing is lost to a bad path
-      cli.check_output_file("--json", args.json)
-    except cli.OutputPathError as e:
-      parser.error(str(e))
-  return args
+  return flags.parse_checked(parser, argv)
 
 
 def main(argv=None):

@@ -16,7 +16,7 @@ from typing import Any
 
 from etils import epath
 
-from posenc_jax.presets import SCHEMES, SIZES
+from posenc_jax.presets import POSITION_PRESETS, SCHEME_PRESETS, SIZES
 from posenc_jax.training.workdir import CONFIG_FILE, saved_config
 
 # Folders a run writes that hold no other run.
@@ -77,7 +77,7 @@ def read_run(workdir: str | epath.Path) -> dict[str, Any]:
   if config is None:
     raise CollectError(f"collect: {folder} is no train.py workdir (no {CONFIG_FILE})")
   model = config.get("model") or {}
-  scheme_presets = {n: p for n, p in SCHEMES.items() if "scheme" in p}
+  scheme_presets = {n: SCHEME_PRESETS[n] for n in POSITION_PRESETS}
   size_presets = {n: {k: p[k] for k in ("d_model", "num_layers", "num_heads", "mlp_dim")
                       if k in p} for n, p in SIZES.items()}
   evals = {}

@@ -1,8 +1,8 @@
 """Each scheme's training cost against the baseline's (DIET Table 1), with the functions of
 :mod:`posenc_jax.benchmarks.model_steps`: the masked-LM BERT of the experiment's size at
-``cost.batch`` x ``cost.length``, its train step (forward, backward, AdamW) timed alternately with the
-baseline's in this process, and the peak memory XLA plans for that step (compiled memory
-analysis: on every backend, and per scheme, unlike a device's running peak).
+``cost.batch`` x ``cost.length``, its train step (forward, backward, AdamW) timed alternately
+with the baseline's in this process, and the peak memory XLA plans for that step (compiled
+memory analysis: on every backend, and per scheme, unlike a device's running peak).
 """
 
 from __future__ import annotations
@@ -34,10 +34,10 @@ def measure(size: str, schemes: list[str], baseline: str,
             cost: ml_collections.ConfigDict) -> dict[str, Any]:
   """``{"baseline", "size", "batch", "length", "rows": {scheme: {"train_ms", "train_ratio",
   "peak_bytes", "memory_ratio"} or {"na": reason}}, "note"}``."""
-  from posenc_jax.benchmarks.model_steps import SIZES, compiled_steps  # noqa: PLC0415
+  from posenc_jax.benchmarks.model_steps import BERT_SIZES, compiled_steps  # noqa: PLC0415
   from posenc_jax.benchmarks.timing import timed_against  # noqa: PLC0415
 
-  sizes = {preset: name for name, preset in SIZES.items()}
+  sizes = {preset: name for name, preset in BERT_SIZES.items()}
   dims = dict(batch=cost.batch, length=cost.length, dtype=cost.dtype)
   note = (f"Cost: BERT MLM train step at {size}, batch {cost.batch}, length {cost.length}, "
           f"{cost.dtype}; median of {cost.repeats} runs timed alternately with {baseline}; "

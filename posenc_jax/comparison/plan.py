@@ -16,11 +16,9 @@ from typing import Any
 import ml_collections
 
 from posenc_jax.messages import nearest
-from posenc_jax.presets import SCHEMES, SIZES
+from posenc_jax.presets import POSITION_PRESETS, SIZES
 
 PROTOCOLS = ("finetune", "extrapolation", "probes")
-# Presets that set a position scheme (not the modifiers).
-POSITION_SCHEMES = tuple(name for name, preset in SCHEMES.items() if "scheme" in preset)
 
 
 class PlanError(ValueError):
@@ -100,7 +98,7 @@ def check(config: ml_collections.ConfigDict) -> dict[str, Any]:
   "tasks", "lengths"}``; raises :class:`PlanError` naming the first bad field."""
   if config.get("protocol") not in PROTOCOLS:
     raise PlanError(f"protocol: got {config.get('protocol')!r}; allowed: {', '.join(PROTOCOLS)}")
-  schemes = _one_of(config, "schemes", POSITION_SCHEMES)
+  schemes = _one_of(config, "schemes", POSITION_PRESETS)
   baseline = config.get("baseline") or schemes[0]
   if baseline not in schemes:
     raise PlanError(f"baseline: {baseline!r} is not among the schemes{nearest(baseline, schemes)}"
