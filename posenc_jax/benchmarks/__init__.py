@@ -6,4 +6,5 @@
     pipeline     the masked-LM input pipeline alone, per simulated host
     model_steps  the masked-LM BERT that ``steps``, ``compile`` and the comparison time
     timing       medians of steps timed alternately
+    flags        the model-shape flags several tools take, and the check of the files they write
 """
