@@ -8,39 +8,21 @@
   into q/k by concatenation along the head dim, and Toeplitz terms (DIET-REL,
   T5, ALiBi, TUPE-R's relative part) go to the Pallas flash kernel
   (:func:`posenc_jax.kernels.relative_flash_attention`) as one ``[H, Lq+Lk-1]``
-  vector whose tiles the kernel builds in place (gather tiles through Triton
-  on GPU, strided-roll tiles through Mosaic on TPU). Bias-free attention
-  (after folding) runs on cuDNN on GPU and on splash attention on TPU where
-  they fit (splash takes no additive bias at all, so folding is its only
-  positional route), else in the Pallas kernel without a bias. Terms that are
-  dense by nature (Shaw's query-dependent term, per-example biases) are
-  added, with any Toeplitz term materialised, as the ``bias`` of
-  :func:`jax.nn.dot_product_attention`. Where measurements say so
-  (:mod:`posenc_jax.route_table`, per device kind, dtype and length), a batch-free
-  Toeplitz or factored term is materialised once per call as such a bias instead: on an
-  H100 cuDNN with a ``[1, H, L, L]`` bias can beat the kernel at short lengths.
-* ``route="auto"`` (the default) picks per device, from the benchmark
-  (``python -m posenc_jax.benchmarks.steps --route``): on GPU and TPU the fused route;
-  on CPU the reference route (at short lengths a batch-free term
-  materialised once per layer costs less than folding it into every
-  example's q/k, and Pallas only interprets on CPU). Attention dropout
-  runs on both routes with the same mask: on the fused route inside the
-  Pallas kernel (a counter-based hash, regenerated in the backward pass).
+  vector whose tiles the kernel builds in place. Bias-free attention runs on cuDNN
+  on GPU and on splash attention on TPU where they fit; dense terms (Shaw's
+  query-dependent term, per-example biases) go to :func:`jax.nn.dot_product_attention`
+  as a bias.
+* ``route="auto"`` (the default): the fused route on GPU and TPU, the reference route
+  on CPU and where a term cannot fuse.
 
-The routes agree to float32 rounding, gradients included (tested, the Pallas
-kernel in interpret mode). Every route starts from :func:`attend`, which first
-checks its arguments (:func:`check_arguments`: static shapes, at trace time, so
-nothing at run time) and raises one ValueError line naming the first that does
-not fit.
-
-cuDNN fallback: :func:`jax.nn.dot_product_attention` reaches cuDNN only when
-asked to; the fused route asks when :func:`cudnn_unsupported` returns None
-(GPU, bfloat16/float16, folded head dim a multiple of 8 and at most 128, or
-256 from compute capability 9.0, even lengths with a bias) and otherwise
-runs the Pallas kernel without a bias when there is no dense term (so long
-sequences never materialise the logits), else the XLA implementation. Splash
-attention (TPU) needs self-attention over a multiple of 128 positions; other
-shapes take the Pallas kernel.
+Which of these runs, and how each term enters, is decided in one place: :func:`attend`
+checks its arguments (:func:`check_arguments`: static shapes, at trace time, one
+ValueError line naming the first that does not fit), asks
+:func:`posenc_jax.route_plan.plan` once, and executes the plan it gets
+(``print(route_plan.plan_for(q, k, v, terms))`` shows it). The routes agree to float32
+rounding, gradients included (tested, the Pallas kernel in interpret mode); attention
+dropout draws the same mask on both (a counter-based hash, inside the kernel on the
+fused route).
 """
 
 from __future__ import annotations
@@ -55,18 +37,16 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from posenc_jax import route_table
-from posenc_jax.kernels import blocks, relative_flash, relative_flash_attention
+from posenc_jax import route_plan
+from posenc_jax.kernels import relative_flash_attention
 from posenc_jax.kernels.dropout import dropout_multipliers, dropout_seed
-from posenc_jax.kernels.precision import PRECISIONS, dot_precision
+from posenc_jax.kernels.precision import dot_precision
 from posenc_jax.messages import nearest
 from posenc_jax.schemes.base import is_finite_number, is_int
-from posenc_jax.terms import Factored, SchemeTerms, Term, Toeplitz, toeplitz_bias
+from posenc_jax.terms import SchemeTerms, Term, toeplitz_bias
 
 Array = jax.Array
 Route = Literal["auto", "reference", "fused"]
-ROUTES = ("auto", "reference", "fused")
-IMPLEMENTATIONS = ("xla", "cudnn")
 
 
 def _is_float_dtype(dtype: Any) -> bool:
@@ -147,8 +127,8 @@ def check_arguments(q: Array, k: Array, v: Array, terms: Sequence[Term], *,
   if scale is not None and not (is_finite_number(scale) and scale > 0):
     raise ValueError(f"attend: scale: got {scale!r}; allowed: a finite positive number, or "
                      "None for 1 / sqrt(D)")
-  _one_of("route", route, ROUTES)
-  _one_of("implementation", implementation, (None, *IMPLEMENTATIONS))
+  _one_of("route", route, route_plan.ROUTES)
+  _one_of("implementation", implementation, (None, *route_plan.IMPLEMENTATIONS))
   if not (is_finite_number(dropout_rate) and 0 <= dropout_rate < 1):
     raise ValueError(f"attend: dropout_rate: got {dropout_rate!r}; allowed: a number in [0, 1)")
   if dropout_rng is not None and not (
@@ -205,125 +185,54 @@ def _reference(q, k, v, terms, mask, causal, scale, dropout_rate=0.0, seed=None,
   return out
 
 
-def cudnn_unsupported(q_shape: Sequence[int], k_shape: Sequence[int], dtype, *,
-                      has_bias: bool, backend: str | None = None,
-                      compute_capability: float | None = None) -> str | None:
-  """Why :func:`jax.nn.dot_product_attention` cannot run on cuDNN, or None if it can.
-
-  Args:
-    q_shape, k_shape: ``[B, L, H, D]`` after folding (D includes the folded rank).
-    dtype: compute dtype of q/k/v.
-    has_bias: an additive bias goes with the call.
-    backend, compute_capability: the device's (None: read from the first device).
-  """
-  backend = jax.default_backend() if backend is None else backend
-  if backend != "gpu":
-    return f"backend {backend} has no cuDNN"
-  if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-    return f"dtype {jnp.dtype(dtype).name} (cuDNN flash attention takes bfloat16/float16)"
-  if compute_capability is None:
-    compute_capability = float(blocks.gpu_compute_capability() or 0)
-  head_max = 256 if compute_capability >= 9.0 else 128
-  head_dim = q_shape[-1]
-  if head_dim % 8 or head_dim > head_max:
-    return f"head dim {head_dim} after folding (needs a multiple of 8, at most {head_max})"
-  if has_bias and (q_shape[1] % 2 or k_shape[1] % 2):
-    return f"odd lengths {q_shape[1]}, {k_shape[1]} with a bias"
-  return None
+def _kernel(kernel: route_plan.KernelPlan, q, k, v, offsets, mask, causal, scale,
+            segment_ids, precision, dropout_rate, seed):
+  """The Pallas kernel with the plan's settings; ``offsets``: the Toeplitz vectors."""
+  return relative_flash_attention(
+      q, k, v, sum(offsets) if offsets else None, mask=mask, q_segment_ids=segment_ids,
+      kv_segment_ids=segment_ids, causal=causal, scale=scale, zero_first=kernel.zero_first,
+      tiles=kernel.tiles, block_q=kernel.blocks.block_q, block_k=kernel.blocks.block_k,
+      precision=precision, dropout_rate=dropout_rate if kernel.dropout else 0.0,
+      dropout_seed=seed if kernel.dropout else None, forward=kernel.forward,
+      backward=kernel.backward)
 
 
-def _materialise(term: Term, q: Array, k_len: int) -> bool:
-  """Whether :mod:`posenc_jax.route_table` has ``term``, if a batch-free Toeplitz or
-  factored term, materialised as a bias at ``q`` ``[B, Lq, H, D]``'s shape."""
-  if isinstance(term, Toeplitz) and term.position_ids is None and term.q_offset is None:
-    form, rank = "toeplitz", 0
-  elif isinstance(term, Factored) and all(x.ndim == 3 or x.shape[0] == 1
-                                          for x in (term.u, term.v)):
-    form, rank = "factored", term.u.shape[-1]
-  else:
-    return False
-  return route_table.materialise(form, dtype=jnp.dtype(q.dtype).name,
-                                 length=math.sqrt(q.shape[1] * k_len), head_dim=q.shape[-1],
-                                 rank=rank)
-
-
-def _fused(q, k, v, terms, mask, causal, scale, *, implementation, backend=None,
-           segment_ids=None, precision="float32", dropout_rate=0.0, seed=None):
-  """The fused route (module docstring); ``backend`` None reads the default backend.
-
-  A batch-free Toeplitz or factored term that :mod:`posenc_jax.route_table` says is cheaper
-  materialised at this device, dtype and shape is a dense term instead (not with dropout
-  or packed segments, which need the kernel).
-  Toeplitz terms without dense ones go to the Pallas kernel (gather tiles,
-  Triton, on GPU and CPU; roll tiles, Mosaic, on TPU), its forward pass to the Hopper
-  kernel (Mosaic GPU) where the route table measured that fastest. Bias-free attention
-  goes to cuDNN on GPU where it fits, to splash attention on TPU where it
-  fits, else to the Pallas kernel without a bias. Dense terms (with any
-  Toeplitz term materialised) go to :func:`jax.nn.dot_product_attention`.
-  With dropout (``seed`` given) the kernel runs whatever fits it (it draws the
-  reference route's mask in its tiles); what does not fit runs the reference.
-  """
-  unfolded_q, unfolded_k = q, k
-  backend = jax.default_backend() if backend is None else backend
-  q_parts, k_parts, dense, toeplitz = [q], [k], [], []
-  for term in terms:
-    # Dropout and packed segments need the kernel (cuDNN draws its own mask, takes no ids).
-    if seed is None and segment_ids is None and _materialise(term, q, k.shape[1]):
+def _execute(plan: route_plan.Plan, q, k, v, terms, mask, causal, scale, *, segment_ids,
+             precision, dropout_rate, seed):
+  """Runs ``plan`` (:func:`posenc_jax.route_plan.plan`) on q/k ``[B, L, H, D]`` (after the
+  q/k transforms) and v; returns ``[B, Lq, H, D]``."""
+  if plan.runner == "reference":
+    return _reference(q, k, v, terms, mask, causal, scale, dropout_rate, seed, segment_ids,
+                      precision)
+  q_parts, k_parts, dense, offsets, zero_first = [q], [k], [], [], []
+  for term, entry in zip(terms, plan.entries):
+    if entry == "table":
       dense.append(term.logits(q, scale))
-      continue
-    part = term.fused(q, scale)
-    if part.bias is not None:
-      dense.append(part.bias)
-    if part.offset_bias is not None:
-      toeplitz.append(part)
-    if part.q_extra is not None:
-      batch = q.shape[0]
-      q_parts.append(jnp.broadcast_to(part.q_extra, (batch,) + part.q_extra.shape[1:]))
-      k_parts.append(jnp.broadcast_to(part.k_extra, (batch,) + part.k_extra.shape[1:]))
+    elif entry != "transform":
+      part = term.fused(q, scale)
+      if entry == "bias":
+        dense.append(part.bias)
+      elif entry == "fold":
+        batch = q.shape[0]
+        q_parts.append(jnp.broadcast_to(part.q_extra, (batch,) + part.q_extra.shape[1:]))
+        k_parts.append(jnp.broadcast_to(part.k_extra, (batch,) + part.k_extra.shape[1:]))
+      else:  # "kernel", "offsets": the Toeplitz vector, in the tiles or materialised
+        offsets.append(part.offset_bias)
+        zero_first.append(part.zero_first)
   head_dim = v.shape[-1]
   q = jnp.concatenate(q_parts, axis=-1)
   k = jnp.concatenate(k_parts, axis=-1)
-  if q.shape[-1] % 8:  # zero columns change no product; cuDNN wants multiples of 8
-    widen = [(0, 0)] * 3 + [(0, -q.shape[-1] % 8)]
+  if q.shape[-1] < plan.qk_dim:  # zero columns change no product; cuDNN wants multiples of 8
+    widen = [(0, 0)] * 3 + [(0, plan.qk_dim - q.shape[-1])]
     q, k = jnp.pad(q, widen), jnp.pad(k, widen)
   q_len, k_len = q.shape[1], k.shape[1]
-  key_mask = mask is None or mask.ndim == 2
-  kernel_fits = not dense and key_mask and len({p.zero_first for p in toeplitz}) <= 1
-  if implementation is None:
-    # A 4-D mask or packed segments reach cuDNN as a full [B, 1, Lq, Lk] bias.
-    full_mask = not key_mask or (segment_ids is not None and not kernel_fits)
-    no_cudnn = cudnn_unsupported(q.shape, k.shape, q.dtype,
-                                 has_bias=bool(dense or toeplitz or full_mask), backend=backend)
-    implementation = "xla" if no_cudnn else "cudnn"
-  if seed is not None and not kernel_fits:
-    return _reference(unfolded_q, unfolded_k, v, terms, mask, causal, scale, dropout_rate, seed,
-                      segment_ids, precision)
-  if kernel_fits and not toeplitz and backend == "tpu" and _splash_fits(q, k) and seed is None:
+  if plan.runner == "splash":
     return _splash(q, k, v, mask, causal, scale, segment_ids)
-
-  def kernel():
-    offset_bias = sum(p.offset_bias for p in toeplitz) if toeplitz else None
-    # The Hopper forward (and backward) where the route table measured it fastest (or it is
-    # forced), and where they take the shapes.
-    hopper = (bool(toeplitz) and backend != "tpu"
-              and relative_flash.hopper_fits(q_len, k_len, q.shape[-1], head_dim, q.dtype)
-              and route_table.hopper_way(dtype=jnp.dtype(q.dtype).name,
-                                         length=math.sqrt(q_len * k_len), head_dim=head_dim))
-    both = hopper == "both" and relative_flash.hopper_fits(
-        q_len, k_len, q.shape[-1], head_dim, q.dtype, backward=True)
-    return relative_flash_attention(
-        q, k, v, offset_bias, mask=mask, q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
-        causal=causal, scale=scale, zero_first=bool(toeplitz) and toeplitz[0].zero_first,
-        tiles="roll" if backend == "tpu" else "gather", precision=precision,
-        dropout_rate=dropout_rate if seed is not None else 0.0, dropout_seed=seed,
-        forward="hopper" if hopper else "tiles", backward="hopper" if both else "tiles")
-
-  # Packed segments: cuDNN (through dot_product_attention) has no segment ids; the kernel has.
-  # Dropout: cuDNN's mask is its own; the kernel draws the reference route's.
-  if kernel_fits and (toeplitz or implementation == "xla" or segment_ids is not None
-                      or seed is not None):
+  kernel = lambda: _kernel(plan.kernel, q, k, v, offsets, mask, causal, scale,  # noqa: E731
+                           segment_ids, precision, dropout_rate, seed)
+  if plan.runner == "kernel":
     return kernel()
-  dense += [toeplitz_bias(p.offset_bias, q_len, k_len, p.zero_first) for p in toeplitz]
+  dense += [toeplitz_bias(o, q_len, k_len, z) for o, z in zip(offsets, zero_first)]
   bias = sum(dense[1:], dense[0]).astype(q.dtype) if dense else None
   # dot_product_attention wants v shaped like k: zero-pad, then slice off.
   v_wide = jnp.pad(v, [(0, 0)] * 3 + [(0, k.shape[-1] - head_dim)])
@@ -332,30 +241,24 @@ def _fused(q, k, v, terms, mask, causal, scale, *, implementation, backend=None,
     with jax.default_matmul_precision(precision):
       out = jax.nn.dot_product_attention(
           q, k, v_wide, bias=bias, mask=mask_4d, scale=scale, is_causal=causal,
-          key_value_seq_lengths=kv_lengths, implementation=implementation)
+          key_value_seq_lengths=kv_lengths, implementation=plan.implementation)
     return out[..., :head_dim]
 
   mask_4d = _mask_4d(mask, False, q_len, k_len, segment_ids)
-  if implementation != "cudnn" or mask_4d is None:
+  if plan.mask in (None, "mask"):
     return dot_product_attention(mask_4d)
-  # cuDNN checks at trace time that a mask (turned into a bias) spans [Lq, Lk]. A key mask
-  # that keeps a prefix of every row (right padding, the usual case) goes as sequence
-  # lengths instead, with no [Lq, Lk] array; any other key mask is decided at run time:
-  # the Pallas kernel where it can run, else the mask broadcast to [B, 1, Lq, Lk].
+  # cuDNN checks at trace time that a mask (turned into a bias) spans [Lq, Lk].
   full = lambda: dot_product_attention(  # noqa: E731
       jnp.broadcast_to(mask_4d, mask_4d.shape[:2] + (q_len, k_len)))
-  if not key_mask or segment_ids is not None:
+  if plan.mask == "full":
     return full()
+  # A key mask that keeps a prefix of every row (right padding, the usual case) goes as
+  # sequence lengths, with no [Lq, Lk] array; any other key mask takes the plan's fallback.
   lengths = jnp.sum(mask.astype(jnp.int32), axis=-1)
   is_prefix = jnp.all((jnp.arange(k_len)[None, :] < lengths[:, None]) == mask.astype(bool))
   return lax.cond(is_prefix & jnp.all(lengths > 0),
                   lambda: dot_product_attention(kv_lengths=lengths),
-                  kernel if kernel_fits else full)
-
-
-def _splash_fits(q: Array, k: Array) -> bool:
-  """Splash attention's shape needs: self-attention, length a multiple of its 128-row blocks."""
-  return q.shape[1] == k.shape[1] and q.shape[1] % 128 == 0
+                  kernel if plan.mask == "lengths or kernel" else full)
 
 
 def _splash(q, k, v, mask, causal, scale, segment_ids=None):
@@ -411,7 +314,7 @@ def attend(
     route: ``"reference"``, ``"fused"`` or ``"auto"`` (see the module docstring).
     implementation: for :func:`jax.nn.dot_product_attention` on the fused
       route: ``"xla"``, ``"cudnn"``, or None to use cuDNN where
-      :func:`cudnn_unsupported` allows.
+      :func:`posenc_jax.route_plan.cudnn_unsupported` allows.
     dropout_rate: attention-probability dropout (BERT's
       ``attention_probs_dropout_prob``); active only with a ``dropout_rng``. The
       mask is a hash of (seed, batch, head, query, key)
@@ -444,27 +347,11 @@ def attend(
   for term in terms:
     q, k = term.transform_qk(q, k)
   seed = dropout_seed(dropout_rng) if dropout_rate > 0.0 and dropout_rng is not None else None
-  if choose_route(route, terms) == "reference":
-    return _reference(q, k, v, terms, mask, causal, scale, dropout_rate, seed, segment_ids,
-                      precision)
-  return _fused(q, k, v, terms, mask, causal, scale, implementation=implementation,
-                segment_ids=segment_ids, precision=precision, dropout_rate=dropout_rate,
-                seed=seed)
-
-
-def choose_route(route: Route, terms: Sequence[Term], backend: str | None = None) -> str:
-  """The route :func:`attend` runs, ``"reference"`` or ``"fused"``.
-
-  ``backend``: None reads :func:`jax.default_backend`. Raises a one-line
-  ValueError when ``fused`` is asked for and cannot run.
-  """
-  backend = jax.default_backend() if backend is None else backend
-  unfusable = [type(t).__name__ for t in terms if not t.fusable]
-  if route == "auto":
-    route = "reference" if unfusable or backend == "cpu" else "fused"
-  elif route == "fused" and unfusable:
-    raise ValueError(f"route: 'fused' cannot run {', '.join(unfusable)}; use route='reference'")
-  return route
+  plan = route_plan.plan_for(q, k, v, terms, mask=mask, causal=causal, dropout=seed is not None,
+                             segment_ids=segment_ids, route=route,
+                             implementation=implementation, precision=precision)
+  return _execute(plan, q, k, v, terms, mask, causal, scale, segment_ids=segment_ids,
+                  precision=precision, dropout_rate=dropout_rate, seed=seed)
 
 
 def head_projection(module, name: str) -> nn.DenseGeneral:

@@ -39,11 +39,12 @@ with it; tests use it to run each way on any device).
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import dataclasses
 import json
 import math
 import os
 import pathlib
-import threading
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, NamedTuple
 
@@ -212,17 +213,7 @@ def points() -> list[Point]:
   return _LOADED[stamp]
 
 
-_FORCED = threading.local()
-
-
-@contextlib.contextmanager
-def forced(**ways: bool | None) -> Iterator[None]:
-  """Inside the block, ``toeplitz=`` / ``factored=`` True materialises that form, False
-  keeps the default way, None (or not given) asks the table; ``hopper=`` True runs the
-  Toeplitz kernel's Hopper forward where it fits, ``"both"`` its Hopper forward and
-  backward, False the Triton ones. It applies when a
-  function is traced: a function jitted (or traced) before the block keeps the way it was
-  traced with."""
+def _check_ways(ways: Mapping[str, Any]) -> None:
   allowed = (*FORMS, "hopper")
   unknown = sorted(set(ways) - set(allowed))
   if unknown:
@@ -230,12 +221,119 @@ def forced(**ways: bool | None) -> Iterator[None]:
   if ways.get("hopper") not in (None, *HOPPER_WAYS):
     raise ValueError(f"route_table.forced: hopper: got {ways['hopper']!r}; allowed: None, "
                      "False, True, 'both'")
-  previous = getattr(_FORCED, "ways", {})
-  _FORCED.ways = {**previous, **ways}
+
+
+@dataclasses.dataclass(frozen=True)
+class RouteTable:
+  """The measured points a route plan reads (:func:`posenc_jax.route_plan.plan`), and the
+  ways forced over them: a value, passed to the plan, never consulted behind its back.
+
+  Attributes:
+    points: the :class:`Point` s.
+    forced: ``(name, way)`` pairs that override the points: ``toeplitz`` / ``factored``
+      True materialises that form, False keeps the default way; ``hopper`` False, True or
+      ``"both"`` (:data:`HOPPER_WAYS`) runs the Toeplitz kernel's passes on Triton, its
+      forward on the Hopper kernel, or both passes there.
+  """
+
+  points: tuple[Point, ...] = ()
+  forced: tuple[tuple[str, bool | str], ...] = ()
+
+  def forcing(self, **ways: bool | str | None) -> RouteTable:
+    """This table with ``ways`` forced over it (None: ask the points again)."""
+    _check_ways(ways)
+    merged_ways = {**dict(self.forced), **ways}
+    return dataclasses.replace(
+        self, forced=tuple((k, w) for k, w in merged_ways.items() if w is not None))
+
+  def nearest(self, form: str, *, dtype: str, length: float, head_dim: int, device: str,
+              rank: int = 0) -> Point | None:
+    """The point of this device kind, dtype and form nearest to the shape (``log2``
+    length, plus ``log2`` folded width for factored terms; a tie goes to the longer
+    length), or None. Arguments as :meth:`materialise`'s."""
+    same = [p for p in self.points if (p.device, p.dtype, p.form) == (device, dtype, form)]
+    if not same:
+      return None
+
+    def distance(p: Point) -> tuple[float, int]:
+      d = abs(math.log2(p.length / length))
+      if form == "factored":
+        d += abs(math.log2((p.head_dim + p.rank) / (head_dim + rank)))
+      return d, -p.length
+
+    return min(same, key=distance)
+
+  def materialise(self, form: str, *, dtype: str, length: float, head_dim: int, device: str,
+                  rank: int = 0) -> bool:
+    """Whether the fused route materialises a batch-free ``form`` term at this shape.
+
+    Args:
+      form: ``toeplitz`` or ``factored``.
+      dtype: the compute dtype's name (``bfloat16``...).
+      length: ``sqrt(Lq Lk)``.
+      head_dim: D before folding; ``rank``: the factored term's ``r`` (0 for Toeplitz).
+      device: the device kind (``NVIDIA H100 80GB HBM3``...).
+
+    Returns:
+      The forced way where ``form`` is forced, else that of the nearest point of the same
+      device, dtype and form, else False.
+    """
+    way = dict(self.forced).get(form)
+    if way is not None:
+      return way
+    point = self.nearest(form, dtype=dtype, length=length, head_dim=head_dim, rank=rank,
+                         device=device)
+    return point is not None and point.materialise
+
+  def hopper_way(self, *, dtype: str, length: float, head_dim: int,
+                 device: str) -> bool | str:
+    """Which passes of the fused route's Toeplitz kernel run on Hopper kernels: False
+    (none), True (the forward) or ``"both"`` (forward and backward). The forced ``hopper``
+    way, else the Hopper way of the nearest Toeplitz point (as :meth:`materialise`) where
+    it was the fastest way, else False."""
+    way = dict(self.forced).get("hopper")
+    if way is not None:
+      return way
+    point = self.nearest("toeplitz", dtype=dtype, length=length, head_dim=head_dim,
+                         device=device)
+    if point is None or point.fastest != "hopper":
+      return False
+    return "both" if point.hopper_backward else True
+
+
+_ACTIVE: contextvars.ContextVar[RouteTable | None] = contextvars.ContextVar(
+    "posenc_jax_route_table", default=None)
+
+
+def current() -> RouteTable:
+  """The table :func:`posenc_jax.attend` hands its route plan: the one :func:`using` (or
+  :func:`forced`) set around the call, else :func:`points` (packaged, overlaid by
+  ``$POSENC_JAX_ROUTE_TABLE``'s). Read once per call, when the call is traced."""
+  active = _ACTIVE.get()
+  return RouteTable(tuple(points())) if active is None else active
+
+
+@contextlib.contextmanager
+def using(table: RouteTable) -> Iterator[None]:
+  """Inside the block, :func:`current` is ``table``. It applies when a function is traced:
+  a function jitted (or traced) before the block keeps the route it was traced with."""
+  token = _ACTIVE.set(table)
   try:
     yield
   finally:
-    _FORCED.ways = previous
+    _ACTIVE.reset(token)
+
+
+@contextlib.contextmanager
+def forced(**ways: bool | str | None) -> Iterator[None]:
+  """Inside the block, the current table with ``ways`` forced over it
+  (:meth:`RouteTable.forcing`: ``toeplitz=`` / ``factored=`` True materialises that form,
+  False keeps the default way, None asks the table; ``hopper=`` True runs the Toeplitz
+  kernel's Hopper forward where it fits, ``"both"`` its Hopper forward and backward, False
+  the Triton ones). Blocks nest; like :func:`using`, it applies at trace time."""
+  _check_ways(ways)
+  with using(current().forcing(**ways)):
+    yield
 
 
 def device_kind() -> str:
@@ -243,65 +341,25 @@ def device_kind() -> str:
   return jax.devices()[0].device_kind
 
 
-def materialise(form: str, *, dtype: str, length: int, head_dim: int, rank: int = 0,
+def _asked(table: Iterable[Point] | None) -> RouteTable:
+  """:func:`current`, or the given points under the current forced ways."""
+  active = current()
+  return active if table is None else dataclasses.replace(active, points=tuple(table))
+
+
+def materialise(form: str, *, dtype: str, length: float, head_dim: int, rank: int = 0,
                 device: str | None = None, table: Iterable[Point] | None = None) -> bool:
-  """Whether the fused route materialises a batch-free ``form`` term at this shape.
-
-  Args:
-    form: ``toeplitz`` or ``factored``.
-    dtype: the compute dtype's name (``bfloat16``...).
-    length: ``sqrt(Lq Lk)``.
-    head_dim: D before folding; ``rank``: the factored term's ``r`` (0 for Toeplitz).
-    device: the device kind (None: :func:`device_kind`); ``table``: the points (None:
-      :func:`points`).
-
-  Returns:
-    :func:`forced`'s answer inside such a block, else that of the nearest point of the
-    same device, dtype and form (``log2`` length, plus ``log2`` folded width for factored
-    terms; a tie goes to the longer length), else False.
-  """
-  way = getattr(_FORCED, "ways", {}).get(form)
-  if way is not None:
-    return way
-  point = nearest(form, dtype=dtype, length=length, head_dim=head_dim, rank=rank,
-                  device=device, table=table)
-  return point is not None and point.materialise
+  """:meth:`RouteTable.materialise` of the :func:`current` table (``table``: these points
+  instead, under the current forced ways) on ``device`` (None: :func:`device_kind`)."""
+  return _asked(table).materialise(form, dtype=dtype, length=length, head_dim=head_dim,
+                                   rank=rank, device=device or device_kind())
 
 
-def hopper_way(*, dtype: str, length: int, head_dim: int, device: str | None = None,
+def hopper_way(*, dtype: str, length: float, head_dim: int, device: str | None = None,
                table: Iterable[Point] | None = None) -> bool | str:
-  """Which passes of the fused route's Toeplitz kernel run on Hopper kernels: False (none),
-  True (the forward) or ``"both"`` (forward and backward). :func:`forced`'s ``hopper``
-  inside such a block, else the Hopper way of the nearest Toeplitz point (as
-  :func:`materialise`) where it was the fastest way, else False."""
-  way = getattr(_FORCED, "ways", {}).get("hopper")
-  if way is not None:
-    return way
-  point = nearest("toeplitz", dtype=dtype, length=length, head_dim=head_dim, device=device,
-                  table=table)
-  if point is None or point.fastest != "hopper":
-    return False
-  return "both" if point.hopper_backward else True
-
-
-def nearest(form: str, *, dtype: str, length: float, head_dim: int, rank: int = 0,
-            device: str | None = None, table: Iterable[Point] | None = None) -> Point | None:
-  """The point of this device kind, dtype and form nearest to the shape (``log2`` length,
-  plus ``log2`` folded width for factored terms; a tie goes to the longer length), or None.
-  Arguments as :func:`materialise`'s."""
-  device = device_kind() if device is None else device
-  table = points() if table is None else table
-  same = [p for p in table if (p.device, p.dtype, p.form) == (device, dtype, form)]
-  if not same:
-    return None
-
-  def distance(p: Point) -> tuple[float, int]:
-    d = abs(math.log2(p.length / length))
-    if form == "factored":
-      d += abs(math.log2((p.head_dim + p.rank) / (head_dim + rank)))
-    return d, -p.length
-
-  return min(same, key=distance)
+  """:meth:`RouteTable.hopper_way` of the :func:`current` table, as :func:`materialise`."""
+  return _asked(table).hopper_way(dtype=dtype, length=length, head_dim=head_dim,
+                                  device=device or device_kind())
 
 
 def points_from_attention(document: Mapping[str, Any], source: str = "") -> tuple[

@@ -29,6 +29,8 @@ Each attention term implements the same small protocol, used by
 * ``transform_qk(q, k) -> (q, k)``: rewrite q and k before anything else.
 * ``logits(q, scale) -> [B|1, H|1, Lq, Lk] | None``: the materialised term.
 * ``fused(q, scale) -> FusedPart``: what the fused route needs instead.
+* ``fused_form() -> TermForm``: how that part enters the fused route, from static
+  attributes alone (what the route plan, :mod:`posenc_jax.route_plan`, asks).
 * ``value_output(probs) -> [B, Lq, H, D] | None``: an extra contribution to
   the attention output (Shaw's value term).
 * ``slice_queries(start, size) -> Term``: the same term restricted to query
@@ -83,11 +85,45 @@ class FusedPart:
   zero_first: bool = False
 
 
+@dataclasses.dataclass(frozen=True)
+class TermForm:
+  """How a term enters the fused route, read from its static attributes alone (no array is
+  computed): what :func:`posenc_jax.route_plan.plan` asks of each term.
+
+  Attributes:
+    name: the term's class name; ``fusable``: False where the fused route cannot run it
+      exactly (:attr:`Term.fusable`).
+    entry: ``"none"`` (nothing left to add: q/k transforms run before routing), ``"fold"``
+      (``rank`` columns concatenated to q and k), ``"toeplitz"`` (one ``[H|1, Lq + Lk - 1]``
+      offset vector whose tiles the kernel builds) or ``"bias"`` (a dense
+      ``[B|1, H|1, Lq, Lk]`` bias); :meth:`Term.fused` returns the matching arrays.
+    table_form: ``"toeplitz"`` or ``"factored"`` where the term is the same for every example,
+      so that :mod:`posenc_jax.route_table` may have it materialised once per call as a bias
+      instead; else None.
+    rank: columns folded into q and k (``entry == "fold"``).
+    zero_first: the Toeplitz vector is zero in row 0 and column 0 (TUPE-R's [CLS] reset).
+  """
+
+  name: str
+  fusable: bool = True
+  entry: str = "none"
+  table_form: str | None = None
+  rank: int = 0
+  zero_first: bool = False
+
+
 class Term:
   """Base of the attention terms: identity in every part of the protocol."""
 
   # False when the fused route cannot run the term exactly.
   fusable = True
+
+  def fused_form(self) -> TermForm:
+    """How :meth:`fused`'s part enters the fused route (:class:`TermForm`)."""
+    return self._form()
+
+  def _form(self, **form: Any) -> TermForm:
+    return TermForm(name=type(self).__name__, fusable=self.fusable, **form)
 
   def transform_qk(self, q: Array, k: Array) -> tuple[Array, Array]:
     return q, k
@@ -197,6 +233,9 @@ class Bias(Term):
     del q, scale
     return _as_4d_bias(self.value)
 
+  def fused_form(self):
+    return self._form(entry="bias")
+
   def fused(self, q, scale):
     del q, scale
     return FusedPart(bias=_as_4d_bias(self.value))
@@ -247,6 +286,11 @@ class Factored(Term):
 
   def logits(self, q, scale):
     return self.materialise().logits(q, scale)
+
+  def fused_form(self):
+    batch_free = all(x.ndim == 3 or x.shape[0] == 1 for x in (self.u, self.v))
+    return self._form(entry="fold", table_form="factored" if batch_free else None,
+                      rank=self.u.shape[-1])
 
   def fused(self, q, scale):
     u, v = self._uv4()
@@ -468,6 +512,11 @@ class Toeplitz(Term):
   def logits(self, q, scale):
     return self.materialise(*self._lengths(q)).logits(q, scale)
 
+  def fused_form(self):
+    if self.q_offset is not None or self.position_ids is not None:
+      return self._form(entry="bias")
+    return self._form(entry="toeplitz", table_form="toeplitz", zero_first=self.zero_first)
+
   def fused(self, q, scale):
     if self.q_offset is not None or self.position_ids is not None:
       # A decoding step (the kernel counts rows from 0) or per-token positions: dense.
@@ -580,6 +629,9 @@ class QueryRelative(Term):
     # q . a_r for every offset r, then spread to r = clip(j - i) per (i, j).
     per_offset = jnp.einsum("bihd,hrd->bhir", q, table) * scale
     return self._spread(per_offset, self._k_len(q.shape[1]))
+
+  def fused_form(self):
+    return self._form(entry="bias")
 
   def fused(self, q, scale):
     if not self.fusable:

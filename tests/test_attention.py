@@ -165,9 +165,10 @@ def test_reference_route_does_build_the_lxl_tensor():
 
 
 def test_auto_route_per_device():
-  from posenc_jax.attention import choose_route
+  from posenc_jax.route_plan import choose_route
   from posenc_jax.terms import QueryRelative
-  shaw_value = QueryRelative(jnp.zeros((7, 8)), value_table=jnp.zeros((7, 8)), clip=3)
+  shaw_value = QueryRelative(jnp.zeros((7, 8)), value_table=jnp.zeros((7, 8)),
+                             clip=3).fused_form()
   assert choose_route("auto", [], backend="cpu") == "reference"
   assert choose_route("auto", [], backend="gpu") == "fused"
   assert choose_route("auto", [], backend="tpu") == "fused"
@@ -176,7 +177,7 @@ def test_auto_route_per_device():
 
 
 def test_cudnn_fallback_reasons():
-  from posenc_jax.attention import cudnn_unsupported
+  from posenc_jax.route_plan import cudnn_unsupported
   diet_abs = (8, 512, 12, 64 + 128)  # head dim 64 with rank 128 folded in
   fits = dict(backend="gpu", compute_capability=9.0, has_bias=False)
   assert cudnn_unsupported(diet_abs, diet_abs, jnp.bfloat16, **fits) is None
@@ -198,7 +199,8 @@ def test_tpu_fused_route_matches_reference(name, causal):
   """The TPU form of the fused route, in interpret mode (splash attention for bias-free
   attention, the kernel's roll tiles for Toeplitz terms) against the reference route,
   gradients included."""
-  from posenc_jax.attention import _fused, _reference
+  from posenc_jax import route_plan, route_table
+  from posenc_jax.attention import _execute, _reference
   _, _, st = init_scheme(SCHEME_CONFIGS[name], length=128, max_len=128)
   q, k, v = qkv(length=128)
   mask = jnp.arange(128)[None, :] < jnp.array([[128], [90]])
@@ -210,8 +212,12 @@ def test_tpu_fused_route_matches_reference(name, causal):
       q, k = t.transform_qk(q, k)
     return jnp.sum(jnp.sin(fn(q, k, v)))
 
-  tpu = lambda q, k, v: _fused(q, k, v, terms, mask, causal, scale,  # noqa: E731
-                               implementation="xla", backend="tpu")
+  tpu_plan = lambda q, k, v: route_plan.plan_for(  # noqa: E731
+      q, k, v, terms, mask=mask, causal=causal, route="fused", implementation="xla",
+      device=route_plan.Device("tpu", "TPU v5 lite"), table=route_table.RouteTable())
+  tpu = lambda q, k, v: _execute(tpu_plan(q, k, v), q, k, v, terms, mask, causal,  # noqa: E731
+                                 scale, segment_ids=None, precision="float32",
+                                 dropout_rate=0.0, seed=None)
   ref = lambda q, k, v: _reference(q, k, v, terms, mask, causal, scale)  # noqa: E731
   kernels = str(jax.make_jaxpr(tpu)(q, k, v))
   assert ("splash" in kernels) == (name in ("diet_abs", "rope"))

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from posenc_jax import SchemeConfigError, attend, build_scheme
-from posenc_jax.attention import choose_route
+from posenc_jax.route_plan import choose_route
 from posenc_jax.models.build import build_model
 from posenc_jax.presets import preset_config
 from posenc_jax.terms import QueryRelative, relative_offsets, skew_offsets, toeplitz_bias
@@ -245,8 +245,8 @@ def test_sinusoidal_rpe_routes_and_decoding(name, monkeypatch):
   test_attention.test_fused_route_matches_reference(name, causal=True)
   _, _, st = init_scheme(SINUSOIDAL_RPE[name])
   value = SINUSOIDAL_RPE[name].get("value", True)
-  assert choose_route("auto", st.for_layer(0), backend="gpu") == ("reference" if value
-                                                                    else "fused")
+  forms = [t.fused_form() for t in st.for_layer(0)]
+  assert choose_route("auto", forms, backend="gpu") == ("reference" if value else "fused")
   test_decoding.test_scheme_terms_slice_and_kv_cache(name, "auto" if value else "fused")
 
 

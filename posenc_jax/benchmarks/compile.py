@@ -23,11 +23,11 @@ import time
 import jax
 
 from posenc_jax import cli
-from posenc_jax.attention import ROUTES
 from posenc_jax.benchmarks import flags
 from posenc_jax.benchmarks.model_steps import BASELINE, BERT_SIZES, model_steps
 from posenc_jax.models import model_config
 from posenc_jax.presets import POSITION_PRESETS, preset_config
+from posenc_jax.route_plan import ROUTES
 
 PROG = "posenc_jax.benchmarks.compile"
 

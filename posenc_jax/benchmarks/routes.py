@@ -54,12 +54,13 @@ import jax
 import jax.numpy as jnp
 
 from posenc_jax import cli, route_table
-from posenc_jax.attention import attend, cudnn_unsupported
+from posenc_jax.attention import attend
 from posenc_jax.benchmarks import flags
 from posenc_jax.benchmarks.timing import seconds, timed, timed_against
 from posenc_jax.kernels import blocks, relative_flash, relative_flash_attention
 from posenc_jax.kernels.dropout import dropout_seed
 from posenc_jax.models.config import DTYPES
+from posenc_jax.route_plan import cudnn_unsupported
 from posenc_jax.terms import Bias, Factored, toeplitz_bias
 
 PROG = "posenc_jax.benchmarks.routes"
@@ -166,7 +167,7 @@ def attention_kernel(kernel: Kernel, q: jax.Array, *, causal: bool, seed: jax.Ar
   ``f``, so the backward pass carries its gradient back to the vector, as in training) and
   returns ``[B, L, H, D]``; for the ``fused`` family the fourth argument is instead the
   factored term's ``(u, v)``, each ``[L, H, R]``. ``reason`` is why the kernel cannot run on
-  this backend (:func:`posenc_jax.attention.cudnn_unsupported` for cuDNN), else None. ``seed``: the
+  this backend (:func:`posenc_jax.route_plan.cudnn_unsupported` for cuDNN), else None. ``seed``: the
   ``[1, 1]`` int32 dropout seed.
   """
   length = q.shape[1]

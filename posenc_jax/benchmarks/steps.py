@@ -33,11 +33,11 @@ import json
 import jax
 
 from posenc_jax import cli
-from posenc_jax.attention import ROUTES
 from posenc_jax.benchmarks import flags
 from posenc_jax.benchmarks.model_steps import BASELINE, BERT_SIZES, compiled_steps
 from posenc_jax.benchmarks.timing import timed_against
 from posenc_jax.presets import POSITION_PRESETS
+from posenc_jax.route_plan import ROUTES
 from posenc_jax.training.metrics import peak_flops, train_flops_per_step
 
 PROG = "posenc_jax.benchmarks.steps"

@@ -18,8 +18,9 @@ from typing import Any
 import jax.numpy as jnp
 from flax.core import FrozenDict
 
-from posenc_jax.attention import PRECISIONS, ROUTES
+from posenc_jax.kernels.precision import PRECISIONS
 from posenc_jax.messages import nearest
+from posenc_jax.route_plan import ROUTES
 from posenc_jax.schemes.base import SchemeConfigError, is_finite_number, is_int
 from posenc_jax.schemes.registry import SCHEMES, SchemePart, check_scheme
 
