@@ -44,7 +44,7 @@ Outputs (gzip with mtime 0 and no file name, so a rerun is byte-identical):
     spm8k.model, spm8k.vocab
         the SentencePiece vocabulary (8192 pieces) trained on ``pretrain_train.txt.gz`` by
         ``posenc_jax.data.vocab``, the same as
-        ``python -m posenc_jax.data.train_vocab --files=<out>/pretrain_train.txt.gz
+        ``python -m posenc_jax.train_vocab --files=<out>/pretrain_train.txt.gz
         --vocab_size=8192 --output=<out>/spm8k``
 
 Run from the repository root (about 10 s for the corpus, 25 s for the vocabulary)::
@@ -265,7 +265,7 @@ extra; about 35 s):
 
 The vocabulary step is the same as
 
-    python -m posenc_jax.data.train_vocab --vocab_size={VOCAB_SIZE} \\
+    python -m posenc_jax.train_vocab --vocab_size={VOCAB_SIZE} \\
         --files=posenc_jax/data/bundled/wordnet/pretrain_train.txt.gz \\
         --output=posenc_jax/data/bundled/wordnet/spm8k
 

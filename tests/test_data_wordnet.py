@@ -161,7 +161,8 @@ def test_seqio_vocabulary():
 
 
 def test_vocab_training_is_deterministic(tmp_path):
-  from posenc_jax.data import train_vocab, vocab
+  from posenc_jax import train_vocab
+  from posenc_jax.data import vocab
   small = tmp_path / "small.txt.gz"
   with gzip.open(small, "wt", encoding="utf-8") as f:
     f.write("\n".join(_lines("pretrain_validation.txt.gz")[:2000]) + "\n")
@@ -175,7 +176,7 @@ def test_vocab_training_is_deterministic(tmp_path):
 
 
 def test_vocab_reads_the_raw_text_of_a_task():
-  from posenc_jax.data import train_vocab
+  from posenc_jax import train_vocab
   assert list(train_vocab.read_task_text("wordnet_glosses", "validation", "text")) == _lines(
       "pretrain_validation.txt.gz")
 

@@ -7,9 +7,8 @@ load TensorFlow/seqio when they are imported (``tasks``, ``preprocessors``) or c
 (``vocab``):
 
     vocab           reserved ids (pad 0, eos 1, unk 2, [CLS] 3, [SEP] 4, [MASK] 5),
-                    ``train(lines, ...)``, ``vocabulary(path)``
-    train_vocab     ``python -m posenc_jax.data.train_vocab``: a vocabulary from text files
-                    or a registered task's text
+                    ``train(lines, ...)``, ``vocabulary(path)`` (the trainer's command line,
+                    which reads registered tasks too: ``python -m posenc_jax.train_vocab``)
     tasks           ``register`` helpers and the ``wordnet_glosses`` corpus task
     wordnet_tasks   ``wordnet_supersense``, ``wordnet_hypernym`` (held-out synsets)
     pretraining     ``wikipedia_en``, ``c4_en``, ``wiki40b_<lang>``

@@ -16,7 +16,7 @@ always encodes the literal strings ``"[CLS]"``, ``"[SEP]"``, ``"[MASK]"`` in tex
 
 Training (:func:`train`, on lines of text) is deterministic: one thread, a fixed random seed,
 and at most ``input_sentence_size`` lines (sampled with that seed when the input has more);
-the tool ``python -m posenc_jax.data.train_vocab`` trains from files or a registered task.
+the tool ``python -m posenc_jax.train_vocab`` trains from files or a registered task.
 ``vocabulary(path)`` loads a model as a ``seqio.SentencePieceVocabulary``.
 """
 

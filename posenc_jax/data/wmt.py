@@ -16,7 +16,7 @@ test set DIET reports). Each example is::
 
 Source and target share one vocabulary (the models tie their embeddings). The bundled one
 is an 8k English WordNet model, fine for smoke runs; for real runs train a joint model on
-both sides' text (``python -m posenc_jax.data.train_vocab --files=train.en,train.de
+both sides' text (``python -m posenc_jax.train_vocab --files=train.en,train.de
 --vocab_size=32000 --character_coverage=0.9999 --output=/data/spm/wmt18_ende``, the text
 e.g. written from ``inputs_pretokenized``/``targets_pretokenized``) and register with it::
 

@@ -4,14 +4,14 @@
 Train from text files (``.gz`` read as gzip) or from the raw text feature of any registered
 seqio task (its preprocessors up to tokenisation are applied)::
 
-    python -m posenc_jax.data.train_vocab --files=a.txt.gz,b.txt --vocab_size=8000 \\
+    python -m posenc_jax.train_vocab --files=a.txt.gz,b.txt --vocab_size=8000 \\
         --output=path/spm
-    python -m posenc_jax.data.train_vocab --task=wordnet_glosses --split=train \\
+    python -m posenc_jax.train_vocab --task=wordnet_glosses --split=train \\
         --feature=text --vocab_size=8192 --output=/tmp/spm
 
 Both write ``<output>.model`` and ``<output>.vocab``. The bundled
-``bundled/wordnet/spm8k.model`` was made with the first form on
-``bundled/wordnet/pretrain_train.txt.gz`` (``scripts/make_wordnet_corpus.py`` has the
+``data/bundled/wordnet/spm8k.model`` was made with the first form on
+``data/bundled/wordnet/pretrain_train.txt.gz`` (``scripts/make_wordnet_corpus.py`` has the
 command).
 """
 
@@ -67,7 +67,7 @@ def read_task_text(task_name: str, split: str = "train", feature: str = "text") 
 
 def main(argv: Sequence[str] | None = None) -> None:
   parser = argparse.ArgumentParser(
-      prog="python -m posenc_jax.data.train_vocab",
+      prog="python -m posenc_jax.train_vocab",
       description="Train a SentencePiece unigram vocabulary with [CLS]/[SEP]/[MASK] pieces.")
   source = parser.add_mutually_exclusive_group(required=True)
   source.add_argument("--files", help="comma-separated text files (.gz read as gzip)")
