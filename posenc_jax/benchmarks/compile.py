@@ -27,7 +27,6 @@ from posenc_jax.benchmarks import flags
 from posenc_jax.benchmarks.model_steps import BASELINE, BERT_SIZES, model_steps
 from posenc_jax.models import model_config
 from posenc_jax.presets import POSITION_PRESETS, preset_config
-from posenc_jax.route_plan import ROUTES
 
 PROG = "posenc_jax.benchmarks.compile"
 
@@ -93,8 +92,6 @@ def parse_args(argv=None):
                       default=(BASELINE,),
                       help=f"comma-separated scheme presets: {', '.join(POSITION_PRESETS)} "
                       f"(default {BASELINE})")
-  parser.add_argument("--route", type=cli.one_of(ROUTES), default="auto",
-                      help=f"attention route: {', '.join(ROUTES)} (default auto)")
   parser.add_argument("--json", default=None, help="also write the rows to this file")
   return flags.parse_checked(parser, argv)
 

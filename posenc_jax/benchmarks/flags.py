@@ -7,14 +7,18 @@ from collections.abc import Sequence
 
 from posenc_jax import cli
 from posenc_jax.models.config import DTYPES
+from posenc_jax.route_plan import ROUTES
 
 
 def add_model_flags(parser: cli.ArgumentParser) -> None:
-  """``--length``, ``--batch`` and ``--dtype`` of the model's input batch ``[B, L]``."""
+  """``--length``, ``--batch`` and ``--dtype`` of the model's input batch ``[B, L]``, and the
+  attention ``--route`` of every layer."""
   parser.add_argument("--length", type=cli.positive_int, default=128, help="tokens per example")
   parser.add_argument("--batch", type=cli.positive_int, default=8, help="examples per step")
   parser.add_argument("--dtype", type=cli.one_of(DTYPES), default="float32",
                       help=f"compute dtype: {', '.join(DTYPES)}")
+  parser.add_argument("--route", type=cli.one_of(ROUTES), default="auto",
+                      help=f"attention route: {', '.join(ROUTES)} (default auto)")
 
 
 def parse_checked(parser: cli.ArgumentParser, argv: Sequence[str] | None,

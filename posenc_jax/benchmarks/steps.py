@@ -37,7 +37,6 @@ from posenc_jax.benchmarks import flags
 from posenc_jax.benchmarks.model_steps import BASELINE, BERT_SIZES, compiled_steps
 from posenc_jax.benchmarks.timing import timed_against
 from posenc_jax.presets import POSITION_PRESETS
-from posenc_jax.route_plan import ROUTES
 from posenc_jax.training.metrics import peak_flops, train_flops_per_step
 
 PROG = "posenc_jax.benchmarks.steps"
@@ -66,8 +65,6 @@ def parse_args(argv=None):
                       f"(default {','.join(DEFAULT_SCHEMES)})")
   parser.add_argument("--baseline", type=cli.one_of(POSITION_PRESETS), default=BASELINE,
                       help=f"scheme preset to divide by (default {BASELINE})")
-  parser.add_argument("--route", type=cli.one_of(ROUTES), default="auto",
-                      help=f"attention route: {', '.join(ROUTES)} (default auto)")
   parser.add_argument("--json", default=None, help="also write the rows to this file")
   return flags.parse_checked(parser, argv)
 
