@@ -52,6 +52,7 @@ import jax.numpy as jnp
 
 from posenc_jax import route_table
 from posenc_jax.kernels import blocks, hopper_flash, relative_flash
+from posenc_jax.kernels.blocks import KernelBlocks
 from posenc_jax.terms import Term, TermForm
 
 ROUTES = ("auto", "reference", "fused")
