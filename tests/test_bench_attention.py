@@ -18,7 +18,7 @@ import pytest
 from jax._src.cudnn import fused_attention_stablehlo
 from jax._src.pallas.triton import gpu_info
 
-from posenc_jax import route_table
+from posenc_jax import attention, route_table
 from posenc_jax.benchmarks import routes as bench
 from posenc_jax.kernels import blocks
 
@@ -74,6 +74,12 @@ def test_json_holds_the_table(cpu_run):
   assert saved["causal"] is False and saved["ratio_to"] == "xla no bias"
   assert saved["flops"] == {"fwd": 4.0 * 1 * 2 * 32 * 32 * 16, "fwd_bwd": 14.0 * 2 * 32 * 32 * 16}
   assert [row["kernel"] for row in saved["rows"]] == NAMES
+  plans = {row["kernel"]: row["plan"] for row in saved["rows"]}
+  assert plans["pallas toeplitz band"] is plans[bench.HOPPER_ONE_ROW] is None  # kernel variants
+  assert plans["pallas toeplitz"].startswith("route fused: kernel, q/k width 16 | term Toeplitz: "
+                                             "kernel | kernel: Triton gather tiles")
+  assert plans["xla bias"].startswith("route reference: reference, q/k width 16 | term "
+                                      "Toeplitz: logits")
   for row in saved["rows"]:
     cells = table[row["kernel"]]
     assert row["bias"] == cells[0]
@@ -97,12 +103,14 @@ def test_flops_follow_flash_attention():
 
 
 def test_a_kernel_that_fails_is_a_row_not_a_crash(monkeypatch, capsys, tmp_path):
-  """A kernel that raises while compiling (here: every Pallas row) is ``n/a (<reason>)``."""
+  """A kernel that raises while compiling (here: every Pallas row, the kernel variants' direct
+  calls and attend's) is ``n/a (<reason>)``."""
 
   def broken(*args, **kwargs):
     raise ValueError("no kernel today\nsecond line | dropped")
 
   monkeypatch.setattr(bench, "relative_flash_attention", broken)
+  monkeypatch.setattr(attention, "relative_flash_attention", broken)
   rows = bench.main([*ARGS, "--json", str(tmp_path / "out.json")])
   table = _table(capsys.readouterr().out)
   for name in ("pallas toeplitz", "pallas toeplitz dropout", "pallas no bias"):
@@ -131,9 +139,9 @@ def test_every_kernel_lowers_for_gpu(like_h100, causal):
   implementation (cuDNN's custom call, Pallas' Triton kernels, plain XLA)."""
   qkv = jax.ShapeDtypeStruct((1, 128, 2, 64), jnp.bfloat16)
   offsets = jax.ShapeDtypeStruct((2, 255), jnp.float32)
-  seed = jnp.zeros((1, 1), jnp.int32)
+  rng = jax.random.key(0)
   for kernel in bench.ATTENTION_KERNELS:
-    f, reason = bench.attention_kernel(kernel, qkv, causal=causal, seed=seed)
+    f, reason = bench.attention_kernel(kernel, qkv, causal=causal, rng=rng)
     assert reason is None, (kernel.name, reason)
     text = (jax.jit(bench.forward_backward(f)).trace(qkv, qkv, qkv, offsets, qkv)
             .lower(lowering_platforms=("cuda",)).as_text())
@@ -147,7 +155,7 @@ def test_the_hopper_row_needs_a_hopper_gpu(like_h100, monkeypatch):
   qkv = jax.ShapeDtypeStruct((1, 128, 2, 64), jnp.bfloat16)
   hopper = next(k for k in bench.ATTENTION_KERNELS if k.name == route_table.HOPPER_ROW)
   monkeypatch.setattr(blocks, "gpu_compute_capability", lambda: "8.0")
-  _, reason = bench.attention_kernel(hopper, qkv, causal=False, seed=jnp.zeros((1, 1), jnp.int32))
+  _, reason = bench.attention_kernel(hopper, qkv, causal=False, rng=jax.random.key(0))
   assert reason == "Mosaic GPU wgmma needs compute capability 9.x; this device: 8.0"
 
 
@@ -155,15 +163,26 @@ def test_the_band_row_is_na_on_a_tpu(monkeypatch):
   qkv = jax.ShapeDtypeStruct((1, 128, 2, 64), jnp.bfloat16)
   band = next(k for k in bench.ATTENTION_KERNELS if k.tiles == "band")
   monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
-  _, reason = bench.attention_kernel(band, qkv, causal=False, seed=jnp.zeros((1, 1), jnp.int32))
+  _, reason = bench.attention_kernel(band, qkv, causal=False, rng=jax.random.key(0))
   assert reason == "band tiles are the Triton kernels' (GPU); a TPU builds roll tiles"
+
+
+def test_a_row_whose_plan_is_not_its_own_is_na(monkeypatch):
+  """On a TPU, bias-free self-attention over 128 positions plans splash attention: the
+  "pallas no bias" row says so rather than time splash under its name."""
+  qkv = jax.ShapeDtypeStruct((1, 128, 2, 64), jnp.bfloat16)
+  rng = jax.random.key(0)
+  row = next(k for k in bench.ATTENTION_KERNELS if k.name == "pallas no bias")
+  monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+  _, reason = bench.attention_kernel(row, qkv, causal=False, rng=rng)
+  assert reason == "attend plans route fused: splash, q/k width 64"
 
 
 def test_cudnn_in_float32_is_na_with_its_reason(like_h100):
   qkv = jax.ShapeDtypeStruct((1, 128, 2, 64), jnp.float32)
   kernels = {kernel.name: kernel for kernel in bench.ATTENTION_KERNELS}
   _, reason = bench.attention_kernel(kernels["cudnn no bias"], qkv, causal=False,
-                                     seed=jnp.zeros((1, 1), jnp.int32))
+                                     rng=jax.random.key(0))
   assert reason == "dtype float32 (cuDNN flash attention takes bfloat16/float16)"
 
 

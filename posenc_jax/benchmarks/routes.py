@@ -10,10 +10,16 @@ per kernel of :data:`ATTENTION_KERNELS`: the Pallas Toeplitz kernel with an
 offset bias ``[H, 2L - 1]`` (and again with attention dropout 0.1), the Pallas
 kernel without a bias, cuDNN (``jax.nn.dot_product_attention``) without a bias
 and with the bias materialised as ``[1, H, L, L]``, and the materialised XLA
-reference route (:func:`posenc_jax.attend` ``route="reference"``) without and
-with that bias. ``--rank R`` adds two rows for a batch-free factored term ``u.v`` of
-rank ``R`` (DIET-ABS's ``d_p``) on the fused route: folded into q/k (``D + R`` wide) and
-materialised as a ``[1, H, L, L]`` bias. ``--route_table FILE`` adds this run's
+reference route without and with that bias. ``--rank R`` adds two rows for a batch-free
+factored term ``u.v`` of rank ``R`` (DIET-ABS's ``d_p``) on the fused route: folded into q/k
+(``D + R`` wide) and materialised as a ``[1, H, L, L]`` bias. Each row that is a route
+attention can take runs through :func:`posenc_jax.attend` (the bias as a Toeplitz term of
+the offset vector, its ways forced by :func:`posenc_jax.route_table.using`), so it times what
+attention runs; before timing, the row's route plan
+(:func:`posenc_jax.route_plan.plan_for`) must be the one it is named for, else the row is
+``n/a (attend plans ...)``, and the ``--json`` rows say the plan. The band tiles and the
+Hopper forward with one warpgroup are kernel variants, not plans: they call the kernel
+directly. ``--route_table FILE`` adds this run's
 comparisons (the Toeplitz kernel against the materialised bias, and with ``--rank``
 folding against materialising) to a table of :mod:`posenc_jax.route_table`, which
 ``attend``'s fused route reads from ``$POSENC_JAX_ROUTE_TABLE`` to pick the faster
@@ -53,15 +59,14 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from posenc_jax import cli, route_table
+from posenc_jax import cli, route_plan, route_table
 from posenc_jax.attention import attend
 from posenc_jax.benchmarks import flags
 from posenc_jax.benchmarks.timing import seconds, timed, timed_against
 from posenc_jax.kernels import blocks, relative_flash, relative_flash_attention
-from posenc_jax.kernels.dropout import dropout_seed
 from posenc_jax.models.config import DTYPES
 from posenc_jax.route_plan import cudnn_unsupported
-from posenc_jax.terms import Bias, Factored, toeplitz_bias
+from posenc_jax.terms import Factored, Toeplitz
 
 PROG = "posenc_jax.benchmarks.routes"
 
@@ -71,31 +76,66 @@ ATTENTION_DROPOUT = 0.1  # BERT's attention_probs_dropout_prob
 HOPPER_ONE_ROW = "pallas toeplitz hopper fwd 1wg"
 
 
+def offset_vector(table: jax.Array, rel: jax.Array) -> jax.Array:
+  """The bench's Toeplitz ``offset_fn`` (:class:`~posenc_jax.terms.Toeplitz`): its table is
+  the offset vector itself, ``[H, 2L - 1]`` holding offsets ``-(L - 1) .. L - 1`` in order;
+  ``rel`` int32 ``[N]`` gives ``[H, N]``, each offset's entry (a gather: the gradient reaches
+  the vector)."""
+  return jnp.take(table, rel + (table.shape[-1] - 1) // 2, axis=-1)
+
+
+class Request(NamedTuple):
+  """The :func:`posenc_jax.attend` call that produces a row (a route attend can take).
+
+  Attributes:
+    term: ``toeplitz`` (a :class:`~posenc_jax.terms.Toeplitz` term whose table is the offset
+      vector ``[H, 2L - 1]``, :func:`offset_vector`), ``factored`` (a batch-free
+      :class:`~posenc_jax.terms.Factored` term ``u.v`` of rank ``--rank``) or None (no term).
+    route: attend's ``route``.
+    implementation: attend's ``implementation``.
+    ways: the ways forced over an empty route table, as ``(name, way)`` pairs of
+      :meth:`posenc_jax.route_table.RouteTable.forcing`'s keywords.
+  """
+
+  term: str | None
+  route: str = "fused"
+  implementation: str | None = None
+  ways: tuple[tuple[str, bool | str], ...] = ()
+
+  @property
+  def table(self) -> route_table.RouteTable:
+    """The route table attend reads for the row (:func:`posenc_jax.route_table.using`)."""
+    return route_table.RouteTable().forcing(**dict(self.ways))
+
+
 class Kernel(NamedTuple):
-  """One row of the table.
+  """One row of the table: what it measures, and the attend call that runs it.
 
   Attributes:
     name: the row's name.
     family: ``pallas`` (:func:`posenc_jax.kernels.relative_flash_attention`), ``cudnn``
-      (:func:`jax.nn.dot_product_attention`), ``xla`` (:func:`posenc_jax.attend`'s
-      materialised ``reference`` route) or ``fused`` (``attend``'s fused route with a
-      batch-free :class:`~posenc_jax.terms.Factored` term of rank ``--rank``, in the way
-      :func:`posenc_jax.route_table.forced` sets: ``bias`` False folds it into q/k, True
-      materialises it).
-    bias: adds the Toeplitz bias: Pallas as the offset vector ``[H, 2L - 1]``, cuDNN and
-      XLA materialised as ``[1, H, L, L]``; ``fused``: see above.
+      (:func:`jax.nn.dot_product_attention` on cuDNN), ``xla`` (``attend``'s materialised
+      ``reference`` route) or ``fused`` (``attend``'s fused route with a batch-free
+      :class:`~posenc_jax.terms.Factored` term of rank ``--rank``: ``bias`` False folds it into
+      q/k, True materialises it).
+    bias: adds the Toeplitz term: Pallas as the offset vector ``[H, 2L - 1]``, cuDNN and XLA
+      materialised as ``[1, H, L, L]``; ``fused``: see above.
+    request: the :class:`Request` whose route plan is the row's (checked before timing:
+      :func:`plan_problem`); None for the kernel variants, not plans (band tiles, the Hopper
+      forward with one warpgroup), which call the Pallas kernel directly.
     dropout: attention-dropout rate (Pallas only).
     forward: the Pallas kernel's forward (``tiles`` or ``hopper``, as
       :func:`~posenc_jax.kernels.relative_flash_attention`'s).
-    warpgroups: the Hopper forward's consumer warpgroups; None: the most that fit.
-    tiles: the Triton kernels' bias tiles (``gather`` or ``band``, as
-      :func:`~posenc_jax.kernels.relative_flash_attention`'s); None: the default.
+    warpgroups: the Hopper forward's consumer warpgroups (a kernel variant); None: the most
+      that fit.
+    tiles: the Triton kernels' bias tiles (a kernel variant: ``band``); None: the plan's.
     backward: the Pallas kernel's backward (``tiles`` or ``hopper``).
   """
 
   name: str
   family: str
   bias: bool
+  request: Request | None
   dropout: float = 0.0
   forward: str = "tiles"
   warpgroups: int | None = None
@@ -118,24 +158,35 @@ class Kernel(NamedTuple):
     return f"{text}, dropout {self.dropout}" if self.dropout else text
 
 
+def _kernel_toeplitz(hopper: bool | str = False) -> Request:
+  """The Toeplitz term on the fused route, kept in the kernel with these Hopper passes."""
+  return Request("toeplitz", ways=(("toeplitz", False), ("hopper", hopper)))
+
+
 ATTENTION_KERNELS = (
-    Kernel("pallas toeplitz", "pallas", bias=True),
-    Kernel("pallas toeplitz band", "pallas", bias=True, tiles="band"),
-    Kernel(route_table.HOPPER_ROW, "pallas", bias=True, forward="hopper"),
-    Kernel(HOPPER_ONE_ROW, "pallas", bias=True, forward="hopper", warpgroups=1),
-    Kernel(route_table.HOPPER_BOTH_ROW, "pallas", bias=True, forward="hopper",
-           backward="hopper"),
-    Kernel("pallas toeplitz dropout", "pallas", bias=True, dropout=ATTENTION_DROPOUT),
-    Kernel("pallas no bias", "pallas", bias=False),
-    Kernel("cudnn no bias", "cudnn", bias=False),
-    Kernel("cudnn bias", "cudnn", bias=True),
-    Kernel("xla no bias", "xla", bias=False),
-    Kernel("xla bias", "xla", bias=True),
+    Kernel("pallas toeplitz", "pallas", bias=True, request=_kernel_toeplitz()),
+    Kernel("pallas toeplitz band", "pallas", bias=True, request=None, tiles="band"),
+    Kernel(route_table.HOPPER_ROW, "pallas", bias=True, request=_kernel_toeplitz(True),
+           forward="hopper"),
+    Kernel(HOPPER_ONE_ROW, "pallas", bias=True, request=None, forward="hopper", warpgroups=1),
+    Kernel(route_table.HOPPER_BOTH_ROW, "pallas", bias=True, request=_kernel_toeplitz("both"),
+           forward="hopper", backward="hopper"),
+    Kernel("pallas toeplitz dropout", "pallas", bias=True, request=_kernel_toeplitz(),
+           dropout=ATTENTION_DROPOUT),
+    # Bias-free attention runs the kernel where dot_product_attention would run XLA's.
+    Kernel("pallas no bias", "pallas", bias=False, request=Request(None, implementation="xla")),
+    Kernel("cudnn no bias", "cudnn", bias=False, request=Request(None, implementation="cudnn")),
+    Kernel("cudnn bias", "cudnn", bias=True,
+           request=Request("toeplitz", implementation="cudnn", ways=(("toeplitz", True),))),
+    Kernel("xla no bias", "xla", bias=False, request=Request(None, route="reference")),
+    Kernel("xla bias", "xla", bias=True, request=Request("toeplitz", route="reference")),
 )
 # With --rank: a factored term on the fused route, folded and materialised.
 FACTORED_KERNELS = (
-    Kernel("fused factored folded", "fused", bias=False),
-    Kernel("fused factored materialised", "fused", bias=True),
+    Kernel("fused factored folded", "fused", bias=False,
+           request=Request("factored", ways=(("factored", False),))),
+    Kernel("fused factored materialised", "fused", bias=True,
+           request=Request("factored", ways=(("factored", True),))),
 )
 # What the ratios divide by: the first of these that runs on the device.
 RATIO_BASELINES = ("cudnn no bias", "xla no bias", "pallas no bias")
@@ -158,40 +209,83 @@ def attention_flops(batch: int, length: int, heads: int, head_dim: int,
   return {"fwd": forward, "fwd_bwd": 3.5 * forward}
 
 
-def attention_kernel(kernel: Kernel, q: jax.Array, *, causal: bool, seed: jax.Array):
+def _terms(request: Request, x) -> list:
+  """``request``'s terms from the row's input ``x``: the offset vector ``[H, 2L - 1]``, or
+  for a factored term ``(u, v)``, each ``[L, H, R]`` (arrays or shapes)."""
+  if request.term == "toeplitz":
+    return [Toeplitz(x, offset_vector)]
+  return [Factored(*x)] if request.term == "factored" else []
+
+
+def row_plan(kernel: Kernel, q: jax.Array, *, causal: bool, rank: int = 0) -> route_plan.Plan:
+  """The route plan :func:`posenc_jax.attend` follows for ``kernel``'s request
+  (:func:`posenc_jax.route_plan.plan_for`, this device) on q/k/v shaped and typed like ``q``
+  ``[B, L, H, D]``; ``rank``: a factored term's."""
+  _, length, heads, _ = q.shape
+  request = kernel.request
+  x = (jax.ShapeDtypeStruct((length, heads, rank), jnp.float32),) * 2 if (
+      request.term == "factored") else jax.ShapeDtypeStruct((heads, 2 * length - 1), jnp.float32)
+  return route_plan.plan_for(q, q, q, _terms(request, x), causal=causal,
+                             dropout=kernel.dropout > 0, route=request.route,
+                             implementation=request.implementation, table=request.table)
+
+
+def plan_problem(kernel: Kernel, plan: route_plan.Plan) -> str | None:
+  """Why ``plan`` (:func:`row_plan`) is not the one ``kernel``'s row is about, one line naming
+  it, or None: the Pallas rows need the kernel with their bias, passes and dropout, the cuDNN
+  rows dot_product_attention on cuDNN (the bias materialised once per call), the XLA rows the
+  reference route, the factored rows the term folded or materialised."""
+  runs = plan.kernel if plan.runner == "kernel" else None
+  wanted = {
+      "pallas": runs is not None and (runs.bias, runs.forward, runs.backward, runs.dropout) == (
+          kernel.bias, kernel.forward, kernel.backward, kernel.dropout > 0),
+      "cudnn": (plan.runner, plan.implementation, plan.entries) == (
+          "dot_product_attention", "cudnn", ("table",) if kernel.bias else ()),
+      "xla": plan.route == "reference",
+      "fused": plan.entries == (("table",) if kernel.bias else ("fold",)),
+  }[kernel.family]
+  return None if wanted else f"attend plans {_one_line(plan, '; ')}"
+
+
+def _one_line(plan: route_plan.Plan, joint: str) -> str:
+  return joint.join(line.strip() for line in str(plan).splitlines())
+
+
+def attention_kernel(kernel: Kernel, q: jax.Array, *, causal: bool, rng: jax.Array,
+                     rank: int = 0):
   """``kernel`` as ``(f, reason)``.
 
   ``f(q, k, v, offset_bias)`` takes q/k/v ``[B, L, H, D]`` (``q`` here gives their shape
-  and dtype) and the float32 offset bias ``[H, 2L - 1]`` (a kernel without a bias ignores
-  it; materialised ones expand it with :func:`posenc_jax.terms.toeplitz_bias` inside
-  ``f``, so the backward pass carries its gradient back to the vector, as in training) and
-  returns ``[B, L, H, D]``; for the ``fused`` family the fourth argument is instead the
-  factored term's ``(u, v)``, each ``[L, H, R]``. ``reason`` is why the kernel cannot run on
-  this backend (:func:`posenc_jax.route_plan.cudnn_unsupported` for cuDNN), else None. ``seed``: the
-  ``[1, 1]`` int32 dropout seed.
+  and dtype) and the float32 offset bias ``[H, 2L - 1]`` (a row without a bias ignores it)
+  and returns ``[B, L, H, D]``; for the ``fused`` family the fourth argument is instead the
+  factored term's ``(u, v)``, each ``[L, H, R]`` (``rank`` R). A row with a request calls
+  :func:`posenc_jax.attend` under its route table (read when ``f`` is traced), the offset
+  vector as a :class:`~posenc_jax.terms.Toeplitz` term (materialised ones expand it inside
+  ``f``, so the backward pass carries its gradient back to the vector, as in training); a
+  kernel variant calls :func:`~posenc_jax.kernels.relative_flash_attention` directly.
+  ``reason`` is why the row cannot run on this backend (:func:`hopper_unsupported`,
+  :func:`posenc_jax.route_plan.cudnn_unsupported`, then :func:`plan_problem`), else None.
+  ``rng``: the dropout's PRNG key.
   """
-  length = q.shape[1]
-  bias = lambda ob: toeplitz_bias(ob, length, length)  # noqa: E731  [1, H, L, L] float32
-  if kernel.family == "pallas":
-    reason = hopper_unsupported(q) if "hopper" in (kernel.forward, kernel.backward) else None
+  reason = (hopper_unsupported(q) if "hopper" in (kernel.forward, kernel.backward) else
+            cudnn_unsupported(q.shape, q.shape, q.dtype, has_bias=kernel.bias)
+            if kernel.family == "cudnn" else None)
+  request = kernel.request
+  if request is None:
     if kernel.tiles == "band" and jax.default_backend() == "tpu":
       reason = "band tiles are the Triton kernels' (GPU); a TPU builds roll tiles"
     return (lambda q, k, v, ob: relative_flash_attention(
-        q, k, v, ob if kernel.bias else None, causal=causal, dropout_rate=kernel.dropout,
-        dropout_seed=seed if kernel.dropout else None, forward=kernel.forward,
-        warpgroups=kernel.warpgroups, tiles=kernel.tiles, backward=kernel.backward)), reason
-  if kernel.family == "fused":
-    def factored(q, k, v, uv):
-      with route_table.forced(factored=kernel.bias):  # at trace time
-        return attend(q, k, v, [Factored(*uv)], causal=causal, route="fused")
-    return factored, None
-  if kernel.family == "cudnn":
-    reason = cudnn_unsupported(q.shape, q.shape, q.dtype, has_bias=kernel.bias)
-    return (lambda q, k, v, ob: jax.nn.dot_product_attention(
-        q, k, v, bias=bias(ob).astype(q.dtype) if kernel.bias else None, is_causal=causal,
-        implementation="cudnn")), reason
-  return (lambda q, k, v, ob: attend(q, k, v, [Bias(bias(ob))] if kernel.bias else [],
-                                     causal=causal, route="reference")), None
+        q, k, v, ob, causal=causal, forward=kernel.forward, warpgroups=kernel.warpgroups,
+        tiles=kernel.tiles, backward=kernel.backward)), reason
+  reason = reason or plan_problem(kernel, row_plan(kernel, q, causal=causal, rank=rank))
+
+  def through_attend(q, k, v, x):
+    with route_table.using(request.table):  # at trace time
+      return attend(q, k, v, _terms(request, x), causal=causal, route=request.route,
+                    implementation=request.implementation, dropout_rate=kernel.dropout,
+                    dropout_rng=rng if kernel.dropout else None)
+
+  return through_attend, reason
 
 
 def hopper_unsupported(q: jax.Array) -> str | None:
@@ -286,14 +380,14 @@ def attention_table(args) -> dict:
   keys = jax.random.split(jax.random.key(0), 6)
   q, k, v, do = (jax.random.normal(key, shape, args.dtype) for key in keys[:4])
   ob = 0.1 * jax.random.normal(keys[4], (args.heads, 2 * args.length - 1), jnp.float32)
-  seed = dropout_seed(keys[5])
+  rng = keys[5]
 
   uv = tuple(0.1 * jax.random.normal(key, (args.length, args.heads, args.rank))
              for key in jax.random.split(keys[5])) if args.rank else None
   kernels = ATTENTION_KERNELS + (FACTORED_KERNELS if args.rank else ())
 
   def prepare(kernel):
-    f, reason = attention_kernel(kernel, q, causal=args.causal, seed=seed)
+    f, reason = attention_kernel(kernel, q, causal=args.causal, rng=rng, rank=args.rank)
     if reason:
       return {mode: AttentionStep(None, reason=reason) for mode in MODES}
     return attention_steps(f, (q, k, v, uv if kernel.family == "fused" else ob, do))
@@ -324,7 +418,9 @@ def attention_table(args) -> dict:
   for kernel in kernels:
     name = kernel.name
     steps = prepared[name] if name in prepared else prepare(kernel)
-    row = {"kernel": name, "bias": kernel.bias_text}
+    plan = None if kernel.request is None else _one_line(
+        row_plan(kernel, q, causal=args.causal, rank=args.rank), " | ")
+    row = {"kernel": name, "bias": kernel.bias_text, "plan": plan}
     for mode in MODES:
       step, calls, reason = steps[mode]
       seconds = ratio = None
