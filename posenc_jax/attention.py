@@ -191,7 +191,7 @@ def _kernel(kernel: route_plan.KernelPlan, q, k, v, offsets, mask, causal, scale
   return relative_flash_attention(
       q, k, v, sum(offsets) if offsets else None, mask=mask, q_segment_ids=segment_ids,
       kv_segment_ids=segment_ids, causal=causal, scale=scale, zero_first=kernel.zero_first,
-      tiles=kernel.tiles, block_q=kernel.blocks.block_q, block_k=kernel.blocks.block_k,
+      tiles=kernel.tiles, blocks=kernel.blocks,
       precision=precision, dropout_rate=dropout_rate if kernel.dropout else 0.0,
       dropout_seed=seed if kernel.dropout else None, forward=kernel.forward,
       backward=kernel.backward)

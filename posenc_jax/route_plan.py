@@ -225,7 +225,7 @@ def _kernel_plan(q_len: int, k_len: int, qk_dim: int, v_dim: int, dtype, *, bias
     # The Hopper kernels take 64-row query blocks; where they fit and the table measured them
     # fastest, the forward (and the backward) run there.
     chosen = choose(hopper_flash.BLOCK_Q)
-    takes = lambda backward: relative_flash._hopper_takes(  # noqa: E731
+    takes = lambda backward: relative_flash.hopper_takes(  # noqa: E731
         dtype, chosen, has_bias=True, backward=backward)
     hopper = takes(False) and table.hopper_way(
         dtype=jnp.dtype(dtype).name, length=math.sqrt(q_len * k_len), head_dim=v_dim,

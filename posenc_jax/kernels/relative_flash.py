@@ -587,13 +587,40 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 # Public entry point.
 
 
-def _hopper_takes(dtype, blocks: KernelBlocks, *, has_bias: bool, backward: bool) -> bool:
+def hopper_takes(dtype, blocks: KernelBlocks, *, has_bias: bool, backward: bool) -> bool:
   """Whether the Hopper forward (``backward`` False: :func:`hopper_flash.fits`) or backward
-  (:func:`hopper_flash.backward_fits`) takes these blocks and padded head dims."""
+  (:func:`hopper_flash.backward_fits`) takes these blocks and padded head dims: what the
+  route plan asks (:mod:`posenc_jax.route_plan`) and :func:`relative_flash_attention`
+  asserts."""
   shapes = dict(dtype=dtype, block_q=blocks.block_q, block_k=blocks.block_k,
                 qk_dim=blocks.qk_dim, v_dim=blocks.v_dim)
   return (hopper_flash.backward_fits(**shapes) if backward
           else hopper_flash.fits(**shapes, has_bias=has_bias))
+
+
+def _hopper_problem(dtype, blocks: KernelBlocks, *, has_bias: bool, forward: str,
+                    backward: str, warpgroups: int | None) -> str | None:
+  """The one-line error for Hopper passes (and ``warpgroups``) these blocks cannot take, or
+  None."""
+  got = (f"got {jnp.dtype(dtype).name}, head dims {blocks.qk_dim}/{blocks.v_dim}, blocks "
+         f"{blocks.block_q}x{blocks.block_k}")
+  if forward == "hopper" and not hopper_takes(dtype, blocks, has_bias=has_bias, backward=False):
+    return (f"forward: 'hopper' takes bfloat16/float16 q, k, v, head dims padded to multiples "
+            f"of 64 and {hopper_flash.BLOCK_Q}-row query blocks, key blocks of "
+            f"{' or '.join(map(str, hopper_flash.BLOCK_KS))} and buffers within "
+            f"{SMEM_BYTES['9.0']} bytes of shared memory; {got}")
+  if backward == "hopper" and not hopper_takes(dtype, blocks, has_bias=has_bias, backward=True):
+    return (f"backward: 'hopper' takes bfloat16/float16 q, k, v, head dims padded to "
+            f"multiples of 64 up to {hopper_flash.BACKWARD_MAX_DIM} and blocks of multiples "
+            f"of 64; {got}")
+  if warpgroups is not None:
+    most = (hopper_flash.max_warpgroups(block_k=blocks.block_k, qk_dim=blocks.qk_dim,
+                                        v_dim=blocks.v_dim, itemsize=jnp.dtype(dtype).itemsize,
+                                        has_bias=has_bias) if forward == "hopper" else 0)
+    if not 1 <= warpgroups <= most:
+      return f"warpgroups: got {warpgroups!r}; allowed: " + (
+          f"1 to {most} at these shapes" if most else "None unless forward='hopper' fits")
+  return None
 
 
 def hopper_fits(q_len: int, k_len: int, qk_dim: int, v_dim: int, dtype,
@@ -603,7 +630,7 @@ def hopper_fits(q_len: int, k_len: int, qk_dim: int, v_dim: int, dtype,
   this device's shared memory)."""
   blocks = kernel_blocks(q_len, k_len, qk_dim, v_dim, itemsize=jnp.dtype(dtype).itemsize,
                          has_bias=has_bias, block_q=hopper_flash.BLOCK_Q)
-  return _hopper_takes(dtype, blocks, has_bias=has_bias, backward=backward)
+  return hopper_takes(dtype, blocks, has_bias=has_bias, backward=backward)
 
 
 def relative_flash_attention(
@@ -620,6 +647,7 @@ def relative_flash_attention(
     scale: float | None = None,
     block_q: int | None = None,
     block_k: int | None = None,
+    blocks: KernelBlocks | None = None,
     tiles: str | None = None,
     precision: str = "float32",
     dropout_rate: float = 0.0,
@@ -649,6 +677,9 @@ def relative_flash_attention(
       lengths are padded to block multiples internally, and gather tiles are clamped to the
       padded lengths. None: :func:`kernel_blocks` picks them (and Triton's warps and
       pipelining stages) to fit this device's on-chip memory.
+    blocks: the :class:`KernelBlocks` settled by the route plan
+      (:class:`posenc_jax.route_plan.KernelPlan`); given, ``block_q`` and ``block_k`` are not
+      read and nothing is chosen here (the Hopper passes asked for are still asserted).
     tiles: how bias tiles are built: ``"gather"`` or ``"band"`` (GPU/Triton; band tiles
       are square) or ``"roll"`` (TPU/Mosaic); None picks ``roll`` on TPU, else
       ``gather``. All run in interpret mode.
@@ -693,11 +724,11 @@ def relative_flash_attention(
   for name, value in (("forward", forward), ("backward", backward)):
     if value not in ("tiles", "hopper"):
       raise ValueError(f"{name}: got {value!r}; allowed: tiles, hopper")
-  if forward == "hopper" and block_q is None:
-    block_q = hopper_flash.BLOCK_Q
-  blocks = kernel_blocks(lq, lk, d, dv, itemsize=max(x.dtype.itemsize for x in (q, k, v)),
-                         has_bias=offset_bias is not None, tiles=tiles, precision=precision,
-                         block_q=block_q, block_k=block_k)
+  if blocks is None:
+    blocks = kernel_blocks(lq, lk, d, dv, itemsize=max(x.dtype.itemsize for x in (q, k, v)),
+                           has_bias=offset_bias is not None, tiles=tiles, precision=precision,
+                           block_q=(hopper_flash.BLOCK_Q if forward == "hopper" and block_q is None
+                                    else block_q), block_k=block_k)
   if (q_segment_ids is None) != (kv_segment_ids is None):
     raise ValueError("q_segment_ids, kv_segment_ids: give both or neither")
   if interpret is None:
@@ -711,27 +742,10 @@ def relative_flash_attention(
           else jnp.reshape(dropout_seed, (1, 1)).astype(jnp.int32))
 
   has_bias = offset_bias is not None
-  if forward == "hopper" and not _hopper_takes(q.dtype, blocks, has_bias=has_bias,
-                                              backward=False):
-    raise ValueError(f"forward: 'hopper' takes bfloat16/float16 q, k, v, head dims padded to "
-                     f"multiples of 64 and {hopper_flash.BLOCK_Q}-row query blocks, key blocks "
-                     f"of {' or '.join(map(str, hopper_flash.BLOCK_KS))} and buffers within "
-                     f"{SMEM_BYTES['9.0']} bytes of shared memory; got {q.dtype}, "
-                     f"head dims {blocks.qk_dim}/{blocks.v_dim}, blocks "
-                     f"{blocks.block_q}x{blocks.block_k}")
-  if backward == "hopper" and not _hopper_takes(q.dtype, blocks, has_bias=has_bias,
-                                               backward=True):
-    raise ValueError(f"backward: 'hopper' takes bfloat16/float16 q, k, v, head dims padded to "
-                     f"multiples of 64 up to {hopper_flash.BACKWARD_MAX_DIM} and blocks of "
-                     f"multiples of 64; got {q.dtype}, head dims {blocks.qk_dim}/"
-                     f"{blocks.v_dim}, blocks {blocks.block_q}x{blocks.block_k}")
-  if warpgroups is not None:
-    most = (hopper_flash.max_warpgroups(block_k=blocks.block_k, qk_dim=blocks.qk_dim,
-                                        v_dim=blocks.v_dim, itemsize=q.dtype.itemsize,
-                                        has_bias=has_bias) if forward == "hopper" else 0)
-    if not 1 <= warpgroups <= most:
-      raise ValueError(f"warpgroups: got {warpgroups!r}; allowed: " + (
-          f"1 to {most} at these shapes" if most else "None unless forward='hopper' fits"))
+  problem = _hopper_problem(q.dtype, blocks, has_bias=has_bias, forward=forward,
+                            backward=backward, warpgroups=warpgroups)
+  if problem:
+    raise ValueError(problem)
   lq_p, lk_p = round_up(lq, blocks.block_q), round_up(lk, blocks.block_k)
   cfg = _Config(has_bias=has_bias, tiles=tiles, zero_first=zero_first,
                 causal=causal, scale=float(scale), precision=precision,
