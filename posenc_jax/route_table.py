@@ -32,8 +32,12 @@ replaces the packaged one). Fill that file on your device with::
   python -m posenc_jax.benchmarks.routes --dtype bfloat16 --batch 1 --length 16384 \\
       --rank 128 --route_table ~/routes.json
 
-:func:`forced` overrides the table inside a ``with`` block (the bench times both ways
-with it; tests use it to run each way on any device).
+A :class:`RouteTable` is a value: the points and the ways forced over them. The route plan
+(:func:`posenc_jax.route_plan.plan`) is given one and reads nothing else;
+:func:`posenc_jax.attend` hands it :func:`current` (read once per call, at trace time).
+:func:`using` sets the table inside a ``with`` block and :func:`forced` forces ways over the
+current one (the routes benchmark times each way with it; tests use it to run each way on
+any device).
 """
 
 from __future__ import annotations
