@@ -121,7 +121,7 @@ def test_resume_after_sigkill_is_bit_identical(tmp_path, reference, moment):
   else:
     _wait_for(proc, lambda: "4" in _steps(checkpoints), "checkpoint 4")
   proc.send_signal(signal.SIGKILL)
-  proc.wait()
+  proc.communicate()  # waits, and closes its stdout pipe
   left = [name for name in _steps(checkpoints) if name.isdigit()]
   if moment == "compiling":
     assert left == []
@@ -133,7 +133,8 @@ def test_resume_after_sigkill_is_bit_identical(tmp_path, reference, moment):
   start = int(left[-1]) if left else 0
   assert f"from step {start}" in resumed.stdout
   assert_same_run(result, reference, atol=0)
-  steps = [json.loads(line)["step"] for line in (workdir / "metrics.jsonl").open()]
+  lines = (workdir / "metrics.jsonl").read_text().splitlines()
+  steps = [json.loads(line)["step"] for line in lines]
   assert steps == list(range(1, 9))  # the killed run's steps after its checkpoint appear once
 
 
@@ -173,7 +174,7 @@ def test_sigterm_saves_the_current_step_and_resumes_exactly(tmp_path, reference,
   result, resumed = run_driver(tmp_path, "stopped", "--steps=8", "--checkpoint_every=100")
   assert f"from step {step}" in resumed.stdout
   assert_same_run(result, reference, atol=0)
-  steps = [json.loads(line)["step"] for line in metrics.open()]
+  steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
   assert steps == list(range(1, 9))
 
 
@@ -275,7 +276,8 @@ def test_default_run_learns(tmp_path):
   for notice in ("cuInit", "absl::InitializeLog", "I0000", "uncached FunctionDataset",
                  "cache_dataset_ops"):
     assert notice not in proc.stderr, proc.stderr[-3000:]  # nothing a user can act on
-  records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+  records = [json.loads(line)
+             for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
   first, last = records[0], records[-1]
   assert first["step"] == 1 and last["step"] == 80
   assert last["loss"] < first["loss"] - 1.0, (first["loss"], last["loss"])
