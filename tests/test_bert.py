@@ -239,11 +239,21 @@ def test_bad_preset_and_pooler():
     build_model(model_config(TINY), "mlmm")
 
 
-def _mlm_loss(cfg):
+def _shapes_and_dtypes(tree):
+  return jax.tree.structure(tree), [(x.shape, x.dtype) for x in jax.tree.leaves(tree)]
+
+
+def _mlm_loss(cfg, params=None):
+  """(loss, params): ``params`` initialised unless given, and then checked to be this model's
+  tree (structure, shapes, dtypes) by an abstract init."""
   model = BertForMaskedLM(cfg)
   ids = jax.random.randint(jax.random.key(0), (2, 13), 6, 50)
   mask = jnp.ones_like(ids).at[1, 9:].set(0)
-  params = model.init(jax.random.key(1), ids, jnp.zeros_like(ids), mask)["params"]
+  if params is None:
+    params = model.init(jax.random.key(1), ids, jnp.zeros_like(ids), mask)["params"]
+  else:
+    shapes = jax.eval_shape(model.init, jax.random.key(1), ids, jnp.zeros_like(ids), mask)
+    assert _shapes_and_dtypes(shapes["params"]) == _shapes_and_dtypes(params)
 
   def loss(p):
     logits = model.apply({"params": p}, ids, jnp.zeros_like(ids), mask)
@@ -256,9 +266,9 @@ def _mlm_loss(cfg):
                                     {"name": "alibi"}, {"name": "diet_abs", "rank": 4}])
 def test_fused_route_trains_like_the_reference(scheme):
   """Whole model, loss and every parameter gradient: fused (Pallas, interpret) vs reference."""
-  grads = {}
-  for route in ("reference", "fused"):
-    loss, params = _mlm_loss(model_config(TINY, scheme=scheme, route=route))
+  grads, params = {}, None
+  for route in ("reference", "fused"):  # one initialisation (the same key), both routes' trees
+    loss, params = _mlm_loss(model_config(TINY, scheme=scheme, route=route), params)
     grads[route] = jax.value_and_grad(loss)(params)
   (ref_loss, ref), (fused_loss, fused) = grads["reference"], grads["fused"]
   np.testing.assert_allclose(fused_loss, ref_loss, rtol=1e-5)
