@@ -61,6 +61,8 @@ SCHEME_CONFIGS = {
     "alibi": {"name": "alibi"},
     "alibi_causal": {"name": "alibi", "causal": True},
     "rope": {"name": "rope"},
+    "kerple_log": {"name": "kerple_log"},
+    "kerple_power_per_layer": {"name": "kerple_power", "sharing": "none"},
 }
 
 

@@ -34,6 +34,8 @@ REGISTERED = {
     "segment_per_head": ({}, True, False),
     "alibi": ({"causal": True}, False, False),
     "rope": ({}, False, False),
+    "kerple_log": ({}, False, False),
+    "kerple_power": ({}, False, False),
 }
 
 MODEL = dict(vocab_size=100, d_model=32, num_layers=2, num_heads=4, mlp_dim=64, max_len=64,

@@ -4,6 +4,7 @@ from posenc_jax.schemes.absolute import LearnedAPE, SinusoidalAPE
 from posenc_jax.schemes.alibi import Alibi, alibi_slopes
 from posenc_jax.schemes.base import SHARING, Composite, NoPosition, Scheme, SchemeConfigError
 from posenc_jax.schemes.diet import DietAbs, DietRel
+from posenc_jax.schemes.kerple import Kerple
 from posenc_jax.schemes.registry import SCHEMES, build_scheme, validate_scheme_config
 from posenc_jax.schemes.rope import Rope
 from posenc_jax.schemes.segment import SegmentInput, SegmentPerHead
@@ -12,8 +13,8 @@ from posenc_jax.schemes.t5 import T5Bias, relative_position_bucket
 from posenc_jax.schemes.tupe import BertAd, Tupe
 
 __all__ = [
-    "SCHEMES", "SHARING", "Alibi", "BertAd", "Composite", "DietAbs", "DietRel", "LearnedAPE",
-    "NoPosition", "Rope", "Scheme", "SchemeConfigError", "SegmentInput", "SegmentPerHead",
-    "ShawRPE", "SinusoidalAPE", "SinusoidalRPE", "T5Bias", "Tupe", "alibi_slopes",
+    "SCHEMES", "SHARING", "Alibi", "BertAd", "Composite", "DietAbs", "DietRel", "Kerple",
+    "LearnedAPE", "NoPosition", "Rope", "Scheme", "SchemeConfigError", "SegmentInput",
+    "SegmentPerHead", "ShawRPE", "SinusoidalAPE", "SinusoidalRPE", "T5Bias", "Tupe", "alibi_slopes",
     "build_scheme", "relative_position_bucket", "validate_scheme_config",
 ]

@@ -23,6 +23,7 @@ from posenc_jax.schemes.absolute import LearnedAPE, SinusoidalAPE
 from posenc_jax.schemes.alibi import Alibi
 from posenc_jax.schemes.base import Composite, NoPosition, Scheme, SchemeConfigError
 from posenc_jax.schemes.diet import DietAbs, DietRel
+from posenc_jax.schemes.kerple import Kerple
 from posenc_jax.schemes.linformer import DietAbsLin
 from posenc_jax.schemes.rope import Rope
 from posenc_jax.schemes.segment import SegmentInput, SegmentPerHead
@@ -81,6 +82,8 @@ SCHEMES: dict[str, SchemeSpec] = {
     "segment_per_head": SchemeSpec(SegmentPerHead),
     "alibi": SchemeSpec(Alibi),
     "rope": SchemeSpec(Rope),
+    "kerple_log": SchemeSpec(Kerple, {"form": "log"}),
+    "kerple_power": SchemeSpec(Kerple, {"form": "power"}),
 }
 
 
