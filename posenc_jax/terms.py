@@ -668,7 +668,7 @@ def _clipped_columns(x: Array, clip: int, first: int, width: int) -> Array:
 
 
 def rotate_pairs(x: Array, angles: Array, layout: str = "interleaved",
-                 attention_factor: float = 1.0) -> Array:
+                 attention_factor: float = 1.0, scale: Array | None = None) -> Array:
   """Rotates pairs among the first ``R = 2 * angles.shape[-1]`` features of ``x``.
 
   Pair ``k`` turns by ``angles[..., k]``; features ``R..D-1`` pass through
@@ -684,14 +684,18 @@ def rotate_pairs(x: Array, angles: Array, layout: str = "interleaved",
     layout: ``"interleaved"`` or ``"half"``.
     attention_factor: multiplies cos and sin, so the rotated features are scaled by it
       (YaRN's attention factor; the pass-through features are not, as in Hugging Face).
+    scale: optional ``[L, R/2]`` or ``[B, L, R/2]``, multiplies both features of pair ``k``
+      at each position (xPos); None: 1. Multiplied into cos and sin in their float32
+      before the cast to ``x``'s dtype.
 
   Returns:
     ``[B, L, H, D]``.
   """
   width = 2 * angles.shape[-1]
   angles = angles[..., None, :]  # [B|.., L, 1 (heads), R/2]
-  cos = (attention_factor * jnp.cos(angles)).astype(x.dtype)
-  sin = (attention_factor * jnp.sin(angles)).astype(x.dtype)
+  factor = attention_factor if scale is None else attention_factor * scale[..., None, :]
+  cos = (factor * jnp.cos(angles)).astype(x.dtype)
+  sin = (factor * jnp.sin(angles)).astype(x.dtype)
   # Pair k as [.., R/2, 2] (interleaved) or [.., 2, R/2] (half), its two members on `axis`.
   axis, pairs = (-2, (2, width // 2)) if layout == "half" else (-1, (width // 2, 2))
   rotated, rest = x[..., :width], x[..., width:]
@@ -703,7 +707,8 @@ def rotate_pairs(x: Array, angles: Array, layout: str = "interleaved",
 
 @struct.dataclass
 class Rotation(Term):
-  """RoPE: q and k rotated by their positions' angles (:func:`rotate_pairs`).
+  """RoPE: q and k rotated by their positions' angles (:func:`rotate_pairs`); with
+  ``q_scale`` and ``k_scale``, xPos: each pair also scaled by its position's factor.
 
   Attributes:
     q_angles: ``[Lq, R/2]``, ``i * theta_k`` for query position ``i``; the first
@@ -714,12 +719,18 @@ class Rotation(Term):
       (pairs ``(k, k + R/2)``, GPT-NeoX).
     attention_factor: multiplies cos and sin, i.e. scales the rotated features of q and
       of k (YaRN's attention temperature: their logits scale by its square).
+    q_scale: optional ``[Lq, R/2]`` or ``[B, Lq, R/2]`` (the layout of ``q_angles``), the
+      factor of both features of pair ``k`` at each query position (xPos's
+      ``zeta_k^(n / gamma)``, :mod:`posenc_jax.schemes.xpos`); None: 1.
+    k_scale: optional ``[Lk, R/2]`` or ``[B, Lk, R/2]``, the same for the keys.
   """
 
   q_angles: Array
   k_angles: Array
   layout: str = struct.field(pytree_node=False, default="interleaved")
   attention_factor: float = struct.field(pytree_node=False, default=1.0)
+  q_scale: Array | None = None
+  k_scale: Array | None = None
 
   def shape_problem(self, q_shape, k_shape):
     dim = q_shape[3]
@@ -740,14 +751,33 @@ class Rotation(Term):
     if q_angles[-1] > dim // 2:
       return (f"q_angles {list(q_angles)} has {q_angles[-1]} angles, but q's head dim {dim} has "
               f"only {dim // 2} pairs")
-    return _axis_problem("k_angles", k_angles, -1, "angles", q_angles[-1], "q_angles has")
+    return (_axis_problem("k_angles", k_angles, -1, "angles", q_angles[-1], "q_angles has")
+            or self._scale_problem(q_shape, k_shape))
+
+  def _scale_problem(self, q_shape, k_shape) -> str | None:
+    """Why ``q_scale`` or ``k_scale`` does not fit the angles' positions and pairs, or None."""
+    pairs = jnp.shape(self.q_angles)[-1]
+    for name, scale, length, source in (("q_scale", self.q_scale, q_shape[1], "q has"),
+                                        ("k_scale", self.k_scale, k_shape[1], "k has")):
+      if scale is None:
+        continue
+      shape = jnp.shape(scale)
+      problem = (_rank_problem(name, shape, (2, 3), "[L, R/2] or [B|1, L, R/2]")
+                 or _axis_problem(name, shape, -2, "positions", length, source)
+                 or _axis_problem(name, shape, -1, "pairs", pairs, "q_angles has")
+                 or (len(shape) == 3 and _axis_problem(name, shape, 0, "examples", q_shape[0],
+                                                       "q has", broadcast=True)))
+      if problem:
+        return problem
+    return None
 
   def transform_qk(self, q, k):
-    return (rotate_pairs(q, self.q_angles, self.layout, self.attention_factor),
-            rotate_pairs(k, self.k_angles, self.layout, self.attention_factor))
+    return (rotate_pairs(q, self.q_angles, self.layout, self.attention_factor, self.q_scale),
+            rotate_pairs(k, self.k_angles, self.layout, self.attention_factor, self.k_scale))
 
   def slice_queries(self, start, size):
-    return self.replace(q_angles=slice_rows(self.q_angles, start, size, -2))
+    q_scale = None if self.q_scale is None else slice_rows(self.q_scale, start, size, -2)
+    return self.replace(q_angles=slice_rows(self.q_angles, start, size, -2), q_scale=q_scale)
 
 
 @struct.dataclass

@@ -61,6 +61,7 @@ SCHEME_CONFIGS = {
     "alibi": {"name": "alibi"},
     "alibi_causal": {"name": "alibi", "causal": True},
     "rope": {"name": "rope"},
+    "xpos_half_partial": {"name": "xpos", "layout": "half", "fraction": 0.5, "scale_base": 8.0},
     "kerple_log": {"name": "kerple_log"},
     "kerple_power_per_layer": {"name": "kerple_power", "sharing": "none"},
 }
@@ -102,5 +103,3 @@ def padding_mask(batch=BATCH, length=LENGTH):
 @pytest.fixture(params=sorted(SCHEME_CONFIGS))
 def scheme_name(request):
   return request.param
-
-

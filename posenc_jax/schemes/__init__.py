@@ -11,10 +11,11 @@ from posenc_jax.schemes.segment import SegmentInput, SegmentPerHead
 from posenc_jax.schemes.shaw import ShawRPE, SinusoidalRPE
 from posenc_jax.schemes.t5 import T5Bias, relative_position_bucket
 from posenc_jax.schemes.tupe import BertAd, Tupe
+from posenc_jax.schemes.xpos import Xpos
 
 __all__ = [
     "SCHEMES", "SHARING", "Alibi", "BertAd", "Composite", "DietAbs", "DietRel", "Kerple",
     "LearnedAPE", "NoPosition", "Rope", "Scheme", "SchemeConfigError", "SegmentInput",
     "SegmentPerHead", "ShawRPE", "SinusoidalAPE", "SinusoidalRPE", "T5Bias", "Tupe", "alibi_slopes",
-    "build_scheme", "relative_position_bucket", "validate_scheme_config",
+    "Xpos", "build_scheme", "relative_position_bucket", "validate_scheme_config",
 ]

@@ -30,6 +30,7 @@ from posenc_jax.schemes.segment import SegmentInput, SegmentPerHead
 from posenc_jax.schemes.shaw import ShawRPE, SinusoidalRPE
 from posenc_jax.schemes.t5 import T5Bias
 from posenc_jax.schemes.tupe import BertAd, Tupe
+from posenc_jax.schemes.xpos import Xpos
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +83,8 @@ SCHEMES: dict[str, SchemeSpec] = {
     "segment_per_head": SchemeSpec(SegmentPerHead),
     "alibi": SchemeSpec(Alibi),
     "rope": SchemeSpec(Rope),
+    # RoPE's scalings stay off: the paper and its reference code scale no frequency.
+    "xpos": SchemeSpec(Xpos, settable=("base", "layout", "fraction", "scale_base")),
     "kerple_log": SchemeSpec(Kerple, {"form": "log"}),
     "kerple_power": SchemeSpec(Kerple, {"form": "power"}),
 }
