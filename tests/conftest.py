@@ -61,6 +61,12 @@ SCHEME_CONFIGS = {
     "alibi": {"name": "alibi"},
     "alibi_causal": {"name": "alibi", "causal": True},
     "rope": {"name": "rope"},
+    # Scaled from L = 8, so LENGTH = 10 runs past the original context (the packed rows' 6 and
+    # 4 tokens stay within it: a packed row's current length is its largest id + 1).
+    "rope_dynamic": {"name": "rope", "scaling": "dynamic", "factor": 2.0, "original_max_len": 8},
+    "rope_longrope": {"name": "rope", "scaling": "longrope", "layout": "half",
+                      "short_factor": [1.0, 1.5, 2.0, 4.0], "long_factor": [1.0, 2.0, 4.0, 8.0],
+                      "original_max_len": 8},
     "xpos_half_partial": {"name": "xpos", "layout": "half", "fraction": 0.5, "scale_base": 8.0},
     "kerple_log": {"name": "kerple_log"},
     "kerple_power_per_layer": {"name": "kerple_power", "sharing": "none"},

@@ -230,15 +230,15 @@ def test_logits_depend_only_on_the_offset(name):
     (dict(fraction=0), {}, "fraction must be a number in (0, 1], got 0"),
     (dict(fraction=1.5), {}, "fraction must be a number in (0, 1], got 1.5"),
     (dict(scaling="yarm"), {}, "scaling must be one of 'none', 'linear', 'ntk', 'yarn', 'llama3', "
-                               "got 'yarm'; did you mean 'yarn'?"),
+                               "'dynamic', 'longrope', got 'yarm'; did you mean 'yarn'?"),
     (dict(scaling="linear", factor=0.5), {}, "factor must be a finite number >= 1, got 0.5"),
     (dict(factor=2.0), {}, "factor must stay 1.0 with scaling 'none' (it applies to scaling "
-                           "'linear', 'ntk', 'yarn', 'llama3'), got 2.0"),
+                           "'linear', 'ntk', 'yarn', 'llama3', 'dynamic'), got 2.0"),
     (dict(beta_fast=16.0), {}, "beta_fast must stay 32.0 with scaling 'none' (it applies to "
                                "scaling 'yarn'), got 16.0"),
     (dict(scaling="linear", factor=2.0, original_max_len=512), {},
      "original_max_len must stay None with scaling 'linear' (it applies to scaling 'yarn', "
-     "'llama3'), got 512"),
+     "'llama3', 'dynamic', 'longrope'), got 512"),
     (dict(scaling="yarn", high_freq_factor=8.0), {},
      "high_freq_factor must stay 4.0 with scaling 'yarn' (it applies to scaling 'llama3'), "
      "got 8.0"),

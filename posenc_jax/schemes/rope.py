@@ -1,11 +1,12 @@
 """RoPE (Su et al.): q and k rotated pairwise by position-dependent angles, with the
 rotate-half layout, partial rotary and context extension (position interpolation,
-NTK-aware scaling, YaRN, Llama 3)."""
+NTK-aware scaling, YaRN, Llama 3, and the run-time dynamic NTK and LongRoPE)."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 
 import flax.linen as nn
 import jax
@@ -20,18 +21,31 @@ from posenc_jax.terms import Rotation, SchemeTerms
 Array = jax.Array
 
 LAYOUTS = ("interleaved", "half")
-SCALINGS = ("none", "linear", "ntk", "yarn", "llama3")
+SCALINGS = ("none", "linear", "ntk", "yarn", "llama3", "dynamic", "longrope")
+# The scalings whose frequencies depend on the current length (the pass's, see Rope).
+RUN_TIME_SCALINGS = ("dynamic", "longrope")
 # The scalings that read each scaling hyperparameter; under any other scaling it keeps its
 # default.
 SCALING_FIELDS = {
-    "factor": ("linear", "ntk", "yarn", "llama3"),
-    "original_max_len": ("yarn", "llama3"),
+    "factor": ("linear", "ntk", "yarn", "llama3", "dynamic"),
+    "original_max_len": ("yarn", "llama3", "dynamic", "longrope"),
     "beta_fast": ("yarn",),
     "beta_slow": ("yarn",),
-    "attention_factor": ("yarn",),
+    "attention_factor": ("yarn", "longrope"),
     "low_freq_factor": ("llama3",),
     "high_freq_factor": ("llama3",),
+    "short_factor": ("longrope",),
+    "long_factor": ("longrope",),
 }
+
+
+def is_factor_list(x) -> bool:
+  """A non-empty list (or tuple) of finite positive numbers."""
+  return (isinstance(x, Sequence) and not isinstance(x, str) and len(x) > 0
+          and all(is_finite_number(v) and v > 0 for v in x))
+
+
+FACTOR_LIST = Check(is_factor_list, "a list of finite positive numbers")
 
 
 def rotated_dims(fraction: float, head_dim: int) -> int:
@@ -62,6 +76,24 @@ class Rope(Scheme):
     (b - a), 0, 1)``, ``a = low_freq_factor``, ``b = high_freq_factor``,
     ``lambda_k = 2 pi / theta_k``: wavelengths above ``L / a`` are interpolated, those
     below ``L / b`` kept.
+  * ``"dynamic"`` (dynamic NTK, emozilla 2023; Hugging Face's
+    ``_compute_dynamic_ntk_parameters``): ``theta_k`` of
+    ``base' = base * (s n / L - (s - 1))^(R / (R - 2))`` when the current length ``n``
+    exceeds ``L``, of ``base`` otherwise.
+  * ``"longrope"`` (Ding et al. 2024, section 3.2; Hugging Face's
+    ``_compute_longrope_parameters``): ``theta_k / f_k`` with ``f = long_factor`` when
+    ``n > L``, else ``short_factor``; cos and sin multiplied by ``attention_factor``,
+    default ``sqrt(1 + ln(S) / ln(L))`` with ``S = max_len / L`` (1 when ``S <= 1``).
+    ``factor`` is not read: the ratio ``S`` comes from ``max_len``, as Hugging Face takes it
+    from ``max_position_embeddings / original_max_position_embeddings`` (Phi-3).
+
+  The current length ``n`` of a pass is ``length`` without ``position_ids``, and each row's
+  largest id + 1 with them (traced under ``jit``: ``[B]`` frequencies). Cached decoding
+  builds the terms once for the cache's length (see ``models/transformer.py``), so every
+  step rotates with the frequencies of ``n = L_dec``: decoding equals teacher forcing over
+  ``L_dec`` tokens and the cached keys stay valid; Hugging Face instead recomputes the
+  frequencies from the positions seen so far, leaving earlier cached keys rotated with
+  other ones (docs/schemes/rope-scaling.md).
 
   The names follow Hugging Face's config: ``base`` is ``rope_theta``, ``fraction``
   ``partial_rotary_factor``, ``scaling`` ``rope_scaling["rope_type"]``, and the
@@ -74,14 +106,16 @@ class Rope(Scheme):
     layout: ``"interleaved"`` pairs ``(x_{2k}, x_{2k+1})`` (Su et al., GPT-J) or
       ``"half"`` pairs ``(x_k, x_{k+R/2})`` (GPT-NeoX, Llama).
     fraction: of the head dim rotated, ``R = round(fraction * D)`` (1: all).
-    scaling: ``"none"``, ``"linear"``, ``"ntk"``, ``"yarn"`` or ``"llama3"``.
-    factor: ``s >= 1``, the context extension ratio (linear, ntk, yarn, llama3).
-    original_max_len: ``L``, the pre-training context (yarn, llama3); None: the
-      model's ``max_len`` (Hugging Face falls back to ``max_position_embeddings``).
+    scaling: one of :data:`SCALINGS`.
+    factor: ``s >= 1``, the context extension ratio (linear, ntk, yarn, llama3, dynamic).
+    original_max_len: ``L``, the pre-training context (yarn, llama3, dynamic, longrope);
+      None: the model's ``max_len`` (Hugging Face falls back to ``max_position_embeddings``).
     beta_fast, beta_slow: YaRN's turn counts bounding the ramp (32, 1).
-    attention_factor: YaRN's cos/sin multiplier; None: ``0.1 ln(s) + 1``.
+    attention_factor: the cos/sin multiplier of YaRN and LongRoPE; None: their defaults.
     low_freq_factor, high_freq_factor: Llama 3's wavelength thresholds ``L / factor``
       (1, 4).
+    short_factor, long_factor: LongRoPE's ``R/2`` rescale factors (required by it; a list
+      is kept as a tuple).
   """
 
   base: float = 10000.0
@@ -95,6 +129,8 @@ class Rope(Scheme):
   attention_factor: float | None = None
   low_freq_factor: float = 1.0
   high_freq_factor: float = 4.0
+  short_factor: Sequence[float] | None = None
+  long_factor: Sequence[float] | None = None
 
   scheme_name = "rope"
   even_dimension = "head_dim"
@@ -111,7 +147,16 @@ class Rope(Scheme):
       "attention_factor": optional(POSITIVE_FLOAT),
       "low_freq_factor": POSITIVE_FLOAT,
       "high_freq_factor": POSITIVE_FLOAT,
+      "short_factor": optional(FACTOR_LIST),
+      "long_factor": optional(FACTOR_LIST),
   }
+
+  def __post_init__(self):
+    for field in ("short_factor", "long_factor"):  # a tuple keeps the module hashable
+      value = getattr(self, field)
+      if isinstance(value, list):
+        object.__setattr__(self, field, tuple(value))
+    super().__post_init__()
 
   @classmethod
   def joint_problem(cls, values):
@@ -126,18 +171,29 @@ class Rope(Scheme):
     if values["high_freq_factor"] <= values["low_freq_factor"]:
       return (f"high_freq_factor must be > low_freq_factor ({values['low_freq_factor']!r}), "
               f"got {values['high_freq_factor']!r}")
+    if scaling == "longrope":
+      for field in ("short_factor", "long_factor"):
+        if values[field] is None:
+          return f"{field} must be {FACTOR_LIST.allowed} with scaling 'longrope', got None"
+      if values["original_max_len"] == 1:  # the default attention factor divides by ln L
+        return "original_max_len must be >= 2 with scaling 'longrope', got 1"
     return None
 
   @classmethod
   def dimension_problem(cls, dims, values):
     rotated = rotated_dims(values["fraction"], dims["head_dim"])
-    # NTK's exponent R / (R - 2) needs R > 2.
-    least = 4 if values["scaling"] == "ntk" else 2
+    # The NTK exponent R / (R - 2) needs R > 2.
+    ntk = values["scaling"] in ("ntk", "dynamic")
+    least = 4 if ntk else 2
     if rotated % 2 or rotated < least:
-      with_ntk = " with scaling 'ntk'" if values["scaling"] == "ntk" else ""
+      with_ntk = f" with scaling {values['scaling']!r}" if ntk else ""
       return (f"fraction must make the rotated dims, round(fraction * head_dim), an even "
               f"number >= {least}{with_ntk}, got round({values['fraction']!r} * "
               f"{dims['head_dim']}) = {rotated}")
+    for field in ("short_factor", "long_factor"):
+      if values[field] is not None and len(values[field]) != rotated // 2:
+        return (f"{field} must have one factor per rotated pair, R/2 = {rotated // 2}, got "
+                f"{len(values[field])}")
     return None
 
   @property
@@ -170,32 +226,53 @@ class Rope(Scheme):
                      / (self.high_freq_factor - self.low_freq_factor), 0.0, 1.0)
     return np.ones(rotated // 2)  # none, ntk
 
-  def frequencies(self) -> Array:
-    """``[R/2]`` float32 ``theta'_k``, the scaled frequencies."""
+  def frequencies(self, current_length: int | Array | None = None) -> Array:
+    """float32 ``theta'_k``, the scaled frequencies: ``[R/2]``, or ``[*S, R/2]`` for an int
+    array ``current_length`` of shape ``S`` under a run-time scaling (``dynamic``,
+    ``longrope``; None: a pass within ``original_max_len``)."""
     rotated = self.rotated_dim
     base = self.base
     if self.scaling == "ntk":
       base = base * self.factor ** (rotated / (rotated - 2))
     gamma = self.extrapolation()
     blend = jnp.asarray((1.0 - gamma) / self.factor + gamma, jnp.float32)
-    return sinusoid_frequencies(rotated, base) * blend
+    theta = sinusoid_frequencies(rotated, base) * blend
+    if self.scaling not in RUN_TIME_SCALINGS:
+      return theta
+    n = jnp.asarray(self.original_length if current_length is None else current_length)
+    longer = (n > self.original_length)[..., None]
+    if self.scaling == "longrope":
+      return theta / jnp.where(longer, jnp.asarray(self.long_factor, jnp.float32),
+                               jnp.asarray(self.short_factor, jnp.float32))
+    # base'^(-2k/R) = theta_k g^(-2k/(R-2)), g = s n / L - (s - 1): exactly theta_k at g = 1.
+    growth = jnp.where(longer, self.factor * n[..., None].astype(jnp.float32)
+                       / self.original_length - (self.factor - 1), 1.0)
+    return theta * growth ** (-jnp.arange(0, rotated, 2, dtype=jnp.float32) / (rotated - 2))
 
   def attention_scaling(self) -> float:
-    """The multiplier of cos and sin: YaRN's ``attention_factor`` (default
-    ``0.1 ln(factor) + 1``); 1 under every other scaling."""
-    if self.scaling != "yarn":
+    """The multiplier of cos and sin: ``attention_factor`` under YaRN (default
+    ``0.1 ln(factor) + 1``) and LongRoPE (default ``sqrt(1 + ln(S) / ln(L))``,
+    ``S = max_len / L``, 1 when ``S <= 1``); 1 under every other scaling."""
+    if self.scaling not in ("yarn", "longrope"):
       return 1.0
     if self.attention_factor is not None:
       return self.attention_factor
-    return 0.1 * math.log(self.factor) + 1.0
+    if self.scaling == "yarn":
+      return 0.1 * math.log(self.factor) + 1.0
+    ratio = self.max_len / self.original_length
+    return 1.0 if ratio <= 1 else math.sqrt(1 + math.log(ratio) / math.log(self.original_length))
 
   @nn.compact
   def __call__(self, length, segment_ids=None, position_ids=None):
     """Angles ``[1 (layers), L, R/2]``, or ``[1, B, L, R/2]`` at ``position_ids`` (any
-    integers: RoPE has no table)."""
+    integers: RoPE has no table); the current length is ``length``, or each row's
+    largest id + 1."""
     self.check_length(length)
     ids = self.check_position_ids(length, position_ids)
-    positions = jnp.arange(length) if ids is None else ids
-    angles = positions.astype(jnp.float32)[..., None] * self.frequencies()
+    if ids is None:
+      positions, current = jnp.arange(length), length
+    else:
+      positions, current = ids, jnp.max(ids, axis=-1, keepdims=True) + 1  # [B, 1]
+    angles = positions.astype(jnp.float32)[..., None] * self.frequencies(current)
     return SchemeTerms(terms=(Rotation(angles[None], angles[None], self.layout,
                                        self.attention_scaling()),))
