@@ -97,7 +97,7 @@ MODEL_FIELDS = {
     "route": ("reference", "reference"), "remat": ("full", "full"),
     "scan_layers": ("False", False), "attention_precision": ("tensorfloat32", "tensorfloat32"),
     "num_decoder_layers": ("3", 3), "share_embeddings": ("False", False),
-    "attention": ("linformer", "linformer"),
+    "attention": ("linformer", "linformer"), "nope_layer_interval": ("2", 2),
 }
 # The config each field is set in (default: the pre-training demo's presets).
 MODEL_SPECS = {"num_decoder_layers": "configs/translate.py:transformer_base,t5",

@@ -1,7 +1,8 @@
 """BERT (Devlin et al.) with any positional and segment scheme, and its heads.
 
 The scheme is built once per model from ``config.scheme`` and called once
-per forward pass; each layer gets its own (or the shared) terms. Parameter
+per forward pass; each layer gets its own (or the shared) terms, and NoPE layers
+(``config.nope_layer_interval``) none of the position scheme's. Parameter
 layout of :class:`BertEncoder`::
 
   token_embed/embedding               [V, d]
@@ -35,7 +36,7 @@ from posenc_jax.models.inputs import as_mask, check_ids_like, check_like, check_
 from posenc_jax.models.layers import (ACTIVATION_FNS, EncoderLayer, dense, layer_norm,
                                       token_embedding)
 from posenc_jax.models.linformer import shared_projection
-from posenc_jax.models.stack import layer_stack, run_stack
+from posenc_jax.models.stack import layer_stack, nope_args, run_stack
 from posenc_jax.schemes import build_scheme
 from posenc_jax.schemes.base import is_int
 from posenc_jax.terms import SchemeTerms
@@ -75,7 +76,13 @@ class BertEncoder(nn.Module):
     ``position_ids`` ``[B, L]`` (None: ``0..L-1`` in every row) go to the position
     scheme. Under Linformer's ``layer`` sharing the terms also carry the shared ``E``.
     """
-    terms = self.position(length, segment_ids, position_ids)
+    position = self.position(length, segment_ids, position_ids)
+    return position + self.context_terms(length, segment_ids)
+
+  def context_terms(self, length: int, segment_ids: Array) -> SchemeTerms:
+    """The terms after the position scheme's, which NoPE layers keep: the segment scheme's
+    and, under Linformer's ``layer`` sharing, the shared ``E``."""
+    terms = SchemeTerms()
     if self.config.segment is not None:
       terms = terms + self.segment(length, segment_ids)
     if self.linformer is not None:
@@ -118,13 +125,14 @@ class BertEncoder(nn.Module):
                        "'linformer'")
     segment_ids = jnp.zeros_like(input_ids) if segment_ids is None else segment_ids
     mask = as_mask(mask, (batch, length))
-    terms = self.terms(length, segment_ids, position_ids)
+    position = self.position(length, segment_ids, position_ids)
+    terms = position + self.context_terms(length, segment_ids)
     x = terms.embed(self.token_embed(input_ids).astype(jnp.float32))
     if not cfg.pre_ln:
       x = self.embed_norm(x)
     x = self.dropout(x, deterministic=deterministic).astype(cfg.compute_dtype)
     x = run_stack(self.layers, x, terms, mask, terms.content_scale, deterministic,
-                  packed_segment_ids)
+                  packed_segment_ids, **nope_args(cfg, cfg.num_layers, position))
     if cfg.pre_ln:
       x = self.final_norm(x)
     pooled = jnp.tanh(self.pooler(x[:, 0])) if cfg.pooler else None

@@ -85,6 +85,11 @@ class ModelConfig:
       language model, decoder-only, counts its layers in ``num_layers``).
     share_embeddings: encoder-decoder: one table for source, target and the
       output projection; language model: the output projection is the token table.
+    nope_layer_interval: N: every N-th layer of each stack (0-based layer ``i`` with
+      ``(i + 1) % N == 0``, MaxText's ``nope_layer_interval``) drops the position scheme's
+      attention terms and attends over ``q . k`` alone (NoPE; Llama 4 and SmolLM3 use
+      N = 4 with RoPE); 0 (the default) gives every layer its terms. See
+      :meth:`nope_layers`.
   """
 
   vocab_size: int = 30522
@@ -112,6 +117,7 @@ class ModelConfig:
   attention_precision: str = "float32"
   num_decoder_layers: int = 0
   share_embeddings: bool = True
+  nope_layer_interval: int = 0
 
   @property
   def dim_per_head(self) -> int:
@@ -120,6 +126,13 @@ class ModelConfig:
   @property
   def compute_dtype(self):
     return jnp.dtype(self.dtype)
+
+  def nope_layers(self, num_layers: int) -> tuple[bool, ...]:
+    """For each of a stack's ``num_layers`` layers, True where it has no position terms:
+    layer ``i`` (0-based) with ``(i + 1) % nope_layer_interval == 0``, as MaxText's
+    ``determine_is_nope_layer`` (``layers/llama4.py``); all False when the interval is 0."""
+    n = self.nope_layer_interval
+    return tuple(n > 0 and (i + 1) % n == 0 for i in range(num_layers))
 
   def replace(self, **changes) -> ModelConfig:
     """A validated copy with ``changes``."""
@@ -238,7 +251,22 @@ def model_config(config: Any = None, **overrides) -> ModelConfig:
     parts["segment"] = _check_scheme(cfg, "segment", cfg.segment)
   for field, checked in parts.items():
     _check_linformer(cfg, field, checked)
+  _check_nope(cfg, parts["scheme"])
   return cfg
+
+
+def _check_nope(cfg: ModelConfig, parts: tuple[SchemePart, ...]) -> None:
+  """``nope_layer_interval`` is 0 or a period in ``[2, N]`` for every stack's ``N`` layers
+  (1 would drop the terms of every layer: that is scheme ``none``), with a scheme that has
+  terms to drop."""
+  interval = cfg.nope_layer_interval
+  stacks = [n for n in (cfg.num_layers, cfg.num_decoder_layers) if n]
+  ok = is_int(interval) and (interval == 0 or 2 <= interval <= min(stacks))
+  _check("nope_layer_interval", ok, interval, f"0 (off) or an integer in [2, {min(stacks)}] "
+         "(the layers of the shortest stack; every N-th layer has no position terms)")
+  if interval and any(part.name == "none" for part in parts):
+    raise ModelConfigError(f"model.nope_layer_interval: got {interval} with scheme 'none', "
+                           "which has no terms to drop; allowed: 0 with scheme 'none'")
 
 
 def _checked_parts(cfg: ModelConfig, field: str, label: str, form: Any,

@@ -9,7 +9,8 @@ Design:
 * **The stack is the translation model's decoder** (:class:`~posenc_jax.models.transformer.
   Decoder` with no encoder): the scheme from ``config.scheme`` is built in its causal form
   (T5 unidirectional, ALiBi causal, the others as they are), called once per forward pass;
-  input-level schemes (learned or sinusoidal APE) add their table to the embeddings. The KV
+  input-level schemes (learned or sinusoidal APE) add their table to the embeddings;
+  ``config.nope_layer_interval`` takes the scheme off every N-th layer (NoPE). The KV
   cache and the decoding step are the decoder's too, so cached decoding equals teacher
   forcing for every scheme (``tests/test_lm.py``).
 * **Embeddings and output.** As in the translation model (tensor2tensor): the table is

@@ -14,17 +14,25 @@ they are; :mod:`posenc_jax.models.scan` converts one into the other exactly.
 Positional terms follow :class:`~posenc_jax.terms.SchemeTerms`' layer axis: terms with one
 value per layer are scanned together with the parameters, terms shared by every layer are
 broadcast once (:meth:`~posenc_jax.terms.SchemeTerms.split_layers`).
+
+NoPE layers (``ModelConfig.nope_layer_interval``) drop the position scheme's terms, which
+come first in the composed terms, and keep the rest (segment terms, Linformer's shared
+projection). Unrolled, each layer is simply called with fewer terms; scanned, a flag per
+layer is scanned with the terms and ``nn.cond`` picks the call with or without them, so
+one layer body (with its two branches) is still compiled and the parameters are the same.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from typing import Any
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 
-from posenc_jax.models.config import ModelConfig
+from posenc_jax.models.config import ModelConfig, ModelConfigError
 from posenc_jax.terms import SchemeTerms, layer_terms
 
 Array = jax.Array
@@ -52,12 +60,22 @@ def rematerialised(layer: type[nn.Module], remat: str, scanned: bool) -> type[nn
 
 @functools.cache
 def _scan_body(layer: type[nn.Module]) -> type[nn.Module]:
-  """``layer`` as ``nn.scan``'s body: ``(x, per_layer, (shared, *args)) -> (x, None)``."""
+  """``layer`` as ``nn.scan``'s body: ``(x, (per_layer, nope), (shared, dropped, *args)) ->
+  (x, None)``, with ``nope`` this layer's NoPE flag (None: no layer is NoPE) and ``dropped``
+  the number of leading terms a NoPE layer drops."""
 
   class Scanned(layer):
-    def __call__(self, x, per_layer, broadcast):
-      shared, *args = broadcast
-      return super().__call__(x, layer_terms(per_layer, shared), *args), None
+    def __call__(self, x, scanned, broadcast):
+      (per_layer, nope), (shared, dropped, *args) = scanned, broadcast
+
+      def call(module, x, terms):
+        return layer.__call__(module, x, terms, *args)
+
+      terms = layer_terms(per_layer, shared)
+      if nope is None:
+        return call(self, x, terms), None
+      without = lambda module, x, terms: call(module, x, terms[dropped:])  # noqa: E731
+      return nn.cond(nope, without, call, self, x, terms), None
 
   Scanned.__name__ = Scanned.__qualname__ = f"Scanned{layer.__name__}"
   return Scanned
@@ -88,14 +106,39 @@ def layer_stack(layer: type[nn.Module], config: ModelConfig, count: int, *,
   return scanned(config, name=name)
 
 
+def nope_args(config: ModelConfig, count: int, position: SchemeTerms) -> dict[str, Any]:
+  """:func:`run_stack`'s NoPE arguments for a stack of ``count`` layers whose composed terms
+  start with the position scheme's terms ``position``.
+
+  Raises:
+    ModelConfigError: one line when ``config.nope_layer_interval`` is set and the scheme adds
+      an input embedding (it is added once, before every layer, so no layer can drop it) or
+      asks for a content scale (a NoPE layer attends over ``q . k / sqrt(D)``).
+  """
+  nope_layers = config.nope_layers(count)
+  if any(nope_layers) and position.embedding is not None:
+    raise ModelConfigError("model.nope_layer_interval: the scheme adds input embeddings, which "
+                           "no layer can drop; allowed: 0 with an input-level scheme")
+  if any(nope_layers) and position.content_scale is not None:
+    raise ModelConfigError(f"model.nope_layer_interval: the scheme sets every layer's content "
+                           f"scale to {position.content_scale}; allowed: 0 with such a scheme")
+  return {"nope_layers": nope_layers, "position_terms": len(position.terms)}
+
+
 def run_stack(stack: Sequence[nn.Module] | nn.Module, x: Array, terms: SchemeTerms,
-              *args) -> Array:
+              *args, nope_layers: Sequence[bool] = (), position_terms: int = 0) -> Array:
   """``x`` through every layer of ``stack`` (:func:`layer_stack`), each called with its own
-  terms from ``terms`` and ``args``."""
+  terms from ``terms`` and ``args``.
+
+  ``nope_layers`` (one flag per layer, or empty) marks the NoPE layers, which drop the
+  first ``position_terms`` of ``terms.terms`` (:func:`nope_args`).
+  """
   if isinstance(stack, Sequence):
-    for index, layer in enumerate(stack):
-      x = layer(x, terms.for_layer(index), *args)
+    for index, (layer, nope) in enumerate(zip(stack, nope_layers or [False] * len(stack))):
+      own = terms.for_layer(index)
+      x = layer(x, own[position_terms:] if nope else own, *args)
     return x
   per_layer, shared = terms.split_layers()
-  x, _ = stack(x, per_layer, (shared, *args))
+  nope = jnp.asarray(nope_layers) if any(nope_layers) else None
+  x, _ = stack(x, (per_layer, nope), (shared, position_terms, *args))
   return x

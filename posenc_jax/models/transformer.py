@@ -19,7 +19,8 @@ Design:
   variant automatically: T5 with ``bidirectional=False``, ALiBi with
   ``causal=True``; the other schemes run under the causal mask as they are.
   Input-level schemes (learned or sinusoidal APE) add their table to the
-  embeddings.
+  embeddings. With ``config.nope_layer_interval`` every N-th layer of each
+  stack has no positional term (NoPE).
 * **Cross-attention is content only**: no positional term. Its keys are
   encoder states, which already carry the source positions, and a relative
   offset between a target and a source position has no meaning across two
@@ -71,7 +72,7 @@ from posenc_jax.models.config import ModelConfig, ModelConfigError, causal_varia
 from posenc_jax.models.inputs import as_mask, check_ids_like, check_like, check_token_ids
 from posenc_jax.models.layers import (DecoderLayer, EncoderLayer, dense, layer_norm,
                                       token_embedding)
-from posenc_jax.models.stack import layer_stack, run_stack
+from posenc_jax.models.stack import layer_stack, nope_args, run_stack
 from posenc_jax.schemes import build_scheme
 
 Array = jax.Array
@@ -128,7 +129,8 @@ class Encoder(nn.Module):
     x = terms.embed(x)
     x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic).astype(cfg.compute_dtype)
     layers = layer_stack(EncoderLayer, cfg, cfg.num_layers, name="layers")
-    x = run_stack(layers, x, terms, mask, terms.content_scale, deterministic)
+    x = run_stack(layers, x, terms, mask, terms.content_scale, deterministic,
+                  **nope_args(cfg, cfg.num_layers, terms))
     if cfg.pre_ln:
       x = layer_norm(cfg, "final_norm")(x)
     return x
@@ -227,7 +229,7 @@ class Decoder(nn.Module):
     x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic).astype(cfg.compute_dtype)
     layers = layer_stack(DecoderLayer, cfg, self.num_layers, remat=not decode, name="layers")
     x = run_stack(layers, x, terms, encoded, tgt_mask, src_mask, terms.content_scale, decode,
-                  deterministic, packed_segment_ids)
+                  deterministic, packed_segment_ids, **nope_args(cfg, self.num_layers, terms))
     if cfg.pre_ln:
       x = layer_norm(cfg, "final_norm")(x)
     return x
