@@ -56,16 +56,17 @@ def rope64(x, pos):
   return out
 
 
-def attention64(p, x, rotate):
+def attention64(p, x, rotate, segment_bias):
   """One example's self-attention ``[L, d] -> [L, d]`` in float64 from the layer's
-  parameters: softmax(q . k / sqrt(D)) v, q and k rotated when ``rotate``."""
+  parameters: softmax(q . k / sqrt(D) + segment_bias) v, q and k rotated when ``rotate``;
+  ``segment_bias`` ``[H, L, L]``."""
   f = lambda name: {k: np.asarray(v, np.float64) for k, v in p[name].items()}  # noqa: E731
   q, k, v = (np.einsum("ld,dhe->lhe", x, f(n)["kernel"]) + f(n)["bias"]
              for n in ("query", "key", "value"))
   if rotate:
     pos = np.arange(x.shape[0], dtype=np.float64)
     q, k = rope64(q, pos), rope64(k, pos)
-  logits = np.einsum("ihe,jhe->hij", q, k) / np.sqrt(q.shape[-1])
+  logits = np.einsum("ihe,jhe->hij", q, k) / np.sqrt(q.shape[-1]) + segment_bias
   probs = np.exp(logits - logits.max(-1, keepdims=True))
   probs /= probs.sum(-1, keepdims=True)
   out = np.einsum("hij,jhe->ihe", probs, v)
@@ -73,22 +74,26 @@ def attention64(p, x, rotate):
 
 
 def test_the_nope_layer_attends_without_rotation():
-  """BERT, 4 layers, RoPE, interval 4: each layer's attention output (captured) equals the
-  float64 transcription from its captured input, rotated on layers 0-2 and plain on 3; the
-  rotated transcription misses layer 3, the plain one misses layer 0."""
-  unrolled, _, params, _ = both_layouts(tiny(), "mlm", IDS)
-  _, state = unrolled.apply({"params": params}, IDS, capture_intermediates=True,
+  """BERT, 4 layers, RoPE and per-head segment terms, interval 4: each layer's attention
+  output (captured) equals the float64 transcription from its captured input, rotated on
+  layers 0-2 and plain on 3, with the segment term ``S_h[seg_i, seg_j]`` on every layer (it
+  is not a position); the rotated transcription misses layer 3, the plain one layer 0."""
+  segments = jnp.array([[0, 0, 0, 1, 1, 1], [0, 1, 1, 0, 0, 1]])
+  cfg = tiny(segment={"name": "segment_per_head"})
+  unrolled, _, params, _ = both_layouts(cfg, "mlm", IDS, segments)
+  _, state = unrolled.apply({"params": params}, IDS, segments, capture_intermediates=True,
                             mutable=["intermediates"])
   seen = state["intermediates"]["bert"]
   inputs = [seen["embed_norm"]["__call__"][0]] + [seen[f"layers_{i}"]["__call__"][0]
                                                    for i in range(3)]
+  table = np.asarray(params["bert"]["segment"]["segment_bias"], np.float64)  # [N, H, 2, 2]
   for layer, x in enumerate(inputs):
     got = np.asarray(seen[f"layers_{layer}"]["attention"]["__call__"][0])
     p = params["bert"][f"layers_{layer}"]["attention"]
-    for b in range(IDS.shape[0]):
-      x64 = np.asarray(x[b], np.float64)
-      np.testing.assert_allclose(got[b], attention64(p, x64, rotate=layer != 3), **TOL)
-      assert np.abs(got[b] - attention64(p, x64, rotate=layer == 3)).max() > 1e-3
+    for b, seg in enumerate(np.asarray(segments)):
+      x64, bias = np.asarray(x[b], np.float64), table[layer][:, seg[:, None], seg[None, :]]
+      np.testing.assert_allclose(got[b], attention64(p, x64, layer != 3, bias), **TOL)
+      assert np.abs(got[b] - attention64(p, x64, layer == 3, bias)).max() > 1e-3
 
 
 @pytest.mark.parametrize("head", ["mlm", "translation", "lm"])
