@@ -61,6 +61,8 @@ SCHEME_CONFIGS = {
     "alibi": {"name": "alibi"},
     "alibi_causal": {"name": "alibi", "causal": True},
     "rope": {"name": "rope"},
+    "fire": {"name": "fire", "mlp_width": 4, "init_L": 4.0},
+    "fire_causal_shared": {"name": "fire", "causal": True, "sharing": "layer", "init_L": 4.0},
     # Scaled from L = 8, so LENGTH = 10 runs past the original context (the packed rows' 6 and
     # 4 tokens stay within it: a packed row's current length is its largest id + 1).
     "rope_dynamic": {"name": "rope", "scaling": "dynamic", "factor": 2.0, "original_max_len": 8},

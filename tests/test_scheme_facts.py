@@ -34,6 +34,7 @@ REGISTERED = {
     "segment_per_head": ({}, True, False),
     "alibi": ({"causal": True}, False, False),
     "rope": ({}, False, False),
+    "fire": ({"causal": True}, False, False),
     "kerple_log": ({}, False, False),
     "kerple_power": ({}, False, False),
 }

@@ -23,6 +23,7 @@ from posenc_jax.schemes.absolute import LearnedAPE, SinusoidalAPE
 from posenc_jax.schemes.alibi import Alibi
 from posenc_jax.schemes.base import Composite, NoPosition, Scheme, SchemeConfigError
 from posenc_jax.schemes.diet import DietAbs, DietRel
+from posenc_jax.schemes.fire import Fire
 from posenc_jax.schemes.kerple import Kerple
 from posenc_jax.schemes.linformer import DietAbsLin
 from posenc_jax.schemes.rope import Rope
@@ -85,6 +86,7 @@ SCHEMES: dict[str, SchemeSpec] = {
     "rope": SchemeSpec(Rope),
     # RoPE's scalings stay off: the paper and its reference code scale no frequency.
     "xpos": SchemeSpec(Xpos, settable=("base", "layout", "fraction", "scale_base")),
+    "fire": SchemeSpec(Fire),
     "kerple_log": SchemeSpec(Kerple, {"form": "log"}),
     "kerple_power": SchemeSpec(Kerple, {"form": "power"}),
 }
