@@ -8,6 +8,7 @@ import os
 
 import ml_collections
 
+from posenc_jax.data.randomized_positions import EVAL_POSITIONS, TOKENS
 from posenc_jax.messages import nearest
 from posenc_jax.models.build import HEADS, check_head
 from posenc_jax.models.config import ModelConfig
@@ -190,4 +191,28 @@ def validate_train_config(config: ml_collections.ConfigDict) -> ModelConfig:
       what = f"scheme {tables[0]!r}" if tables else "Linformer's E/F"
       raise TrainConfigError(f"seq_len: {max(lengths)} exceeds model.max_len={cfg.max_len}, "
                              f"the length {what} covers")
+  check_randomized_positions(config, cfg)
   return cfg
+
+
+def check_randomized_positions(config: ml_collections.ConfigDict, cfg: ModelConfig) -> None:
+  """``randomized_positions`` (``N``: training position ids drawn from ``[0, N)``,
+  :mod:`posenc_jax.data.randomized_positions`; None: off) is an integer ``>= seq_len``, for
+  an objective whose batches carry position ids, within every absolute position table, and
+  ``randomized_positions_eval`` one of ``EVAL_POSITIONS``."""
+  evaluation = config.get("randomized_positions_eval", EVAL_POSITIONS[0])
+  if evaluation not in EVAL_POSITIONS:
+    _fail("randomized_positions_eval", evaluation, ", ".join(map(repr, EVAL_POSITIONS)))
+  n = config.get("randomized_positions")
+  if n is None:
+    return
+  if not (_is_int(n) and n >= config.seq_len):
+    _fail("randomized_positions", n, f"None (off) or an integer >= seq_len={config.seq_len} "
+          "(the ids are drawn from [0, randomized_positions))")
+  if config.objective not in TOKENS:
+    _fail("randomized_positions", n, f"None for objective {config.objective!r} (randomized "
+          f"positions are for objectives {', '.join(map(repr, TOKENS))})")
+  tables = absolute_table_schemes(cfg)
+  if tables and n > cfg.max_len:
+    raise TrainConfigError(f"randomized_positions: {n} exceeds model.max_len={cfg.max_len}, "
+                           f"the size of scheme {tables[0]!r}'s absolute position table")

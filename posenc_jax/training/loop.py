@@ -32,6 +32,7 @@ from etils import epath
 from flax.training import train_state
 
 from posenc_jax.cli import OutputPathError, absolute, check_output_dir
+from posenc_jax.data.randomized_positions import randomized_batches
 from posenc_jax.models.build import build_model
 from posenc_jax.models.config import ModelConfig
 from posenc_jax.schemes.registry import scheme_parts
@@ -336,13 +337,14 @@ def _train_batches(data: Callable[..., Iterator], config: ml_collections.ConfigD
   """The training batches from ``start_step``: the pipeline built at step 0 with the input
   state of checkpoint ``start_step`` restored into it (a cost independent of the step), or,
   when there is none (or the iterator has no state), the pipeline rebuilt at ``start_step``
-  by the step number."""
-  if start_step:
-    batches = data(config, "train", 0, **host)
-    if checkpointer.restore_input(start_step, batches):
-      logging.info("input pipeline restored from its state at step %d", start_step)
-      return batches
-  return data(config, "train", start_step, **host)
+  by the step number; with ``config.randomized_positions``, their position ids drawn from
+  the step on (:mod:`posenc_jax.data.randomized_positions`)."""
+  batches = data(config, "train", 0, **host) if start_step else None
+  if batches is not None and checkpointer.restore_input(start_step, batches):
+    logging.info("input pipeline restored from its state at step %d", start_step)
+  else:
+    batches = data(config, "train", start_step, **host)
+  return randomized_batches(config, batches, start_step, host["shard_id"])
 
 
 def train(config: ml_collections.ConfigDict, workdir: str,
@@ -459,8 +461,9 @@ def train(config: ml_collections.ConfigDict, workdir: str,
           scalars["compile_s"] = throughput.compile_seconds
           if config.eval_every and (step % config.eval_every == 0 or step == config.total_steps):
             scalars |= evaluate(eval_fn, state.params,
-                                data(config, "validation", 0, **host), batch_sharding,
-                                perplexity=config.objective == "lm")
+                                randomized_batches(config, data(config, "validation", 0, **host),
+                                                   0, host["shard_id"], evaluation=True),
+                                batch_sharding, perplexity=config.objective == "lm")
             scalars |= task_evaluation(config, model, state.params, data, batch_sharding)
             best.update(step, scalars, state.params)
           writer.write(step, scalars)
