@@ -71,11 +71,13 @@ def _scan_body(layer: type[nn.Module]) -> type[nn.Module]:
       def call(module, x, terms):
         return layer.__call__(module, x, terms, *args)
 
+      def without_position(module, x, terms):
+        return call(module, x, terms[dropped:])
+
       terms = layer_terms(per_layer, shared)
       if nope is None:
         return call(self, x, terms), None
-      without = lambda module, x, terms: call(module, x, terms[dropped:])  # noqa: E731
-      return nn.cond(nope, without, call, self, x, terms), None
+      return nn.cond(nope, without_position, call, self, x, terms), None
 
   Scanned.__name__ = Scanned.__qualname__ = f"Scanned{layer.__name__}"
   return Scanned
