@@ -160,18 +160,27 @@ def test_bad_fields_fail_with_one_line_naming_them(fields, preset, message):
   validate_train_config(config)  # N = max_len fits a table
 
 
-def test_a_tiny_training_run_with_randomized_positions(tmp_path, monkeypatch):
-  """bert_tiny (one layer) with ALiBi, masked LM, 3 steps and an evaluation: finite losses, and every
-  training batch reaching the step carries the drawn ids."""
-  config = _config("alibi", total_steps=3, log_every=1, eval_every=3, eval_steps=1,
-                   checkpoint_every=3, async_checkpointing=False, max_predictions_per_seq=8,
-                   compilation_cache_dir="")
+class _Stop(Exception):
+  """Kills a run between two steps."""
+
+
+def test_a_tiny_training_run_finite_and_resumed_exactly(tmp_path, monkeypatch):
+  """bert_tiny (one layer) with ALiBi, masked LM, 4 steps and an evaluation: finite losses,
+  every batch reaching the step carries drawn ids, and a run killed after its step-2
+  checkpoint and resumed ends with the uninterrupted run's parameters and losses."""
+  config = _config("alibi", total_steps=4, log_every=1, eval_every=4, eval_steps=1,
+                   checkpoint_every=2, async_checkpointing=False, max_predictions_per_seq=8,
+                   compilation_cache_dir=str(tmp_path / "xla"))
   config.model.update(dict(vocab_size=64, d_model=32, num_layers=1, num_heads=2, mlp_dim=64,
                            max_len=8, dropout_rate=0.0, attention_dropout_rate=0.0))
+  kill_at = []
 
   def data(config, split, start_step, shard_id=0, num_shards=1):
     steps = itertools.count(start_step) if split == "train" else range(config.eval_steps)
     for step in steps:
+      if split == "train" and step in kill_at:
+        kill_at.clear()
+        raise _Stop
       rng = np.random.default_rng(step)
       ids = rng.integers(6, 64, (2, 8)).astype(np.int32)
       weights = (rng.random((2, 8)) < 0.3).astype(np.float32)
@@ -182,8 +191,15 @@ def test_a_tiny_training_run_with_randomized_positions(tmp_path, monkeypatch):
   seen = []
   place = loop._global
   monkeypatch.setattr(loop, "_global", lambda b, s: seen.append(sorted(b)) or place(b, s))
-  result = loop.train(config, str(tmp_path / "run"), data=data)
-  losses = [h["loss"] for h in result["history"]] + [result["history"][-1]["eval_loss"]]
-  assert len(losses) == 4 and np.all(np.isfinite(losses))
+  whole = loop.train(config, str(tmp_path / "whole"), data=data)
+  losses = [h["loss"] for h in whole["history"]] + [whole["history"][-1]["eval_loss"]]
+  assert len(losses) == 5 and np.all(np.isfinite(losses))
   assert all("position_ids" in keys for keys in seen[1:])  # seen[0]: the init batch
-  assert jax.device_get(result["state"].step) == 3
+  kill_at.append(2)
+  with pytest.raises(_Stop):
+    loop.train(config, str(tmp_path / "resumed"), data=data)
+  resumed = loop.train(config, str(tmp_path / "resumed"), data=data)
+  assert [h["step"] for h in resumed["history"]] == [3, 4]
+  np.testing.assert_array_equal([h["loss"] for h in resumed["history"]], losses[2:4])
+  for a, b in zip(jax.tree.leaves(whole["state"].params), jax.tree.leaves(resumed["state"].params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
