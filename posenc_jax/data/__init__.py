@@ -23,6 +23,8 @@ load TensorFlow/seqio when they are imported (``tasks``, ``preprocessors``) or c
     causal_lm       ``wordnet_glosses_lm`` (packed ``targets``), ``lm_dataset`` for the trainer
     probes          synthetic probes generated on the fly (copy/reverse, MQAR, passkey),
                     task ``probe:<name>`` for the trainer, ``score`` per length
+    randomized_positions  training position ids as sorted random subsets of ``[0, N)``
+                    (Ruoss et al., 2023), counter-based in seed, step and row (numpy only)
     bundled/        the corpus files, their licence and the bundled vocabulary
 
 ``import posenc_jax.tasks`` registers every family.
