@@ -60,7 +60,17 @@ SCHEME_PRESETS: dict[str, dict] = {
                          linformer_k=LINFORMER_K),
     "alibi": dict(scheme={"name": "alibi"}),
     "rope": dict(scheme={"name": "rope"}),
+    "kerple_log": dict(scheme={"name": "kerple_log"}),
+    "kerple_power": dict(scheme={"name": "kerple_power"}),
+    "fire": dict(scheme={"name": "fire"}),
+    "xpos": dict(scheme={"name": "xpos"}),
+    # Dynamic NTK: the original length is the model's max_len, so it turns on past it.
+    "rope_dynamic": dict(scheme={"name": "rope", "scaling": "dynamic", "factor": 2.0}),
     # Modifiers.
+    # NoPE layers: the position scheme's terms off every 4th layer (Llama 4, SmolLM3; MaxText's
+    # nope_layer_interval), or every 2nd (models of 2 or 3 layers).
+    "nope_every_4": dict(nope_layer_interval=4),
+    "nope_every_2": dict(nope_layer_interval=2),
     "segment_per_head": dict(segment={"name": "segment_per_head"}),
     "no_segment": dict(segment=None),
     "pre_ln": dict(pre_ln=True),

@@ -118,7 +118,9 @@ TRAIN_FIELDS = {
     "optimizer.grad_clip_norm": ("0.5", 0.5), "optimizer.learning_rate": ("0.01", 0.01),
     "optimizer.name": ("lamb", "lamb"), "optimizer.schedule": ("constant", "constant"),
     "optimizer.warmup_fraction": ("0.1", 0.1), "optimizer.warmup_steps": ("0", 0),
-    "optimizer.weight_decay": ("0.0", 0.0), "profile_steps": ("2", 2), "seed": ("3", 3),
+    "optimizer.weight_decay": ("0.0", 0.0), "profile_steps": ("2", 2),
+    "randomized_positions": ("64", 64), "randomized_positions_eval": ("plain", "plain"),
+    "seed": ("3", 3),
     "seq_len": ("48", 48), "task": ("wordnet_glosses", "wordnet_glosses"),
     "total_steps": ("700", 700),
 }

@@ -59,6 +59,11 @@ def base_train_config() -> ml_collections.ConfigDict:
   # segment (attention within it, positions restarting at 0), as T5 packs.
   config.packed_segments = False
   config.profile_steps = 0  # trace this many steps after warm-up into <workdir>/tensorboard
+  # Randomized positions (Ruoss et al. 2023; mlm and lm): N, each training example's position
+  # ids a sorted random subset of [0, N) (None: off); evaluation "randomized" (the paper's)
+  # or "plain" (0..n-1). posenc_jax.data.randomized_positions.
+  config.randomized_positions = ml_collections.config_dict.placeholder(int)
+  config.randomized_positions_eval = "randomized"
   config.mesh = ml_collections.ConfigDict(dict(shape=(-1, 1), axes=("data", "model"),
                                                rules=()))
   return config

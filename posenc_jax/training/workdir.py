@@ -51,7 +51,8 @@ def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
 
 
 # Fields newer than some workdirs, and the value a run without the field used.
-ADDED = {"data_sharding": "stream", "packed_segments": False}
+ADDED = {"data_sharding": "stream", "packed_segments": False, "randomized_positions": None,
+         "randomized_positions_eval": "randomized"}
 
 
 def differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
