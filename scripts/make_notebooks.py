@@ -355,6 +355,9 @@ first layer's logits with `analysis.positional_attention`:
 | `bert_ad` | Ke et al. (BERT-A^d ablation) | q/k shifted by projected positions: its position-position term |
 | `alibi` | Press et al. | fixed `-m_h \\|i - j\\|` |
 | `rope` | Su et al. | rotation of q and k: none |
+| `kerple_log`, `kerple_power` | Chi et al. (KERPLE) | `-r1 log(1 + r2 \\|i - j\\|)`, `-r1 \\|i - j\\|^r2` per head |
+| `fire` | Li et al. (FIRE) | an MLP of `log(c (i - j) + 1) / log(c max(L, i) + 1)` per head |
+| `xpos` | Sun et al. (xPos) | RoPE with an exponential scale per pair: none |
 
 Two kinds of registered schemes are left out: the **segment** schemes (`segment_input`,
 `segment_per_head`), which encode token types rather than positions, and those that need

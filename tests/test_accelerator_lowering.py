@@ -33,7 +33,8 @@ from posenc_jax.training.optim import make_optimizer
 BATCH, LENGTH = 2, 128
 ENCODER_PRESETS = ("bert", "shaw", "t5", "tupe_a", "tupe_r", "bert_ad", "diet_rel",
                    "diet_rel_share", "diet_abs", "diet_abs_share", "segment_per_head", "alibi",
-                   "rope", "linformer", "diet_abs_lin")
+                   "rope", "linformer", "diet_abs_lin", "kerple_log", "kerple_power", "fire",
+                   "xpos", "rope_dynamic", "rope,nope_every_2")
 TRANSLATION_PRESETS = ("transformer_base", "transformer_base,t5", "transformer_base,diet_rel",
                        "transformer_base,alibi")
 # Lowered-text markers of the kernels each route calls.
@@ -121,7 +122,9 @@ def test_training_step_lowers_in_bfloat16(on_platform, platform, preset):
 
 @pytest.mark.parametrize("preset, kernel", [("bert", CUDNN), ("tupe_a", CUDNN),
                                             ("rope", CUDNN), ("diet_rel", TRITON),
-                                            ("tupe_r", TRITON), ("alibi", TRITON)])
+                                            ("tupe_r", TRITON), ("alibi", TRITON),
+                                            ("kerple_log", TRITON), ("fire", CUDNN),
+                                            ("xpos", CUDNN)])
 def test_gpu_training_step_takes_the_fused_kernels(on_platform, preset, kernel):
   """bf16 with a padding mask on GPU: bias-free attention (folded terms included) on cuDNN,
   Toeplitz terms in the Triton kernel, forward and backward."""

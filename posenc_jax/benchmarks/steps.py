@@ -41,7 +41,7 @@ from posenc_jax.training.metrics import peak_flops, train_flops_per_step
 
 PROG = "posenc_jax.benchmarks.steps"
 DEFAULT_SCHEMES = ("bert", "shaw", "t5", "tupe_a", "tupe_r", "diet_rel", "diet_rel_share",
-                   "diet_abs", "diet_abs_share", "alibi", "rope")
+                   "diet_abs", "diet_abs_share", "alibi", "rope", "kerple_log", "fire", "xpos")
 
 
 def peak_memory() -> int | None:

@@ -77,7 +77,8 @@ def get_config(arg="extrapolation"):
     config.finetune.update(short)
     return config
   if arg == "extrapolation":
-    config = _base(arg, "extrapolation", "bert,sinusoidal,rope,alibi,t5,diet_rel", "0")
+    config = _base(arg, "extrapolation",
+                   "bert,sinusoidal,rope,alibi,t5,diet_rel,kerple_log,fire,xpos", "0")
     config.train_config = "configs/lm.py:{size},{scheme}"
     config.train.update(short | dict(total_steps=300, log_every=100, eval_every=100,
                                      checkpoint_every=100, seq_len=32))
