@@ -346,6 +346,7 @@ def attend(
   terms = [term.with_key_length(k.shape[1]) for term in terms]
   for term in terms:
     q, k = term.transform_qk(q, k)
+  terms = [term.with_keys(k) for term in terms]
   seed = dropout_seed(dropout_rng) if dropout_rate > 0.0 and dropout_rng is not None else None
   plan = route_plan.plan_for(q, k, v, terms, mask=mask, causal=causal, dropout=seed is not None,
                              segment_ids=segment_ids, route=route,

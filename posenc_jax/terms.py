@@ -15,6 +15,7 @@ bias               :class:`Bias` ``[H,Lq,Lk]`` / ``[B,H,Lq,Lk]``  bias input
 relative (i - j)   :class:`Toeplitz` (DIET-REL, T5, ALiBi)     in-kernel bias
 factored (U V^T)   :class:`Factored`                           concat to q/k
 query-dependent    :class:`QueryRelative` (Shaw)               bias from q
+q and k dependent  :class:`ContextualPositions` (CoPE)         bias from q, k
 q/k transform      :class:`Rotation` (RoPE), :class:`QKShift`  transform q/k
 input-level        :class:`InputEmbedding`                     (not attention)
 =================  ==========================================  ==============
@@ -40,6 +41,9 @@ Each attention term implements the same small protocol, used by
 * ``with_key_length(k_len) -> Term``: tells a term whose arrays carry no key
   axis (Shaw's, which holds only an offset table) how many keys the
   attention has; :func:`posenc_jax.attend` calls it. Others return self.
+* ``with_keys(k) -> Term``: hands the keys (after every q/k transform) to a term whose
+  logits read them (CoPE's gates ``sigmoid(q_i . k_t)``); :func:`posenc_jax.attend` calls
+  it. Others return self.
 * ``shape_problem(q_shape, k_shape) -> str | None``: why the term's arrays do
   not fit attention over q ``[B, Lq, H, D]`` and k ``[B, Lk, H, D]`` (static
   shapes, checked by :func:`posenc_jax.attend` at trace time), or None.
@@ -52,6 +56,7 @@ one layer and on a :class:`SchemeTerms` term with its leading layer axis.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import numbers
 from collections.abc import Sequence
 from typing import Any
@@ -156,6 +161,12 @@ class Term:
   def with_key_length(self, k_len: int) -> Term:
     """The term for attention over ``k_len`` keys (only length-free terms need it)."""
     del k_len
+    return self
+
+  def with_keys(self, k: Array) -> Term:
+    """The term for attention over keys ``k`` ``[B, Lk, H, D]``, after the q/k transforms
+    (only terms whose logits read the keys need it)."""
+    del k
     return self
 
   def shape_problem(self, q_shape: Sequence[int], k_shape: Sequence[int]) -> str | None:
@@ -665,6 +676,89 @@ def _clipped_columns(x: Array, clip: int, first: int, width: int) -> Array:
            x[..., start:start + width - below - above],
            jnp.broadcast_to(x[..., -1:], x.shape[:-1] + (above,))]
   return jnp.concatenate([p for p in parts if p.shape[-1]], axis=-1)
+
+
+def contextual_positions(gates: Array, q_offset: int | Array = 0) -> Array:
+  """CoPE's positions ``p_ij = sum_{t=j..i} g_it`` (Golovneva et al. 2024, eq. 4).
+
+  Args:
+    gates: ``[..., Lq, Lk]`` gate values ``g_it`` in ``[0, 1]``.
+    q_offset: key index of query row 0 (queries at ``q_offset .. q_offset + Lq - 1``, keys
+      at ``0 .. Lk - 1``); may be traced.
+
+  Returns:
+    ``[..., Lq, Lk]`` in float32 at least (a bfloat16 sum would lose whole counts past 256):
+    the gates of keys ``j .. i`` summed (a reverse cumulative sum over the keys, gates after
+    the query dropped), 0 for keys after the query.
+  """
+  i = jnp.arange(gates.shape[-2])[:, None] + q_offset
+  t = jnp.arange(gates.shape[-1])[None, :]
+  gates = jnp.where(t <= i, gates.astype(jnp.promote_types(gates.dtype, jnp.float32)), 0.0)
+  return jnp.flip(jnp.cumsum(jnp.flip(gates, -1), axis=-1), -1)
+
+
+@struct.dataclass
+class ContextualPositions(Term):
+  """CoPE (Golovneva et al. 2024, section 3): a position counted from the content.
+
+  With gates ``g_it = sigmoid(c q_i . k_t)`` (``c`` the content scale), positions
+  ``p_ij = sum_{t=j..i} g_it`` (:func:`contextual_positions`) clipped at ``npos - 1``, and
+  ``f = p - floor(p)``,
+
+      T[b, h, i, j] = (1 - f) q_i . e[floor(p)] + f q_i . e[floor(p) + 1].
+
+  Causal: keys after the query (``j > i``, which the causal mask removes) get ``p = 0``.
+  Dense and data-dependent (it reads q and k): a ``[B, H, Lq, Lk]`` bias on either route.
+
+  Attributes:
+    table: ``e``, ``[npos, D]``, shared by the heads (a layer axis in front inside
+      :class:`SchemeTerms`).
+    q_offset: key index of query row 0 (int scalar, may be traced); None means 0.
+      :meth:`slice_queries` sets it, so a decoding step counts the gates of the keys up to
+      its own position only.
+    keys: ``[B, Lk, H, D]``, set by :func:`posenc_jax.attend` through :meth:`with_keys`.
+  """
+
+  table: Array
+  q_offset: Array | int | None = None
+  keys: Array | None = None
+
+  def with_keys(self, k):
+    return self.replace(keys=k)
+
+  def slice_queries(self, start, size):
+    del size  # the table has no query axis; the rows are the queries given to logits
+    offset = start if self.q_offset is None else self.q_offset + start
+    return self.replace(q_offset=jnp.asarray(offset, jnp.int32))
+
+  def shape_problem(self, q_shape, k_shape):
+    shape = jnp.shape(self.table)
+    return (_rank_problem("table", shape, (2,), "[npos, D] (SchemeTerms.for_layer drops the "
+                          "layer axis)")
+            or _axis_problem("table", shape, -1, "features", q_shape[3], "q has"))
+
+  def logits(self, q, scale):
+    if self.keys is None:
+      raise ValueError("ContextualPositions: keys are unset; attend sets them (with_keys(k))")
+    dot = functools.partial(jnp.einsum, precision=lax.Precision.HIGHEST,
+                            preferred_element_type=jnp.promote_types(q.dtype, jnp.float32))
+    gates = jax.nn.sigmoid(dot("bihd,bjhd->bhij", q, self.keys) * scale)
+    q_offset = 0 if self.q_offset is None else self.q_offset
+    last = self.table.shape[0] - 1
+    positions = jnp.minimum(contextual_positions(gates, q_offset), last)
+    floor = jnp.floor(positions)
+    frac = positions - floor  # the gradient to the gates flows through f
+    per_row = dot("bihd,rd->bhir", q, self.table)  # q_i . e[r] for every row r
+    lower = floor.astype(jnp.int32)
+    at = lambda rows: jnp.take_along_axis(per_row, rows, axis=-1)  # noqa: E731
+    # At p = npos - 1, f = 0: the upper row is clipped too and weighs nothing.
+    return (1 - frac) * at(lower) + frac * at(jnp.minimum(lower + 1, last))
+
+  def fused_form(self):
+    return self._form(entry="bias")
+
+  def fused(self, q, scale):
+    return FusedPart(bias=self.logits(q, scale))
 
 
 def rotate_pairs(x: Array, angles: Array, layout: str = "interleaved",

@@ -72,6 +72,9 @@ SCHEME_CONFIGS = {
     "xpos_half_partial": {"name": "xpos", "layout": "half", "fraction": 0.5, "scale_base": 8.0},
     "kerple_log": {"name": "kerple_log"},
     "kerple_power_per_layer": {"name": "kerple_power", "sharing": "none"},
+    # npos_max 6 < LENGTH: the positions of far keys are clipped at the table's last row.
+    "cope": {"name": "cope", "npos_max": 6},
+    "cope_shared": {"name": "cope", "sharing": "layer"},
 }
 
 

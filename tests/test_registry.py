@@ -24,7 +24,7 @@ def test_config_dict_and_plain_dict_build_the_same_scheme():
 
 @pytest.mark.parametrize("config,message", [
     ({"name": "diet_abz"}, "scheme name 'diet_abz' is unknown; did you mean 'diet_abs'?; allowed: "
-                           "alibi, bert_ad, diet_abs"),
+                           "alibi, bert_ad, cope, diet_abs"),
     ({}, "scheme name None is unknown; allowed: "),
     ({"name": "diet_abs", "rnak": 4}, "scheme 'diet_abs': unknown field 'rnak'; did you mean "
                                       "'rank'?; allowed fields: content_scale, rank, sharing"),

@@ -197,7 +197,7 @@ def test_each_form_says_what_its_fused_part_holds(scheme):
   _, _, st = init_scheme(SCHEME_CONFIGS[scheme], length=length)
   q = jnp.ones((2, length, HEADS, head_dim))
   for term in st.for_layer(0):
-    term = term.with_key_length(length)
+    term = term.with_key_length(length).with_keys(q)  # as attend: lengths, then keys
     form = term.fused_form()
     assert form.name == type(term).__name__ and form.fusable == term.fusable
     if not term.fusable:

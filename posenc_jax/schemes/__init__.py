@@ -3,6 +3,7 @@
 from posenc_jax.schemes.absolute import LearnedAPE, SinusoidalAPE
 from posenc_jax.schemes.alibi import Alibi, alibi_slopes
 from posenc_jax.schemes.base import SHARING, Composite, NoPosition, Scheme, SchemeConfigError
+from posenc_jax.schemes.cope import Cope
 from posenc_jax.schemes.diet import DietAbs, DietRel
 from posenc_jax.schemes.fire import Fire
 from posenc_jax.schemes.kerple import Kerple
@@ -15,8 +16,8 @@ from posenc_jax.schemes.tupe import BertAd, Tupe
 from posenc_jax.schemes.xpos import Xpos
 
 __all__ = [
-    "SCHEMES", "SHARING", "Alibi", "BertAd", "Composite", "DietAbs", "DietRel", "Fire", "Kerple",
-    "LearnedAPE", "NoPosition", "Rope", "Scheme", "SchemeConfigError", "SegmentInput",
+    "SCHEMES", "SHARING", "Alibi", "BertAd", "Composite", "Cope", "DietAbs", "DietRel", "Fire",
+    "Kerple", "LearnedAPE", "NoPosition", "Rope", "Scheme", "SchemeConfigError", "SegmentInput",
     "SegmentPerHead", "ShawRPE", "SinusoidalAPE", "SinusoidalRPE", "T5Bias", "Tupe", "alibi_slopes",
     "Xpos", "build_scheme", "relative_position_bucket", "validate_scheme_config",
 ]

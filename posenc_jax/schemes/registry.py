@@ -22,6 +22,7 @@ from posenc_jax.messages import nearest
 from posenc_jax.schemes.absolute import LearnedAPE, SinusoidalAPE
 from posenc_jax.schemes.alibi import Alibi
 from posenc_jax.schemes.base import Composite, NoPosition, Scheme, SchemeConfigError
+from posenc_jax.schemes.cope import Cope
 from posenc_jax.schemes.diet import DietAbs, DietRel
 from posenc_jax.schemes.fire import Fire
 from posenc_jax.schemes.kerple import Kerple
@@ -89,6 +90,7 @@ SCHEMES: dict[str, SchemeSpec] = {
     "fire": SchemeSpec(Fire),
     "kerple_log": SchemeSpec(Kerple, {"form": "log"}),
     "kerple_power": SchemeSpec(Kerple, {"form": "power"}),
+    "cope": SchemeSpec(Cope),
 }
 
 
