@@ -10,8 +10,8 @@
   (:func:`posenc_jax.kernels.relative_flash_attention`) as one ``[H, Lq+Lk-1]``
   vector whose tiles the kernel builds in place. Bias-free attention runs on cuDNN
   on GPU and on splash attention on TPU where they fit; dense terms (Shaw's
-  query-dependent term, per-example biases) go to :func:`jax.nn.dot_product_attention`
-  as a bias.
+  query-dependent term, CoPE's term of q and k, per-example biases) go to
+  :func:`jax.nn.dot_product_attention` as a bias.
 * ``route="auto"`` (the default): the fused route on GPU and TPU, the reference route
   on CPU and where a term cannot fuse.
 
