@@ -34,7 +34,7 @@ BATCH, LENGTH = 2, 128
 ENCODER_PRESETS = ("bert", "shaw", "t5", "tupe_a", "tupe_r", "bert_ad", "diet_rel",
                    "diet_rel_share", "diet_abs", "diet_abs_share", "segment_per_head", "alibi",
                    "rope", "linformer", "diet_abs_lin", "kerple_log", "kerple_power", "fire",
-                   "xpos", "rope_dynamic", "rope,nope_every_2")
+                   "xpos", "rope_dynamic", "rope,nope_every_2", "cope")
 TRANSLATION_PRESETS = ("transformer_base", "transformer_base,t5", "transformer_base,diet_rel",
                        "transformer_base,alibi")
 # Lowered-text markers of the kernels each route calls.
