@@ -359,21 +359,24 @@ first layer's logits with `analysis.positional_attention`:
 | `fire` | Li et al. (FIRE) | an MLP of `log(c (i - j) + 1) / log(c max(L, i) + 1)` per head |
 | `xpos` | Sun et al. (xPos) | RoPE with an exponential scale per pair: none |
 
-Two kinds of registered schemes are left out: the **segment** schemes (`segment_input`,
-`segment_per_head`), which encode token types rather than positions, and those that need
+Three kinds of registered schemes are left out: the **segment** schemes (`segment_input`,
+`segment_per_head`), which encode token types rather than positions, those that need
 Linformer attention (`diet_abs_lin`, whose key side has `k` projected rows instead of
-`L` positions). Each panel shows head 0 of layer 0 with its own colour scale.'''),
+`L` positions), and CoPE (`cope`), whose positions are counted from the content. Each panel shows head 0 of layer 0 with its own colour scale.'''),
     ("code", '''\
 from posenc_jax import analysis
 from posenc_jax.models import ModelConfigError
 from posenc_jax.presets import preset_config
-from posenc_jax.schemes import SegmentInput, SegmentPerHead
+from posenc_jax.schemes import Cope, SegmentInput, SegmentPerHead
 from posenc_jax.schemes.registry import SCHEMES
 
 models, skipped = {}, {}
 for name, spec in SCHEMES.items():
   if issubclass(spec.module, (SegmentInput, SegmentPerHead)):
     skipped[name] = "a segment (token type) scheme, not a positional one"
+    continue
+  if issubclass(spec.module, Cope):
+    skipped[name] = "positions counted from the content (q . k gates): no content-free term"
     continue
   config = preset_config(SIZE)
   config.model.scheme = {"name": name}
