@@ -10,7 +10,6 @@ import pytest
 from jax.test_util import check_grads
 
 from posenc_jax import attend, build_scheme
-from posenc_jax.schemes import SchemeConfigError
 from posenc_jax.terms import ContextualPositions, contextual_positions
 from tests import test_decoding, test_lm
 from tests.conftest import DIMS
@@ -106,18 +105,6 @@ def test_gradients_to_the_table_and_through_the_gates_match_finite_differences()
     check_grads(term_sum, tuple(x.astype(jnp.float64) for x in (q, k, e)), order=1,
                 modes=["rev"], eps=1e-6, atol=1e-6, rtol=1e-6)
 
-
-@pytest.mark.parametrize("field, value, allowed", [
-    ("npos_max", 0, "a positive integer or None"),
-    ("npos_max", 2.5, "a positive integer or None"),
-    ("sharing", "head", "one of 'none', 'layer'"),
-])
-def test_bad_hyperparameters_raise_one_line_naming_the_field(field, value, allowed):
-  with pytest.raises(SchemeConfigError) as info:
-    build_scheme({"name": "cope", field: value}, **DIMS)
-  message = str(info.value)
-  assert "\n" not in message
-  assert message.startswith(f"scheme 'cope': {field} must be {allowed}, got")
 
 
 def test_bad_table_and_missing_keys_raise_one_line():

@@ -51,6 +51,22 @@ def test_config_dict_and_plain_dict_build_the_same_scheme():
     ({"name": "learned_ape", "max_len": 4}, "scheme 'learned_ape': unknown field 'max_len'; "
                                             "allowed fields: none"),
     ("diet_abs", "scheme config must be a mapping with a 'name', got 'diet_abs'"),
+    ({"name": "fire", "mlp_width": 0}, "scheme 'fire': mlp_width must be a positive integer, got 0"),
+    ({"name": "fire", "init_c": 0.0},
+     "scheme 'fire': init_c must be a finite positive number, got 0.0"),
+    ({"name": "fire", "init_L": -512.0},
+     "scheme 'fire': init_L must be a finite positive number, got -512.0"),
+    ({"name": "fire", "eps": float("nan")},
+     "scheme 'fire': eps must be a finite positive number, got nan"),
+    ({"name": "fire", "causal": "yes"}, "scheme 'fire': causal must be true or false, got 'yes'"),
+    ({"name": "fire", "sharing": "head"},
+     "scheme 'fire': sharing must be one of 'none', 'layer', got 'head'"),
+    ({"name": "cope", "npos_max": 0},
+     "scheme 'cope': npos_max must be a positive integer or None, got 0"),
+    ({"name": "cope", "npos_max": 2.5},
+     "scheme 'cope': npos_max must be a positive integer or None, got 2.5"),
+    ({"name": "cope", "sharing": "head"},
+     "scheme 'cope': sharing must be one of 'none', 'layer', got 'head'"),
 ])
 def test_invalid_configs_raise_one_clear_line(config, message):
   with pytest.raises(SchemeConfigError) as error:
