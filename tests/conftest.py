@@ -8,6 +8,7 @@ import tempfile
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from posenc_jax import build_scheme
@@ -109,6 +110,24 @@ def qkv(batch=BATCH, length=LENGTH, heads=DIMS["num_heads"], head_dim=DIMS["head
 def padding_mask(batch=BATCH, length=LENGTH):
   """Row 0 full, row 1 with the last 3 keys padded."""
   return jnp.arange(length)[None, :] < jnp.array([[length], [length - 3]])[:batch]
+
+
+def attention_float64(q, k, v, scale, bias=0.0, keep=None):
+  """``softmax(scale q . k + bias) v`` in numpy float64, for transcriptions to compare with.
+
+  Args:
+    q, k, v: ``[B, L, H, D]``; bias: broadcastable to ``[B, H, Lq, Lk]``; keep: bool,
+      broadcastable to ``[B, H, Lq, Lk]`` (True = attend), or None.
+
+  Returns:
+    ``[B, Lq, H, D]`` float64.
+  """
+  q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+  logits = scale * np.einsum("bihd,bjhd->bhij", q, k) + np.asarray(bias, np.float64)
+  if keep is not None:
+    logits = np.where(np.asarray(keep), logits, -np.inf)
+  probs = np.exp(logits - logits.max(-1, keepdims=True))
+  return np.einsum("bhij,bjhd->bihd", probs / probs.sum(-1, keepdims=True), v)
 
 
 @pytest.fixture(params=sorted(SCHEME_CONFIGS))

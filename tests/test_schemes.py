@@ -2,15 +2,17 @@
 
 import math
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from posenc_jax import attend
+from posenc_jax import attend, build_scheme
 from posenc_jax.schemes import alibi_slopes, relative_position_bucket
 from posenc_jax.schemes.absolute import sinusoid
-from tests.conftest import DIMS, LENGTH, SCHEME_CONFIGS, init_scheme, qkv, segment_ids
+from tests.conftest import (DIMS, LENGTH, SCHEME_CONFIGS, attention_float64, init_scheme,
+                            padding_mask, qkv, segment_ids)
 
 # Queries only set the length for length-free terms (Toeplitz); no term here reads their values.
 Q = jnp.zeros((1, LENGTH, DIMS["num_heads"], DIMS["head_dim"]))
@@ -120,6 +122,50 @@ def test_sinusoidal_ape_is_the_input_term():
   assert not st.terms
 
 
+def vaswani_table(positions, d_model, frequencies=None):
+  """Vaswani et al. (sec. 3.5) in float64, one entry at a time: ``PE(pos, 2i) = sin(pos w_i)``,
+  ``PE(pos, 2i + 1) = cos(pos w_i)`` with ``w_i = 1 / 10000^(2i / d_model)`` (the spec's
+  interleaved layout), or the given ``[d_model / 2]`` frequencies. Returns ``[N, d_model]``."""
+  if frequencies is None:
+    frequencies = [1.0 / 10000.0 ** (2 * i / d_model) for i in range(d_model // 2)]
+  table = np.zeros((len(positions), d_model))
+  for n, pos in enumerate(positions):
+    for i, w in enumerate(frequencies):
+      table[n, 2 * i] = math.sin(pos * float(w))
+      table[n, 2 * i + 1] = math.cos(pos * float(w))
+  return table
+
+
+# float32 rounding of an angle pos * w_i (< 16 rad here: about 1e-6) and of sin/cos.
+SINUSOID_ATOL = 4e-6
+
+
+def test_sinusoidal_ape_equals_the_float64_table_at_every_frequency():
+  _, _, st = init_scheme(SCHEME_CONFIGS["sinusoidal_ape"], length=16)
+  got = np.asarray(st.embed(jnp.zeros((1, 16, DIMS["d_model"])))[0])
+  np.testing.assert_allclose(got, vaswani_table(range(16), DIMS["d_model"]), rtol=0,
+                             atol=SINUSOID_ATOL)
+
+
+def test_learnable_sinusoidal_ape_starts_at_the_table_and_reads_its_frequencies():
+  """At init (Wang et al.: the fixed frequencies, trainable) the embedding is Vaswani's table;
+  with other frequencies it is the same formula at those."""
+  module = build_scheme(SCHEME_CONFIGS["sinusoidal_ape_learnable"], **DIMS)
+  variables = module.init(jax.random.key(0), 16)
+  freqs = np.asarray(variables["params"]["frequencies"].value, np.float64)
+  d = DIMS["d_model"]
+  np.testing.assert_allclose(freqs, [10000.0 ** (-2 * i / d) for i in range(d // 2)], rtol=1e-6)
+  x = jnp.zeros((1, 16, d))
+  np.testing.assert_allclose(module.apply(variables, 16).embed(x)[0], vaswani_table(range(16), d),
+                             rtol=0, atol=SINUSOID_ATOL)
+  trained = jax.random.uniform(jax.random.key(1), (d // 2,), minval=0.01, maxval=1.0)
+  variables = {"params": {"frequencies": variables["params"]["frequencies"].replace_boxed(
+      trained)}}
+  np.testing.assert_allclose(module.apply(variables, 16).embed(x)[0],
+                             vaswani_table(range(16), d, np.asarray(trained)),
+                             rtol=0, atol=SINUSOID_ATOL)
+
+
 @pytest.mark.parametrize("name", ["shaw", "sinusoidal_rpe"])
 def test_shaw_key_term_against_loop(name):
   """``T[b,h,i,j] = c q_i . a_{clip(j - i)}``, computed one entry at a time."""
@@ -206,6 +252,31 @@ def test_bert_ad_is_the_four_term_sum():
                 + jnp.einsum("ihd,bjhd->bhij", a, k) + jnp.einsum("ihd,jhd->hij", a, b)[None])
   expected = jnp.einsum("bhij,bjhd->bihd", jax.nn.softmax(logits, -1), v)
   np.testing.assert_allclose(attend(q, k, v, [shift], scale=c), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_bert_ad_equals_float64_transcription():
+  """BERT-A^d from its parameters in float64 (TUPE's ablation, spec): q_i + LN(p_i) U_Q and
+  k_j + LN(p_j) U_K (U with bias, LayerNorm eps 1e-5, shared by the layers), logits over
+  sqrt(4 D), softmax, values."""
+  _, params, st = init_scheme(SCHEME_CONFIGS["bert_ad"])
+  p = jax.tree.map(lambda x: np.asarray(x, np.float64), nn.unbox(params)["params"]["positions"])
+  table = p["position_embedding"][:LENGTH]  # [L, d]
+  mean, var = table.mean(-1, keepdims=True), table.var(-1, keepdims=True)
+  normed = (table - mean) / np.sqrt(var + 1e-5) * p["norm"]["scale"] + p["norm"]["bias"]
+  a, b = (np.einsum("id,dhk->ihk", normed, p[name]["kernel"]) + p[name]["bias"]
+          for name in ("pos_query", "pos_key"))  # [L, H, D]
+  q, k, v = qkv()
+  scale = 1 / math.sqrt(4 * DIMS["head_dim"])
+  expected = attention_float64(np.asarray(q) + a, np.asarray(k) + b, v, scale,
+                               keep=padding_mask()[:, None, None])
+  assert st.content_scale == pytest.approx(scale)
+  for layer in range(DIMS["num_layers"]):
+    shift = st.for_layer(layer)[0]
+    np.testing.assert_allclose(shift.q_shift, a, rtol=1e-5, atol=1e-5)  # [L, H, D]
+    np.testing.assert_allclose(shift.k_shift, b, rtol=1e-5, atol=1e-5)
+    got = attend(q, k, v, [shift], mask=padding_mask(), scale=st.content_scale,
+                 route="reference")
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_segment_per_head_reads_the_table():
