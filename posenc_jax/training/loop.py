@@ -41,6 +41,7 @@ from posenc_jax.training import workdir as workdir_lib
 from posenc_jax.training.checkpoint import Checkpointer
 from posenc_jax.training.config import (TrainConfigError, compilation_cache_dir,
                                         max_predictions, validate_train_config)
+from posenc_jax.training.memory import check_train_memory
 from posenc_jax.training.metrics import (MetricWriter, Throughput, console_line, eval_line,
                                          train_flops_per_step)
 from posenc_jax.training.objectives import objective
@@ -373,6 +374,7 @@ def train(config: ml_collections.ConfigDict, workdir: str,
   cfg = validate_train_config(config)  # before anything is compiled or written
   mesh = mesh_lib.make_mesh(config.mesh.shape, config.mesh.axes)
   mesh_lib.check_batch(config.batch_size, mesh)
+  check_train_memory(config, cfg, mesh)  # before any allocation or compile: one line
   if data is None:
     from posenc_jax.training.input_pipeline import check_data_config, make_batches  # noqa: PLC0415
     check_data_config(config)

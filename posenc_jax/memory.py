@@ -1,0 +1,231 @@
+"""How much memory a step needs, estimated before anything is compiled or allocated.
+
+:func:`step_memory` adds up, in bytes, what one device holds at the peak of a training step
+(forward, backward, optimizer update) or of an inference pass: the parameters (float32),
+the optimizer state and the gradients, the batch, the activations the backward pass keeps
+(as ``ModelConfig.remat`` says), the attention arrays ``[B|1, H, L, L]`` that the route
+materialises (asked of :func:`posenc_jax.route_plan.plan` for this device: none where the
+kernel or splash attention runs, logits and probabilities on the reference route and XLA's
+``dot_product_attention``, the dense bias on cuDNN) and the output logits over the
+vocabulary. :func:`available` is what the device has free (``memory_stats``; on CPU the
+host's available memory), and :func:`refusal` the one line that says a step cannot fit::
+
+  from posenc_jax import memory
+  estimate = memory.step_memory(cfg, batch=32, length=512, params=params, opt_state=opt_state)
+  print(estimate)                      # 1.4 GiB: parameters 0.42 GiB, ... (per part)
+  print(memory.refusal(estimate, "seq_len", 512))   # None: it fits
+
+The trainer (:mod:`posenc_jax.training.memory`) and :func:`posenc_jax.models.generate`
+refuse a size that cannot fit with that line, in well under a second. The counts are an
+estimate: ``tests/test_memory_estimate.py`` holds them within :data:`FACTOR` of XLA's own
+``compiled.memory_analysis()`` (docs/faults.md has the measured ratios).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from posenc_jax import route_plan, route_table
+from posenc_jax.schemes import build_scheme
+from posenc_jax.terms import TermForm
+
+# The estimate lies within this factor of XLA's compiled peak (argument + output + temp
+# bytes, less donated aliases) on CPU: tests/test_memory_estimate.py checks it.
+FACTOR = 2.0
+# Activations the backward pass keeps per token and layer, in units of d_model and mlp_dim
+# (``ModelConfig.remat``): every intermediate (residuals, LayerNorm outputs, q/k/v, the
+# attention output and projection, the MLP's pre-activation and activation), the matmul
+# outputs alone, or the layer's input alone.
+KEPT_PER_TOKEN = {"none": (10, 2), "dots": (6, 1), "full": (1, 0)}
+# [B, H, L, L] arrays each layer keeps where attention materialises its logits: the
+# probabilities (the softmax's backward reads its output), or the logits (a matmul output,
+# what ``dots`` keeps); none under ``full`` (recomputed).
+KEPT_ATTENTION = {"none": 1, "dots": 1, "full": 0}
+# The one layer being differentiated at a time: its own intermediates (recomputed under
+# remat) and their gradients, [B, H, L, L] arrays (logits, probabilities, their gradients)
+# and per-token units of d_model and mlp_dim.
+WORKING_ATTENTION = 3
+WORKING_PER_TOKEN = (12, 3)
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+  """Bytes a step needs on one device, by part (``parts``: name -> bytes, in the order
+  they are reported); ``total`` their sum, ``str()`` both in GiB."""
+
+  parts: Mapping[str, int]
+
+  @property
+  def total(self) -> int:
+    return sum(self.parts.values())
+
+  def __str__(self) -> str:
+    shown = ", ".join(f"{name} {gib(size)}" for name, size in self.parts.items() if size)
+    return f"{gib(self.total)} ({shown})"
+
+
+def gib(size: float) -> str:
+  """``size`` bytes in GiB to three significant figures (``"0.0312 GiB"``, ``"7.45e+09 GiB"``)."""
+  return f"{size / 2**30:.3g} GiB"
+
+
+def tree_bytes(tree: Any) -> int:
+  """Bytes of a tree of arrays or :class:`jax.ShapeDtypeStruct` s."""
+  return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def term_forms(scheme: Any, segment: Any, dims: Mapping[str, int]) -> tuple[TermForm, ...]:
+  """The :class:`~posenc_jax.terms.TermForm` of each attention term of ``scheme`` (and of the
+  segment scheme ``segment``, None for none) at the model's ``dims``
+  (:data:`posenc_jax.schemes.base.DIMENSIONS`), read from the schemes' abstract output over
+  8 positions (``jax.eval_shape``: nothing is computed; a term's form does not depend on
+  the length)."""
+  forms = []
+  for config in (scheme, segment):
+    if config is None:
+      continue
+    module = build_scheme(config, **dims)
+    ids = jnp.zeros((1, 8), jnp.int32)
+    terms = jax.eval_shape(lambda m=module, ids=ids: m.init_with_output(jax.random.key(0), 8,
+                                                                        ids)[0])
+    forms += [term.fused_form() for term in terms.terms]
+  return tuple(forms)
+
+
+def attention_arrays(plan: route_plan.Plan, forms: tuple[TermForm, ...], batch: int,
+                     heads: int, length: int, training: bool, remat: str,
+                     dropout: bool) -> tuple[int, int]:
+  """``(kept, working)``: bytes of the ``[B|1, H, L, L]`` arrays that ``plan`` materialises,
+  those each layer keeps for the backward pass and those the layer being computed holds."""
+  square = heads * length * length * 4  # one float32 [1, H, L, L]
+  if plan.runner in ("kernel", "splash"):
+    return 0, 0
+  # Dense biases: batch-free terms (a table form) once, the others per example.
+  bias = sum((1 if form.table_form else batch) * square
+             for form, entry in zip(forms, plan.entries)
+             if entry in ("bias", "table", "offsets", "logits") and form.entry != "none")
+  if plan.mask == "full":
+    bias += batch * length * length  # the bool mask [B, 1, L, L]
+  logits = plan.runner == "reference" or plan.implementation == "xla"
+  if not logits:  # cuDNN: the bias is all that is materialised
+    return (bias if training and remat != "full" else 0), bias
+  arrays = batch * square
+  kept = (KEPT_ATTENTION[remat] + (2 if dropout and remat == "none" else 0)) * arrays
+  return (kept if training else 0), bias + WORKING_ATTENTION * arrays
+
+
+def step_memory(cfg: Any, *, batch: int, length: int, params: Any, opt_state: Any = None,
+                scheme: Any = None, predictions: int | None = None, vocab_outputs: bool = True,
+                input_bytes: int = 0, micro_batches: int = 1, segments: bool = False,
+                causal: bool = False, forms: tuple[TermForm, ...] | None = None,
+                device: route_plan.Device | None = None) -> Estimate:
+  """The memory one device needs for a step of ``cfg``'s model on ``[batch, length]`` tokens.
+
+  Args:
+    cfg: the :class:`~posenc_jax.models.config.ModelConfig` (its ``num_layers`` plus
+      ``num_decoder_layers`` layers attend over ``length`` positions).
+    batch: B, the rows on this device (a step's batch over the data-parallel devices).
+    length: L, positions per row.
+    params: the parameter tree (arrays or :class:`jax.ShapeDtypeStruct` s).
+    opt_state: the optimizer state tree for a training step; None for inference (no
+      gradients, no activations kept).
+    scheme: the scheme config attention runs (None: ``cfg.scheme``; a decoder passes its
+      causal form).
+    predictions: positions per row that get vocabulary logits (the MLM head's; None:
+      every position).
+    vocab_outputs: the model ends in logits over the vocabulary (MLM, LM, translation).
+    input_bytes: the batch's arrays on the device.
+    micro_batches: gradient accumulation steps (activations are a micro-batch's).
+    segments: packed segment ids go to attention.
+    causal: attention is causal.
+    forms: the terms' forms (None: :func:`term_forms` of ``scheme`` and ``cfg.segment``).
+    device: the :class:`~posenc_jax.route_plan.Device` the route is planned for (None: this
+      one).
+
+  Returns:
+    The :class:`Estimate`, parts ``parameters``, ``optimizer``, ``gradients``, ``batch``,
+    ``activations``, ``attention`` and ``logits``.
+  """
+  training = opt_state is not None
+  rows = -(-batch // micro_batches)
+  heads, head_dim, width = cfg.num_heads, cfg.dim_per_head, cfg.d_model
+  if forms is None:
+    forms = term_forms(cfg.scheme if scheme is None else scheme, cfg.segment,
+                       {"num_layers": cfg.num_layers, "num_heads": heads, "head_dim": head_dim,
+                        "d_model": width, "max_len": cfg.max_len})
+  dropout = training and cfg.attention_dropout_rate > 0
+  plan = route_plan.plan(
+      (rows, length, heads, head_dim), (rows, length, heads, head_dim),
+      (rows, length, heads, head_dim), cfg.compute_dtype, forms, mask="key", causal=causal,
+      dropout=dropout, segments=segments, route=cfg.route, precision=cfg.attention_precision,
+      device=route_plan.current_device() if device is None else device,
+      table=route_table.current())
+  remat = cfg.remat if training else "full"  # inference keeps nothing past a layer
+  kept_attention, working_attention = attention_arrays(plan, forms, rows, heads, length,
+                                                       training, remat, dropout)
+  layers = cfg.num_layers + cfg.num_decoder_layers
+  itemsize = cfg.compute_dtype.itemsize
+  tokens = rows * length
+  kept_d, kept_f = KEPT_PER_TOKEN[remat]
+  work_d, work_f = WORKING_PER_TOKEN
+  kept = (kept_d * width + kept_f * cfg.mlp_dim) * tokens * itemsize if training else 0
+  working = (work_d * width + work_f * cfg.mlp_dim) * tokens * itemsize
+  outputs = rows * (length if predictions is None else predictions)
+  # Logits, their softmax and (training) their gradient, in float32.
+  logits = (3 if training else 1) * outputs * cfg.vocab_size * 4 if vocab_outputs else 0
+  weights = tree_bytes(params)
+  return Estimate({
+      "parameters": weights,
+      "optimizer": tree_bytes(opt_state) if training else 0,
+      "gradients": weights * (2 if micro_batches > 1 else 1) if training else 0,
+      "batch": input_bytes,
+      "activations": layers * (kept + kept_attention) + working,
+      "attention": working_attention,
+      "logits": logits,
+  })
+
+
+def host_available() -> int:
+  """Bytes of host memory available now (``MemAvailable`` of ``/proc/meminfo``, else the
+  free physical pages)."""
+  try:
+    with open("/proc/meminfo") as f:
+      for line in f:
+        if line.startswith("MemAvailable:"):
+          return int(line.split()[1]) * 1024
+  except OSError:
+    pass
+  return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def available(device: jax.Device | None = None) -> tuple[int, str]:
+  """``(bytes, where)``: the memory free on ``device`` (None: the first device) from its
+  ``memory_stats()`` (``bytes_limit - bytes_in_use``), or where the device reports none (CPU)
+  the host's available memory; ``where`` names it for a message."""
+  device = jax.devices()[0] if device is None else device
+  stats = device.memory_stats() or {}
+  if "bytes_limit" in stats:
+    return stats["bytes_limit"] - stats.get("bytes_in_use", 0), f"{device.device_kind} memory"
+  return host_available(), "available host memory"
+
+
+def refusal(estimate: Estimate, field: str, value: Any, *, hint: str = "",
+            free: tuple[int, str] | None = None) -> str | None:
+  """The one line refusing ``field = value`` when ``estimate`` exceeds what is free
+  (``free``: :func:`available` when None), else None::
+
+    seq_len: got 1000000000; a training step needs about 7.3e+09 GiB (...), more than the
+    12 GiB of available host memory; allowed: a smaller seq_len
+  """
+  size, where = available() if free is None else free
+  if estimate.total <= size:
+    return None
+  return (f"{field}: got {value!r}; the step needs about {estimate}, more than the "
+          f"{gib(size)} of {where}; allowed: a smaller {field}{hint}")
