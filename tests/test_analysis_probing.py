@@ -16,6 +16,7 @@ from posenc_jax.analysis import (AnalysisError, bundled_tokens, identical_word_i
 from posenc_jax.models import BertEncoder, model_config
 from posenc_jax.models.scan import layout_for
 from posenc_jax.schemes import alibi_slopes
+from tests.conftest import minilm_dir
 
 SMALL = dict(vocab_size=64, d_model=32, num_layers=2, num_heads=4, mlp_dim=64, max_len=16)
 
@@ -206,12 +207,7 @@ def test_tokens_and_errors(tmp_path):
 
 def test_pretrained_minilm_probing():
   from posenc_jax.analysis import from_hf
-  from posenc_jax.convert import ConversionError, package_model_dir
-  try:
-    model_dir = package_model_dir()
-  except ConversionError as e:
-    pytest.skip(str(e))
-  m = from_hf(model_dir)
+  m = from_hf(minilm_dir())
   assert (m.tokens.cls_id, m.tokens.sep_id) == (101, 102)
   probe = identical_word_probing(m.encoder, m.variables, m.tokens, length=32, num_words=8)
   values = indicators(probe.attention, probe.special_positions)

@@ -10,9 +10,11 @@ import importlib
 import numpy as np
 import pytest
 
-tf = pytest.importorskip("tensorflow")
-seqio = pytest.importorskip("seqio")
-tfds = pytest.importorskip("tensorflow_datasets")
+from tests.conftest import require
+
+tf = require("tensorflow")
+seqio = require("seqio")
+tfds = require("tensorflow_datasets")
 
 from posenc_jax.data import glue, metrics  # noqa: E402
 from posenc_jax.data import vocab as vocab_lib  # noqa: E402

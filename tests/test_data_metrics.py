@@ -6,9 +6,11 @@ import warnings
 import numpy as np
 import pytest
 
-sklearn_metrics = pytest.importorskip("sklearn.metrics")
-scipy_stats = pytest.importorskip("scipy.stats")
-sacrebleu = pytest.importorskip("sacrebleu")
+from tests.conftest import require
+
+sklearn_metrics = require("sklearn.metrics")
+scipy_stats = require("scipy.stats")
+sacrebleu = require("sacrebleu")
 
 from posenc_jax.data import metrics  # noqa: E402
 

