@@ -34,7 +34,9 @@ BATCH, LENGTH = 2, 128
 ENCODER_PRESETS = ("bert", "shaw", "t5", "tupe_a", "tupe_r", "bert_ad", "diet_rel",
                    "diet_rel_share", "diet_abs", "diet_abs_share", "segment_per_head", "alibi",
                    "rope", "linformer", "diet_abs_lin", "kerple_log", "kerple_power", "fire",
-                   "xpos", "rope_dynamic", "rope,nope_every_2", "cope")
+                   "xpos", "rope_dynamic", "rope,nope_every_2")
+# Causal-only schemes (encoders refuse them): the language model's training step.
+LM_PRESETS = ("cope",)
 TRANSLATION_PRESETS = ("transformer_base", "transformer_base,t5", "transformer_base,diet_rel",
                        "transformer_base,alibi")
 # Lowered-text markers of the kernels each route calls.
@@ -64,13 +66,16 @@ def on_platform(monkeypatch):
   return use
 
 
-def _train_config(preset: str, **model_overrides) -> ml_collections.ConfigDict:
+def _train_config(preset: str, head: str | None = None, **model_overrides
+                  ) -> ml_collections.ConfigDict:
   config = base_train_config()
   config.total_steps = config.optimizer.warmup_steps * 10
   preset_cfg = preset_config(preset)
-  config.head = preset_cfg.head
-  config.objective = "translation" if config.head == "translation" else "mlm"
+  config.head = head or preset_cfg.head
+  config.objective = {"translation": "translation", "lm": "lm"}.get(config.head, "mlm")
   model = preset_cfg.model.to_dict()
+  if config.head == "lm":
+    model.update(segment=None)
   if config.head == "translation":  # transformer_base at test size
     model.update(vocab_size=512, d_model=64, num_layers=2, num_decoder_layers=2, num_heads=4,
                  mlp_dim=128, max_len=LENGTH)
@@ -83,6 +88,8 @@ def _abstract_batch(objective: str) -> dict[str, jax.ShapeDtypeStruct]:
   ids = jax.ShapeDtypeStruct((BATCH, LENGTH), jnp.int32)
   if objective == "translation":
     return {"inputs": ids, "targets": ids}
+  if objective == "lm":
+    return {"targets": ids}
   weights = jax.ShapeDtypeStruct((BATCH, LENGTH), jnp.float32)
   return {"input_ids": ids, "segment_ids": ids, "mask": ids, "mlm_targets": ids,
           "mlm_weights": weights}
@@ -95,7 +102,8 @@ def lowered_train_step(config: ml_collections.ConfigDict, platform: str) -> str:
   batch = _abstract_batch(config.objective)
   concrete = jax.tree.map(lambda s: jnp.ones(s.shape, s.dtype), batch)
   inputs = ((concrete["inputs"], concrete["targets"], concrete["inputs"] > 0)
-            if config.objective == "translation" else
+            if config.objective == "translation" else (concrete["targets"],)
+            if config.objective == "lm" else
             (concrete["input_ids"], concrete["segment_ids"], concrete["mask"]))
 
   def init(rng):
@@ -109,13 +117,14 @@ def lowered_train_step(config: ml_collections.ConfigDict, platform: str) -> str:
 
 
 @pytest.mark.parametrize("platform", ["gpu", "tpu"])
-@pytest.mark.parametrize("preset", ENCODER_PRESETS + TRANSLATION_PRESETS)
+@pytest.mark.parametrize("preset", ENCODER_PRESETS + TRANSLATION_PRESETS + LM_PRESETS)
 def test_training_step_lowers_in_bfloat16(on_platform, platform, preset):
   """No attention dropout (as the bench, fine-tuning evaluation and decoding run): the
   fused route wherever ``auto`` takes it on that platform."""
   on_platform(platform)
   name = preset if preset.startswith("transformer") else f"bert_tiny,{preset}"
-  text = lowered_train_step(_train_config(name, attention_dropout_rate=0.0),
+  head = "lm" if preset in LM_PRESETS else None
+  text = lowered_train_step(_train_config(name, head, attention_dropout_rate=0.0),
                             "cuda" if platform == "gpu" else "tpu")
   assert "stablehlo" in text or "HloModule" in text
 

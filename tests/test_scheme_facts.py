@@ -6,6 +6,7 @@ import re
 
 import pytest
 
+from posenc_jax.models import BertEncoder
 from posenc_jax.models.build import check_head
 from posenc_jax.models.config import ModelConfigError, causal_variant, model_config, scheme_dims
 from posenc_jax.schemes import SCHEMES, Scheme, build_scheme
@@ -181,3 +182,22 @@ def test_validation_and_counts_build_no_scheme_module(no_scheme_modules, config)
 def test_dimension_checks_need_no_module(no_scheme_modules, fields, message):
   with pytest.raises(ModelConfigError, match="^" + re.escape(message)):
     model_config(MODEL | fields)
+
+
+@pytest.mark.parametrize("scheme", [{"name": "cope"}, [{"name": "rope"}, {"name": "cope"}]],
+                         ids=["cope", "composed"])
+def test_causal_only_schemes_are_refused_in_bidirectional_stacks(no_scheme_modules, scheme):
+  """CoPE, a causal-only scheme, runs in the language model and the encoder-decoder's
+  decoder; the BERT encoder (as a head or created) and the encoder-decoder's encoder refuse it
+  in one line naming ``model.scheme``, before any scheme module is built."""
+  assert SCHEMES["cope"].module.causal_only and not SCHEMES["rope"].module.causal_only
+  cfg = model_config(MODEL, scheme=scheme)
+  check_head(cfg, "lm")
+  refusals = {"BERT encoder": (lambda: check_head(cfg, "mlm"), lambda: BertEncoder(cfg)),
+              "encoder-decoder's encoder": (lambda: cfg.replace(num_decoder_layers=1),)}
+  for owner, makers in refusals.items():
+    for make in makers:
+      with pytest.raises(ModelConfigError) as e:
+        make()
+      assert str(e.value).startswith(f"model.scheme: got 'cope' in the {owner}, a "
+                                     "bidirectional stack") and "\n" not in str(e.value)

@@ -31,7 +31,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from posenc_jax.models.config import ModelConfig, ModelConfigError, scheme_dims
+from posenc_jax.models.config import (ModelConfig, ModelConfigError, check_bidirectional_form,
+                                      scheme_dims)
 from posenc_jax.models.inputs import as_mask, check_ids_like, check_like, check_token_ids
 from posenc_jax.models.layers import (ACTIVATION_FNS, EncoderLayer, dense, layer_norm,
                                       token_embedding)
@@ -48,10 +49,15 @@ class BertEncoder(nn.Module):
   """Embeddings, the scheme's terms, N encoder layers and the pooler.
 
   Attributes:
-    config: a validated :class:`ModelConfig`.
+    config: a validated :class:`ModelConfig`; a causal-only scheme (CoPE) raises one
+      :class:`ModelConfigError` line when the encoder is created.
   """
 
   config: ModelConfig
+
+  def __post_init__(self):
+    check_bidirectional_form(self.config, "BERT encoder")
+    super().__post_init__()
 
   def setup(self):
     cfg = self.config

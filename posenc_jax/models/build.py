@@ -11,7 +11,8 @@ import jax.numpy as jnp
 from posenc_jax.messages import nearest
 from posenc_jax.models.bert import (BertEncoder, BertForMaskedLM, BertForQuestionAnswering,
                                     BertForSequenceClassification)
-from posenc_jax.models.config import HEADS, ModelConfig, ModelConfigError, model_config
+from posenc_jax.models.config import (HEADS, ModelConfig, ModelConfigError,
+                                      check_bidirectional_form, model_config)
 from posenc_jax.schemes.base import is_int
 
 BERT_MODELS = {"mlm": BertForMaskedLM, "encoder": BertEncoder, "span": BertForQuestionAnswering}
@@ -22,8 +23,8 @@ def check_head(model: Any, head: str) -> ModelConfig:
   checking that ``head`` can run it.
 
   Raises one :class:`ModelConfigError` line for an unknown head (with the nearest name), an
-  invalid config, or a config the head cannot run (decoder layers under a BERT head; see
-  :func:`~posenc_jax.models.transformer.check_translation_config` and
+  invalid config, or a config the head cannot run (decoder layers or a causal-only scheme
+  under a BERT head; see :func:`~posenc_jax.models.transformer.check_translation_config` and
   :func:`~posenc_jax.models.decoder_lm.check_lm_config`). Builds nothing: the train
   config's validation calls it before anything is written.
   """
@@ -40,6 +41,8 @@ def check_head(model: Any, head: str) -> ModelConfig:
   elif cfg.num_decoder_layers:
     raise ModelConfigError(f"model.num_decoder_layers: got {cfg.num_decoder_layers}; allowed: 0 "
                            f"for head {head!r} (only 'translation' has a decoder)")
+  else:
+    check_bidirectional_form(cfg, "BERT encoder")
   return cfg
 
 

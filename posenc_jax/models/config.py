@@ -6,7 +6,8 @@ returns a frozen :class:`ModelConfig` that Flax modules can hold. Bad input
 raises one :class:`ModelConfigError` line naming the field, what was given and
 what is allowed (the nearest name for a typo), before any model is built: the
 schemes are checked against the model's dimensions, the decoder's causal form
-included, by asking their classes (no scheme module is built).
+included, and causal-only schemes kept out of bidirectional stacks, by asking their classes
+(no scheme module is built).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from posenc_jax.kernels.precision import PRECISIONS
 from posenc_jax.messages import nearest
 from posenc_jax.route_plan import ROUTES
 from posenc_jax.schemes.base import SchemeConfigError, is_finite_number, is_int
-from posenc_jax.schemes.registry import SCHEMES, SchemePart, check_scheme
+from posenc_jax.schemes.registry import SCHEMES, SchemePart, check_scheme, scheme_parts
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu")
 DTYPES = ("float32", "bfloat16")
@@ -288,6 +289,19 @@ def check_causal_form(cfg: ModelConfig, num_layers: int, owner: str = "decoder")
                  num_layers)
 
 
+def check_bidirectional_form(cfg: ModelConfig, owner: str = "encoder") -> None:
+  """One :class:`ModelConfigError` line, naming ``model.scheme``, when a part of the scheme
+  is :attr:`~posenc_jax.schemes.Scheme.causal_only` (CoPE) and so has no form for a
+  bidirectional stack: the BERT encoder, or the encoder-decoder's encoder (``owner`` names
+  it in the message)."""
+  for part in scheme_parts(cfg.scheme):
+    if part.module.causal_only:
+      raise ModelConfigError(
+          f"model.scheme: got {part.name!r} in the {owner}, a bidirectional stack, but it is "
+          f"defined for causal attention only; allowed there: any position scheme but "
+          f"{_registered('causal_only')} (those run in decoders and the language model)")
+
+
 def _registered(fact: str) -> str:
   """The registered names whose module class has ``fact`` true, comma-separated."""
   return ", ".join(name for name, spec in SCHEMES.items() if getattr(spec.module, fact))
@@ -300,6 +314,7 @@ def _check_scheme(cfg: ModelConfig, field: str, config: Any) -> tuple[SchemePart
   parts = _checked_parts(cfg, field, "", config, cfg.num_layers)
   if field == "scheme" and cfg.num_decoder_layers:
     check_causal_form(cfg, cfg.num_decoder_layers)
+    check_bidirectional_form(cfg, "encoder-decoder's encoder")
   for part in parts:
     if field == "segment" and not part.module.segment_scheme:
       raise ModelConfigError(f"model.segment: got {part.name!r}; allowed: "

@@ -109,6 +109,10 @@ class Scheme(nn.Module):
   causal_fields: ClassVar[Mapping[str, Any]] = {}
   # A segment scheme (``model.segment``): it reads ``segment_ids`` in ``[0, num_segments)``.
   segment_scheme = False
+  # Defined for causal attention only (CoPE: its positions count the keys up to the query),
+  # with no bidirectional form: refused in a bidirectional stack, the BERT encoder and the
+  # encoder-decoder's encoder (:func:`posenc_jax.models.config.check_bidirectional_form`).
+  causal_only = False
   # Its terms fit Linformer's projected keys: input-level, or a key side of ``k`` rows.
   # Relative, query-dependent, rotary and ``[L, L]`` absolute terms index the key
   # positions that the projection removes.

@@ -13,7 +13,8 @@ is added unscaled, as in the listing. ``docs/schemes/cope.md`` states the source
 
 The term reads q and k (:class:`~posenc_jax.terms.ContextualPositions`): a dense
 ``[B, H, L, L]`` bias on both routes. A decoder scheme: the positions count the keys up to
-the query, so keys after it (the causal mask removes them) sit at ``p = 0``.
+the query, so keys after it (the causal mask removes them) sit at ``p = 0``; bidirectional
+stacks refuse it (:attr:`~posenc_jax.schemes.base.Scheme.causal_only`).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class Cope(Scheme):
   sharing: str = "none"
 
   scheme_name = "cope"
+  causal_only = True  # the paper's positions count keys j..i only: no encoder form
   hyperparameters = {"npos_max": optional(POSITIVE_INT), "sharing": one_of("none", "layer")}
 
   def num_positions(self) -> int:
