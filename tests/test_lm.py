@@ -163,7 +163,7 @@ def test_generation_is_the_argmax_of_teacher_forcing(scanned):
   model, params = init_lm(SCHEMES["alibi"], std=0.3, scan_layers=scanned)
   prompt, new = token_ids(5, length=3), 5
   tokens, log_probs = jax.jit(lambda p: generate(model, params, p, max_new_tokens=new,
-                                                 eos_id=VOCAB + 1))(prompt)
+                                                 eos_id=None))(prompt)
   assert tokens.shape == (BATCH, new) and tokens.dtype == jnp.int32
   sequence = jnp.concatenate([prompt, tokens], axis=1)
   forced = jax.nn.log_softmax(model.apply({"params": params}, shift_right(sequence)))[:, 3:]
@@ -172,7 +172,7 @@ def test_generation_is_the_argmax_of_teacher_forcing(scanned):
                              .sum((1, 2)), **TOL)
   sample = jax.jit(lambda rng, top_k: generate(model, params, prompt, max_new_tokens=new,
                                                 rng=rng, temperature=2.0, top_k=top_k,
-                                                eos_id=VOCAB + 1)[0], static_argnums=1)
+                                                eos_id=None)[0], static_argnums=1)
   np.testing.assert_array_equal(sample(jax.random.key(0), 1), tokens)
   np.testing.assert_array_equal(sample(jax.random.key(1), 0), sample(jax.random.key(1), 0))
   assert not all(np.array_equal(sample(jax.random.key(s), 0), tokens) for s in (1, 2, 3))
@@ -182,7 +182,7 @@ def test_generation_from_an_empty_prompt_stops_at_eos():
   """An empty prompt starts from BOS; a row that emits EOS is padded after it."""
   model, params = init_lm(SCHEMES["learned_ape"], std=0.3)
   empty = jnp.zeros((BATCH, 0), jnp.int32)
-  tokens, _ = generate(model, params, empty, max_new_tokens=6, eos_id=VOCAB + 1)
+  tokens, _ = generate(model, params, empty, max_new_tokens=6, eos_id=None)
   forced = model.apply({"params": params}, shift_right(tokens))
   np.testing.assert_array_equal(tokens, jnp.argmax(forced, -1))
   eos = int(tokens[0, 1])  # call the second token EOS: the row ends there

@@ -2,7 +2,10 @@
 and exports an input-APE BERT back (:func:`save_hf_bert`).
 
 Reads a checkpoint folder in the Hugging Face layout (``config.json``, ``model.safetensors``,
-``vocab.txt``) with numpy and ``safetensors.numpy`` only: no PyTorch, no network.
+``vocab.txt``) with numpy and ``safetensors.numpy`` only: no PyTorch, no network. The
+``safetensors`` package comes with the ``hf`` extra (``pip install "posenc-jax[hf]"``; ``train``,
+``analysis`` and ``test`` include it); without it the import and the export stop with one
+:class:`ConversionError` line that names the extra.
 
 The target model may use another position scheme than the checkpoint's learned absolute table
 (e.g. ``config_from_hf(hf, scheme={'name': 'diet_abs', 'rank': 64})``): every parameter slot the
@@ -49,6 +52,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import os
 import pathlib
 from collections.abc import Mapping
 from typing import Any
@@ -73,7 +77,20 @@ IGNORED = ("embeddings.position_ids", "cls.predictions.decoder.weight",
 
 
 class ConversionError(ValueError):
-  """A checkpoint cannot be imported: one line naming the field or parameter."""
+  """A checkpoint cannot be imported or exported: one line naming the field, parameter, file
+  or missing package."""
+
+
+def _safetensors():
+  """The ``safetensors`` package with its numpy API, or one :class:`ConversionError` line
+  naming the extra that installs it."""
+  try:
+    import safetensors  # noqa: PLC0415 (optional dependency: the hf extra)
+    import safetensors.numpy  # noqa: PLC0415
+  except ImportError:
+    raise ConversionError("safetensors: not installed; the Hugging Face import and export "
+                          "need it: pip install \"posenc-jax[hf]\"") from None
+  return safetensors
 
 
 @dataclasses.dataclass
@@ -295,15 +312,10 @@ def _read_tensors(model_dir: pathlib.Path) -> dict[str, np.ndarray]:
   if not path.is_file():
     raise ConversionError(f"{model_dir}: no model.safetensors (a pytorch_model.bin needs "
                           "converting to safetensors first)")
+  safetensors = _safetensors()
   try:
-    from safetensors import SafetensorError  # noqa: PLC0415 (optional dependency)
-    from safetensors.numpy import load_file  # noqa: PLC0415
-  except ImportError:
-    raise ConversionError(f"{path}: reading it needs the safetensors package "
-                          "(pip install safetensors)") from None
-  try:
-    return load_file(str(path))
-  except (SafetensorError, OSError) as e:  # truncated, not a safetensors file, unreadable
+    return safetensors.numpy.load_file(str(path))
+  except (safetensors.SafetensorError, OSError) as e:  # truncated, not safetensors, unreadable
     raise ConversionError(f"{path}: not a readable safetensors file: {e}") from None
 
 
@@ -467,7 +479,8 @@ def save_hf_bert(out_dir, config, params, vocab_txt) -> list[str]:
   :func:`load_hf_bert`) read with the same outputs.
 
   Args:
-    out_dir: the folder (created).
+    out_dir: the folder (created, after every other check; files of these names in it are
+      replaced).
     config: the :class:`ModelConfig` (or its fields): input APE (``learned_ape``) with
       ``segment_input``, post-LN, full attention, ``head_dim = d_model / num_heads``.
     params: the parameters (unboxed or boxed) of a :class:`BertEncoder`, or of a
@@ -480,14 +493,19 @@ def save_hf_bert(out_dir, config, params, vocab_txt) -> list[str]:
     The tensor names written.
 
   Raises:
-    ConversionError: one line naming the model field, the parameter or the vocabulary.
+    ConversionError: one line naming the model field, the parameter, the vocabulary file
+      (missing, unreadable, of another size), ``out_dir`` (a file, or a folder that cannot be
+      created or written) or the missing ``safetensors`` package (the ``hf`` extra).
   """
   import flax.linen as nn  # noqa: PLC0415
   from flax import traverse_util  # noqa: PLC0415
-  from safetensors.numpy import save_file  # noqa: PLC0415
 
+  from posenc_jax.cli import OutputPathError, check_output_dir  # noqa: PLC0415
+  from posenc_jax.messages import first_line  # noqa: PLC0415
   from posenc_jax.models.config import ModelConfigError, model_config  # noqa: PLC0415
   from posenc_jax.models.scan import layout_for  # noqa: PLC0415
+
+  safetensors = _safetensors()
 
   try:
     config = model_config(config)
@@ -497,7 +515,12 @@ def save_hf_bert(out_dir, config, params, vocab_txt) -> list[str]:
   params = params.get("params", params)
   mlm = "bert" in params
   hf_config = hf_config_of(config, mlm=mlm)
-  tokens = pathlib.Path(vocab_txt).read_text(encoding="utf-8").splitlines()
+  try:
+    tokens = pathlib.Path(vocab_txt).read_text(encoding="utf-8").splitlines()
+  except OSError as e:  # missing, a folder, unreadable
+    raise ConversionError(f"vocab_txt: {vocab_txt} cannot be read: {e.strerror}") from None
+  except UnicodeDecodeError:
+    raise ConversionError(f"vocab_txt: {vocab_txt} is not UTF-8 text") from None
   if len(tokens) != config.vocab_size:
     raise ConversionError(f"vocab_txt: {vocab_txt} has {len(tokens)} tokens, the model's "
                           f"vocab_size is {config.vocab_size}")
@@ -517,9 +540,16 @@ def save_hf_bert(out_dir, config, params, vocab_txt) -> list[str]:
   left = sorted("/".join(p) for p in flat)
   if left:
     raise ConversionError(f"params: {left[0]} has no Hugging Face tensor ({len(left)} such)")
-  out = pathlib.Path(out_dir)
-  out.mkdir(parents=True, exist_ok=True)
-  (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-  (out / "vocab.txt").write_text("\n".join(tokens) + "\n", encoding="utf-8")
-  save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+  try:
+    out_path = check_output_dir("out_dir", os.fspath(out_dir))
+  except OutputPathError as e:
+    raise ConversionError(str(e)) from None
+  out = pathlib.Path(out_path)
+  try:
+    (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    (out / "vocab.txt").write_text("\n".join(tokens) + "\n", encoding="utf-8")
+    safetensors.numpy.save_file(tensors, str(out / "model.safetensors"),
+                                metadata={"format": "pt"})
+  except (OSError, safetensors.SafetensorError) as e:  # read-only, disk full
+    raise ConversionError(f"out_dir: {out_path!r} cannot be written: {first_line(e)}") from None
   return sorted(tensors)

@@ -120,7 +120,8 @@ class BertEncoder(nn.Module):
       ValueError: one line naming an input of the wrong shape or dtype.
     """
     cfg = self.config
-    batch, length = check_token_ids("BertEncoder", "input_ids", input_ids)
+    batch, length = check_token_ids("BertEncoder", "input_ids", input_ids,
+                                    vocab_size=cfg.vocab_size)
     check_like("BertEncoder", "segment_ids", segment_ids, (batch, length))
     check_like("BertEncoder", "mask", mask, (batch, length))
     check_ids_like("BertEncoder", "position_ids", position_ids, (batch, length))

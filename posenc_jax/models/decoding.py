@@ -14,6 +14,14 @@ or sampled continuations).
 Conventions: decoding starts from ``bos_id`` (0, the pad id, as in the flax
 WMT example); outputs are ``[.., max_decode_len]`` tokens without the BOS,
 ending with ``eos_id`` when the sequence finished, and ``pad_id`` after it.
+
+Inputs: the model wirings (:func:`translate`, :func:`greedy_translate`, :func:`generate`)
+check their arguments first, each bad one one ValueError line naming it: the model's class,
+lengths, ``bos_id`` and ``eos_id`` in ``[0, vocab_size)``, and the sampling and beam
+settings; the source or prompt ids are checked against the vocabulary when they are
+concrete (:func:`posenc_jax.ids.check_id_values`). Under :func:`jax.jit` the ids are traced
+and cannot be read: an id outside the vocabulary then embeds as NaN, so the log-probabilities
+are NaN and the argmax is token 0. The searches themselves take ids as they come.
 Beam scores use the GNMT length penalty (Wu et al. 2016)
 ``log p(y) / ((5 + |y|) / 6)^alpha`` with ``|y|`` counting the EOS, as in
 the T5X and flax WMT decoders; DIET's translation runs used beam 10 and
@@ -28,9 +36,13 @@ from typing import Any, NamedTuple
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from posenc_jax.ids import check_id_values
+from posenc_jax.models.decoder_lm import CausalLM
 from posenc_jax.models.inputs import check_token_ids
 from posenc_jax.models.stack import SCANNED
+from posenc_jax.models.transformer import EncoderDecoder
 from posenc_jax.schemes.base import is_finite_number, is_int
 
 Array = jax.Array
@@ -60,7 +72,7 @@ class _GreedyState(NamedTuple):
 
 
 def greedy_search(tokens_to_logits: TokensToLogits, cache: Cache, batch_size: int,
-                  max_decode_len: int, *, bos_id: int | Array = 0, eos_id: int = 1,
+                  max_decode_len: int, *, bos_id: int | Array = 0, eos_id: int | None = 1,
                   pad_id: int = 0) -> tuple[Array, Array]:
   """Takes the most likely token at every step.
 
@@ -70,7 +82,8 @@ def greedy_search(tokens_to_logits: TokensToLogits, cache: Cache, batch_size: in
     batch_size: B.
     max_decode_len: L, the number of steps at most.
     bos_id: the first step's input, one id or ``[B]`` (a prompt's last tokens).
-    eos_id, pad_id: end and padding tokens.
+    eos_id: the end token, or None: no end (every row runs ``L`` steps).
+    pad_id: the padding token, written after EOS.
 
   Returns:
     ``tokens`` ``[B, L]`` int32 (pad after EOS) and ``log_probs`` ``[B]``,
@@ -83,7 +96,7 @@ def greedy_search(tokens_to_logits: TokensToLogits, cache: Cache, batch_size: in
 
 def sample_search(tokens_to_logits: TokensToLogits, cache: Cache, batch_size: int,
                   max_decode_len: int, rng: Array, *, temperature: float = 1.0,
-                  top_k: int = 0, bos_id: int | Array = 0, eos_id: int = 1,
+                  top_k: int = 0, bos_id: int | Array = 0, eos_id: int | None = 1,
                   pad_id: int = 0) -> tuple[Array, Array]:
   """Draws every token from the model's distribution, sharpened or flattened.
 
@@ -115,7 +128,8 @@ def sample_search(tokens_to_logits: TokensToLogits, cache: Cache, batch_size: in
 
 def _token_search(tokens_to_logits: TokensToLogits, cache: Cache, batch_size: int,
                   max_decode_len: int, choose: Callable[[Array, Array], Array], *,
-                  bos_id: int | Array, eos_id: int, pad_id: int) -> tuple[Array, Array]:
+                  bos_id: int | Array, eos_id: int | None, pad_id: int
+                  ) -> tuple[Array, Array]:
   """One sequence per row, each step's token ``choose(log_probs [B, V], step) -> [B]``
   (:func:`greedy_search`, :func:`sample_search`)."""
   state = _GreedyState(
@@ -135,7 +149,8 @@ def _token_search(tokens_to_logits: TokensToLogits, cache: Cache, batch_size: in
     token = jnp.where(s.finished, pad_id, token)
     total = s.log_probs + jnp.where(s.finished, 0.0, token_log_prob)
     tokens = jax.lax.dynamic_update_slice(s.tokens, token[:, None], (0, s.step))
-    return _GreedyState(s.step + 1, token, tokens, total, s.finished | (token == eos_id), cache)
+    finished = s.finished if eos_id is None else s.finished | (token == eos_id)
+    return _GreedyState(s.step + 1, token, tokens, total, finished, cache)
 
   state = jax.lax.while_loop(cond, body, state)
   return state.tokens, state.log_probs
@@ -317,6 +332,39 @@ def _step(model: nn.Module, params: Any, context: tuple[Any, ...]) -> TokensToLo
 
 
 # ---------------------------------------------------------------------------
+# The checks of the model wirings' arguments.
+
+
+def _check_decoding(owner: str, model: nn.Module, kind: type, length_name: str, length: int,
+                    bos_id: int, eos_id: int | None, pad_id: int, *,
+                    eos_optional: bool = False) -> None:
+  """One TypeError line ``<owner>: model: ...`` unless ``model`` is a ``kind``; one ValueError
+  line ``<owner>: <argument>: got ...; allowed: ...`` unless ``length`` is a positive
+  integer, ``bos_id`` and ``eos_id`` (or None if ``eos_optional``) ids in ``[0, vocab_size)``
+  (or traced), and ``pad_id`` an integer."""
+  if not isinstance(model, kind):
+    wiring = "generate" if kind is CausalLM else "translate and greedy_translate"
+    raise TypeError(f"{owner}: model: got {type(model).__name__}; allowed: {kind.__name__} "
+                    f"(decoded by {wiring})")
+  if not is_int(length) or length < 1:
+    raise ValueError(f"{owner}: {length_name}: got {length!r}; allowed: a positive integer")
+  vocab = model.config.vocab_size
+  check_id_values(owner, "bos_id", bos_id, vocab, "vocab_size")
+  if eos_id is not None or not eos_optional:
+    check_id_values(owner, "eos_id", eos_id, vocab, "vocab_size")
+  if not (is_int(pad_id) or isinstance(pad_id, jax.core.Tracer)):
+    raise ValueError(f"{owner}: pad_id: got {pad_id!r}; allowed: an integer")
+
+
+def _is_key(rng: Any) -> bool:
+  """Whether ``rng`` is one PRNG key: a typed key array ``[]`` or a raw ``uint32[2]``."""
+  dtype = getattr(rng, "dtype", None)
+  if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+    return jnp.shape(rng) == ()
+  return dtype == jnp.uint32 and jnp.shape(rng) == (2,)
+
+
+# ---------------------------------------------------------------------------
 # The EncoderDecoder wiring.
 
 
@@ -342,7 +390,11 @@ def decoder_step(model: nn.Module, params: Any, encoded: Array,
 def greedy_translate(model: nn.Module, params: Any, src_ids: Array,
                      src_mask: Array | None = None, *, max_decode_len: int, bos_id: int = 0,
                      eos_id: int = 1, pad_id: int = 0) -> tuple[Array, Array]:
-  """Greedy decoding of ``src_ids`` ``[B, Ls]``: ``tokens`` ``[B, L]``, ``log_probs`` ``[B]``."""
+  """Greedy decoding of ``src_ids`` ``[B, Ls]``: ``tokens`` ``[B, L]``, ``log_probs`` ``[B]``.
+
+  The arguments are checked as :func:`translate`'s (one line each)."""
+  _check_decoding("greedy_translate", model, EncoderDecoder, "max_decode_len", max_decode_len,
+                  bos_id, eos_id, pad_id)
   encoded = model.apply({"params": params}, src_ids, src_mask, method=model.encode)
   cache = init_cache(model, params, encoded, src_mask, max_decode_len)
   return greedy_search(decoder_step(model, params, encoded, src_mask), cache, src_ids.shape[0],
@@ -357,7 +409,21 @@ def translate(model: nn.Module, params: Any, src_ids: Array, src_mask: Array | N
   Returns:
     ``tokens`` ``[B, K, L]`` and ``scores`` ``[B, K]``, best first
     (``tokens[:, 0]`` is the translation).
+
+  Raises:
+    TypeError: one line for a model that is not an
+      :class:`~posenc_jax.models.transformer.EncoderDecoder`.
+    ValueError: one line naming the argument: ``max_decode_len`` or
+      ``beam_size`` not a positive integer, ``alpha`` not a finite number >= 0, ``bos_id``
+      or ``eos_id`` outside ``[0, vocab_size)``, ``pad_id`` not an integer, or concrete
+      ``src_ids`` outside the vocabulary (traced ones, under :func:`jax.jit`, are not read).
   """
+  _check_decoding("translate", model, EncoderDecoder, "max_decode_len", max_decode_len, bos_id,
+                  eos_id, pad_id)
+  if not is_int(beam_size) or beam_size < 1:
+    raise ValueError(f"translate: beam_size: got {beam_size!r}; allowed: a positive integer")
+  if not (is_finite_number(alpha) and alpha >= 0):
+    raise ValueError(f"translate: alpha: got {alpha!r}; allowed: a finite number >= 0")
   encoded = model.apply({"params": params}, src_ids, src_mask, method=model.encode)
   encoded = repeat_beams(encoded, beam_size)
   src_mask = None if src_mask is None else repeat_beams(src_mask, beam_size)
@@ -373,7 +439,8 @@ def translate(model: nn.Module, params: Any, src_ids: Array, src_mask: Array | N
 
 def generate(model: nn.Module, params: Any, prompt: Array, *, max_new_tokens: int,
              rng: Array | None = None, temperature: float = 1.0, top_k: int = 0,
-             bos_id: int = 0, eos_id: int = 1, pad_id: int = 0) -> tuple[Array, Array]:
+             bos_id: int = 0, eos_id: int | None = 1, pad_id: int = 0
+             ) -> tuple[Array, Array]:
   """Continues ``prompt`` with a :class:`~posenc_jax.models.decoder_lm.CausalLM`: greedy, or
   sampled with ``rng`` (:func:`sample_search`'s ``temperature`` and ``top_k``).
 
@@ -387,30 +454,55 @@ def generate(model: nn.Module, params: Any, prompt: Array, *, max_new_tokens: in
   Args:
     model: a :class:`~posenc_jax.models.decoder_lm.CausalLM`.
     params: its parameters (in the layer layout of the model's config).
-    prompt: ``[B, P]`` int ids, ``P >= 0``, no padding.
+    prompt: ``[B, P]`` int ids in ``[0, vocab_size)``, ``P >= 0`` (``[B, 0]``: start from
+      ``bos_id`` alone), no padding.
     max_new_tokens: N, the tokens to generate at most (a positive integer).
-    rng: None for greedy decoding; a PRNG key to sample.
-    temperature, top_k: sampling only (see :func:`sample_search`).
-    bos_id, eos_id, pad_id: start, end and padding tokens.
+    rng: None for greedy decoding; a PRNG key (``jax.random.key``) to sample.
+    temperature, top_k: sampling only (see :func:`sample_search`); greedy decoding takes
+      them at their defaults, 1.0 and 0.
+    bos_id, eos_id: start and end tokens in ``[0, vocab_size)``; ``eos_id=None``: no end
+      token (every row gets N tokens).
+    pad_id: the padding token written after EOS (any integer).
 
   Returns:
     ``tokens`` ``[B, N]`` int32 (pad after EOS) and ``log_probs`` ``[B]``, the new tokens'
     summed log-probabilities up to and with EOS.
 
   Raises:
-    ValueError: one line naming an argument that does not fit (an absolute scheme's table
-      shorter than ``P + N`` positions is named by the scheme).
+    TypeError: one line for a model that is not a ``CausalLM``.
+    ValueError: one line naming an argument that does not fit: a prompt not ``[B, P]``
+      integer ids with ``B >= 1`` or (when concrete) holding an id outside
+      ``[0, vocab_size)``, and any other argument outside the range above (an absolute
+      scheme's table shorter than ``P + N`` positions is named by the scheme).
+      Under :func:`jax.jit` a traced prompt is not read: an id outside the vocabulary then
+      gives NaN log-probabilities and token 0.
   """
-  batch, length = check_token_ids("generate", "prompt", prompt)
-  if not is_int(max_new_tokens) or max_new_tokens < 1:
-    raise ValueError(f"generate: max_new_tokens: got {max_new_tokens!r}; allowed: a positive "
-                     "integer")
-  if rng is not None and not (is_finite_number(temperature) and temperature > 0):
+  _check_decoding("generate", model, CausalLM, "max_new_tokens", max_new_tokens, bos_id,
+                  eos_id, pad_id, eos_optional=True)
+  vocab = model.config.vocab_size
+  if isinstance(prompt, (list, tuple)):
+    try:
+      prompt = np.asarray(prompt)
+    except ValueError:
+      raise ValueError("generate: prompt: got a ragged nested list; expected [B, P] integer "
+                       "ids") from None
+  batch, length = check_token_ids("generate", "prompt", prompt, vocab_size=vocab)
+  if batch < 1:
+    raise ValueError(f"generate: prompt: got shape {jnp.shape(prompt)}; expected [B, P] with "
+                     "B >= 1 rows")
+  if rng is not None and not _is_key(rng):
+    kind = getattr(rng, "dtype", type(rng).__name__)
+    raise ValueError(f"generate: rng: got {kind} of shape {jnp.shape(rng)}; "
+                     "allowed: None (greedy) or one PRNG key (jax.random.key(seed))")
+  if not (is_finite_number(temperature) and temperature > 0):
     raise ValueError(f"generate: temperature: got {temperature!r}; allowed: a finite positive "
                      "number")
-  if rng is not None and not (is_int(top_k) and 0 <= top_k <= model.config.vocab_size):
+  if not (is_int(top_k) and 0 <= top_k <= vocab):
     raise ValueError(f"generate: top_k: got {top_k!r}; allowed: an integer in [0, "
-                     f"vocab_size={model.config.vocab_size}] (0: every token)")
+                     f"vocab_size={vocab}] (0: every token)")
+  if rng is None and (temperature != 1.0 or top_k != 0):
+    raise ValueError(f"generate: temperature, top_k: got {temperature!r}, {top_k!r} without "
+                     "rng; they shape sampling only: pass rng=jax.random.key(seed) to sample")
   inputs = jnp.concatenate([jnp.full((batch, 1), bos_id, jnp.int32),
                             jnp.asarray(prompt, jnp.int32)], axis=1)
   step = _step(model, params, ())

@@ -1,25 +1,31 @@
 """Checks of a model's token inputs, each ``[B, L]``: ids, masks and the ids that go with
-them, one ValueError line ``<owner>: <name>: ...`` for a wrong shape or dtype; and the padding
-mask as bools."""
+them, one ValueError line ``<owner>: <name>: ...`` for a wrong shape or dtype, or for a
+concrete token id outside the vocabulary (:func:`posenc_jax.ids.check_id_values`: traced ids
+are not read); and the padding mask as bools."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
+from posenc_jax.ids import check_id_values
+
 Array = jax.Array
 
 
-def check_token_ids(owner: str, name: str, ids: Array, batch: int | None = None
-                    ) -> tuple[int, int]:
-  """``(B, L)`` of ``ids`` ``[B, L]`` (integer dtype; ``batch`` examples if given), or one
-  ValueError line ``<owner>: <name>: ...``. Static facts only: the values are not read."""
+def check_token_ids(owner: str, name: str, ids: Array, batch: int | None = None,
+                    vocab_size: int | None = None) -> tuple[int, int]:
+  """``(B, L)`` of ``ids`` ``[B, L]`` (integer dtype; ``batch`` examples if given; concrete
+  ids in ``[0, vocab_size)`` if given, see :func:`~posenc_jax.ids.check_id_values`), or one
+  ValueError line ``<owner>: <name>: ...``."""
   shape, dtype = jnp.shape(ids), jnp.result_type(ids)
   if len(shape) != 2 or not jnp.issubdtype(dtype, jnp.integer):
     raise ValueError(f"{owner}: {name}: got shape {shape} of {dtype}; expected [B, L] "
                      "integer ids")
   if batch is not None and shape[0] != batch:
     raise ValueError(f"{owner}: {name}: got shape {shape}; expected B = {batch} examples")
+  if vocab_size is not None:
+    check_id_values(owner, name, ids, vocab_size, "vocab_size")
   return shape
 
 

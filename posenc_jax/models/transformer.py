@@ -121,7 +121,7 @@ class Encoder(nn.Module):
     """
     cfg = self.config
     position = build_scheme(cfg.scheme, **scheme_dims(cfg), name="position")
-    batch, length = check_token_ids("Encoder", "src_ids", src_ids)
+    batch, length = check_token_ids("Encoder", "src_ids", src_ids, vocab_size=cfg.vocab_size)
     check_like("Encoder", "src_mask", src_mask, (batch, length))
     mask = as_mask(src_mask, (batch, length))
     terms = position(length)
@@ -192,7 +192,7 @@ class Decoder(nn.Module):
     """
     cfg = self.config
     if encoded is None:
-      batch, length = check_token_ids("Decoder", "tgt_ids", tgt_ids)
+      batch, length = check_token_ids("Decoder", "tgt_ids", tgt_ids, vocab_size=cfg.vocab_size)
       if src_mask is not None:
         raise ValueError(f"Decoder: src_mask: got shape {jnp.shape(src_mask)}; expected None "
                          "without encoded (a decoder-only model has no source)")
@@ -200,7 +200,8 @@ class Decoder(nn.Module):
       if jnp.ndim(encoded) != 3 or encoded.shape[-1] != cfg.d_model:
         raise ValueError(f"Decoder: encoded: got shape {jnp.shape(encoded)}; expected "
                          f"[B, Ls, d] with d = {cfg.d_model}")
-      batch, length = check_token_ids("Decoder", "tgt_ids", tgt_ids, encoded.shape[0])
+      batch, length = check_token_ids("Decoder", "tgt_ids", tgt_ids, encoded.shape[0],
+                                      cfg.vocab_size)
       check_like("Decoder", "src_mask", src_mask, encoded.shape[:2])
     check_like("Decoder", "tgt_mask", tgt_mask, (batch, length))
     check_ids_like("Decoder", "position_ids", position_ids, (batch, length))

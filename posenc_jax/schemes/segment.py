@@ -7,6 +7,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from posenc_jax.ids import check_id_values
 from posenc_jax.schemes.base import (POSITIVE_INT, SHARING, Scheme, SchemeConfigError, one_of,
                                      shared_sizes)
 from posenc_jax.terms import Factored, InputEmbedding, SchemeTerms
@@ -23,6 +24,8 @@ def _one_hot_segments(scheme: Scheme, length: int, segment_ids: Array | None,
   if jnp.ndim(segment_ids) != 2 or jnp.shape(segment_ids)[1] != length:
     raise SchemeConfigError(f"scheme {scheme.scheme_name!r}: segment_ids has shape "
                             f"{jnp.shape(segment_ids)}; expected [B, L] with L = {length}")
+  check_id_values(f"scheme {scheme.scheme_name!r}", "segment_ids", segment_ids, num_segments,
+                  "num_segments")
   return jax.nn.one_hot(segment_ids, num_segments, dtype=jnp.float32)
 
 
