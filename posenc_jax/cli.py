@@ -3,6 +3,12 @@ flags are parsed so that every mistake a user can type (an unknown preset, a mis
 ``--config.<field>``, a missing config file, a value of the wrong type) ends in one line
 ``<prog>: <field>: ...`` and a non-zero exit, never a traceback.
 
+Beyond absl's overrides of the fields a config file sets: each hyperparameter of a configured
+scheme can be set alone, ``--config.model.scheme.scaling=yarn``, with its type (the scheme's
+default's), and ``--config.model.scheme.name=<scheme>`` starts that scheme afresh whatever
+the flags' order (:func:`ready_scheme_fields`, for every scheme config in the config); a list
+field takes ``1,2,3`` or ``'(1, 2, 3)'`` (:class:`_ListParser`).
+
   app.run(main, flags_parser=cli.flags_parser("train.py"))
 
 ``flags_parser(prog, help=usage.helper(prog, __doc__, configs=(...)))`` makes ``--help``
@@ -21,6 +27,7 @@ path they will write before any work starts, and for ``argparse`` tools
 from __future__ import annotations
 
 import argparse
+import ast
 import logging
 import os
 import re
@@ -43,18 +50,116 @@ def _root(error: BaseException) -> BaseException:
   return seen[-1]
 
 
+def _overrides(argv: Sequence[str], name: str) -> list[tuple[list[str], str | None]]:
+  """The ``--<name>.<a>.<b>=<value>`` overrides in ``argv``, in order, as ``([a, b], value)``;
+  the value of ``--<name>.<a> <value>`` is the next argument, and None for a flag given
+  alone (a boolean: ``--<name>.<a>``, ``--no<name>.<a>``)."""
+  found = []
+  for i, arg in enumerate(argv):
+    match = re.fullmatch(rf"--?(?:no)?{re.escape(name)}\.([^=]+)(?:=(.*))?", arg, re.DOTALL)
+    if match:
+      value = match[2]
+      if value is None and i + 1 < len(argv) and not argv[i + 1].startswith("-"):
+        value = argv[i + 1]
+      found.append((match[1].split("."), value))
+  return found
+
+
+def _node(config, path: Sequence[str]):
+  """The value at ``path`` in ``config``, or None where the path leaves it."""
+  node = config
+  for key in path:
+    if not (hasattr(node, "keys") and key in node):
+      return None
+    node = node[key]
+  return node
+
+
+def _scheme_of(node) -> str | None:
+  """The registered scheme name of ``node`` when it is a scheme config (a mapping whose
+  ``name`` is a registered scheme: ``model.scheme``, ``model.segment``, ...), else None."""
+  name = node.get("name") if hasattr(node, "keys") and hasattr(node, "get") else None
+  if not isinstance(name, str):
+    return None
+  from posenc_jax.schemes.registry import SCHEMES  # noqa: PLC0415 - flax, only when needed
+  return name if name in SCHEMES else None
+
+
+def _typed_default(scheme: str, field: str) -> Any:
+  """The default of hyperparameter ``field`` of ``scheme``, or for a None default a typed
+  ``ml_collections`` placeholder (its annotation's type; a sequence: tuple), so that absl
+  parses an override of it as the scheme's type."""
+  import typing  # noqa: PLC0415
+
+  from ml_collections import config_dict  # noqa: PLC0415
+
+  from posenc_jax.schemes.registry import SCHEMES  # noqa: PLC0415
+
+  spec = SCHEMES[scheme]
+  default = spec.values({})[field]
+  if default is not None:
+    return tuple(default) if isinstance(default, list) else default
+  hint = typing.get_type_hints(spec.module)[field]
+  kind = next((a for a in typing.get_args(hint) if a is not type(None)), hint)
+  kind = typing.get_origin(kind) or kind
+  if isinstance(kind, type) and issubclass(kind, Sequence) and kind is not str:
+    kind = tuple
+  return config_dict.placeholder(kind if isinstance(kind, type) else object)
+
+
+def ready_scheme_fields(config, argv: Sequence[str], name: str) -> None:
+  """Readies every scheme config of ``config`` (:func:`_scheme_of`) for the
+  ``--<name>.<path to it>.<field>=`` overrides in ``argv``, so that each documented
+  hyperparameter of the scheme can be set alone, with its type:
+
+  * ``.name=<scheme>`` naming another registered scheme starts that scheme afresh
+    (``{"name": <scheme>}``: the old scheme's fields go, whatever the order of the flags);
+  * each hyperparameter of the (new) scheme that an override sets and the config lacks is
+    added with its default (:func:`_typed_default`), which absl then parses the value by.
+
+  A field the scheme does not have is left out: absl refuses it, and
+  :func:`_unknown_override` names the scheme's fields."""
+  from ml_collections import config_dict  # noqa: PLC0415
+
+  if not isinstance(config, config_dict.ConfigDict):  # a file that failed to load
+    return
+  overrides = _overrides(argv, name)
+  with config.unlocked():
+    for path, value in overrides:
+      slot = _node(config, path[:-1])
+      if path[-1] == "name" and _scheme_of(slot) and _scheme_of({"name": value}) not in (
+          None, slot["name"]):
+        for key in [k for k in slot if k != "name"]:
+          del slot[key]
+        slot["name"] = value
+    for path, _ in overrides:
+      slot = _node(config, path[:-1])
+      scheme = _scheme_of(slot)
+      if scheme and path[-1] not in slot:
+        from posenc_jax.schemes.registry import SCHEMES  # noqa: PLC0415
+        if path[-1] in SCHEMES[scheme].fields:
+          slot[path[-1]] = _typed_default(scheme, path[-1])
+
+
 def _unknown_override(config, argv: Sequence[str], name: str) -> str | None:
-  """The first ``--<name>.a.b=`` override whose path ``config`` lacks, as an error line."""
-  for arg in argv:
-    if not arg.startswith(f"--{name}."):
-      continue
-    path = arg[2:].partition("=")[0].split(".")[1:]
+  """The first ``--<name>.a.b=`` override whose path ``config`` lacks, as an error line; in a
+  scheme config, the line names the scheme's fields."""
+  for path, _ in _overrides(argv, name):
     node = config
     for depth, key in enumerate(path):
       keys = list(node.keys()) if hasattr(node, "keys") else []
       if key not in keys:
         field = ".".join([name, *path[:depth + 1]])
         where = ".".join([name, *path[:depth]])
+        scheme = _scheme_of(node)
+        if scheme:
+          from posenc_jax.schemes.registry import SCHEMES  # noqa: PLC0415
+          named = [v for p, v in _overrides(argv, name) if p == [*path[:depth], "name"]]
+          if named and named[-1] != scheme:  # an unknown scheme (a known one was readied)
+            return (f"{where}.name: scheme {named[-1]!r} is unknown"
+                    f"{nearest(named[-1], SCHEMES)} allowed: {', '.join(sorted(SCHEMES))}")
+          keys = ["name", *SCHEMES[scheme].fields]
+          where = f"scheme {scheme!r} ({where})"
         return (f"{field}: unknown field{nearest(key, keys)} fields of {where}: "
                 f"{', '.join(sorted(map(str, keys))) or 'none'}")
       node = node[key]
@@ -69,8 +174,9 @@ def _given_config(argv: Sequence[str], config_flag: str | None) -> str | None:
 
 
 def _config_file(argv: Sequence[str], config_flag: str | None):
-  """The config file of ``--<config_flag>=`` in ``argv`` without the overrides, or None when
-  there is none or it fails to load."""
+  """The config file of ``--<config_flag>=`` in ``argv`` without the overrides (its scheme
+  configs readied for them: :func:`ready_scheme_fields`), or None when there is none or it
+  fails to load."""
   given = _given_config(argv, config_flag)
   if not given:
     return None
@@ -80,6 +186,7 @@ def _config_file(argv: Sequence[str], config_flag: str | None):
     config.keys()
   except Exception:  # noqa: BLE001 - a config that fails to load has no defaults to show
     return None
+  ready_scheme_fields(config, argv, config_flag)
   return config
 
 
@@ -143,6 +250,69 @@ def define_config(name: str, default: str | None, help_text: str):
   return config_flags.DEFINE_config_file(name, None, f"{help_text} (default: {default})")
 
 
+class _ListParser(flags.ArgumentParser):
+  """absl's parser of ``--<config>.<field>=`` for a list field (``sweep.seeds``): a
+  comma-separated list (``1,2,3``) or a list or tuple literal (``(1, 2, 3)``), each element a
+  Python literal or else a bare string; an empty element or a malformed literal is one
+  ``ValueError`` line. The elements' own rules are the config's validation's."""
+
+  def parse(self, argument: Any) -> list:
+    if isinstance(argument, (list, tuple)):
+      return list(argument)
+    text = str(argument).strip()
+    if text[:1] in "([":
+      try:
+        value = ast.literal_eval(text)
+      except (SyntaxError, ValueError):
+        value = None
+      if not isinstance(value, (list, tuple)):
+        raise ValueError(f"{text!r} is not a list; allowed: 1,2,3 or (1, 2, 3)")
+      return list(value)
+    elements = [e.strip() for e in text.split(",")]
+    if "" in elements:
+      raise ValueError(f"{text!r} has an empty element; allowed: 1,2,3 or (1, 2, 3)")
+    return [_literal(e) for e in elements]
+
+  def flag_type(self) -> str:
+    return "list"
+
+
+def _literal(text: str) -> Any:
+  """``text`` as a Python literal (``3``, ``1e-3``, ``'a'``), or as it is (a bare word)."""
+  try:
+    return ast.literal_eval(text)
+  except (SyntaxError, ValueError):
+    return text
+
+
+class _ReadiedConfigParser:
+  """A config flag's file parser whose config is readied for the scheme-field overrides in
+  ``argv`` (:func:`ready_scheme_fields`) before absl defines a flag for each override."""
+
+  def __init__(self, inner: flags.ArgumentParser, name: str, argv: Sequence[str]):
+    self.inner, self.name, self.argv = inner, name, list(argv)
+
+  def parse(self, argument: str):
+    config = self.inner.parse(argument)
+    ready_scheme_fields(config, self.argv, self.name)
+    return config
+
+  def __getattr__(self, attr: str) -> Any:
+    return getattr(self.inner, attr)
+
+
+def _ready_config_flag(fv: flags.FlagValues, name: str, argv: Sequence[str]) -> None:
+  """Makes ``fv[name]`` (a config flag) parse its overrides in ``argv`` this module's way: a
+  scheme's hyperparameters one by one (:class:`_ReadiedConfigParser`) and list fields
+  (:class:`_ListParser`, registered with ``ml_collections`` for ``list``)."""
+  from ml_collections.config_flags import config_flags  # noqa: PLC0415
+
+  config_flags.register_flag_parser_for_type(list, _ListParser())
+  if name in fv:
+    flag = fv[name]
+    flag.parser = _ReadiedConfigParser(getattr(flag.parser, "inner", flag.parser), name, argv)
+
+
 HELP_FLAGS = ("--help", "--helpshort", "-?", "-h")
 
 
@@ -162,6 +332,7 @@ def flags_parser(prog: str, config_flag: str | None = "config",
   def parse(argv: list[str]) -> list[str]:
     if config_flag is not None:
       argv = _with_config_path(argv, config_flag)
+      _ready_config_flag(fv, config_flag, argv)
     if help is not None and any(a in HELP_FLAGS for a in argv[1:]):
       print(help(_config_file(argv, config_flag), fv))
       sys.exit(0)
