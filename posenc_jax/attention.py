@@ -11,7 +11,8 @@
   vector whose tiles the kernel builds in place. Bias-free attention runs on cuDNN
   on GPU and on splash attention on TPU where they fit; dense terms (Shaw's
   query-dependent term, CoPE's term of q and k, per-example biases) go to
-  :func:`jax.nn.dot_product_attention` as a bias.
+  :func:`jax.nn.dot_product_attention` as a bias. A separable term ``r_i + s_j`` (the
+  forgetting gates) goes to the Pallas kernel as its two vectors, added in float32.
 * ``route="auto"`` (the default): the fused route on GPU and TPU, the reference route
   on CPU and where a term cannot fuse.
 
@@ -185,11 +186,13 @@ def _reference(q, k, v, terms, mask, causal, scale, dropout_rate=0.0, seed=None,
   return out
 
 
-def _kernel(kernel: route_plan.KernelPlan, q, k, v, offsets, mask, causal, scale,
+def _kernel(kernel: route_plan.KernelPlan, q, k, v, offsets, rows, cols, mask, causal, scale,
             segment_ids, precision, dropout_rate, seed):
-  """The Pallas kernel with the plan's settings; ``offsets``: the Toeplitz vectors."""
+  """The Pallas kernel with the plan's settings; ``offsets``: the Toeplitz vectors; ``rows``,
+  ``cols``: the separable terms' vectors."""
   return relative_flash_attention(
-      q, k, v, sum(offsets) if offsets else None, mask=mask, q_segment_ids=segment_ids,
+      q, k, v, sum(offsets) if offsets else None, row_bias=sum(rows) if rows else None,
+      col_bias=sum(cols) if cols else None, mask=mask, q_segment_ids=segment_ids,
       kv_segment_ids=segment_ids, causal=causal, scale=scale, zero_first=kernel.zero_first,
       tiles=kernel.tiles, blocks=kernel.blocks,
       precision=precision, dropout_rate=dropout_rate if kernel.dropout else 0.0,
@@ -204,7 +207,7 @@ def _execute(plan: route_plan.Plan, q, k, v, terms, mask, causal, scale, *, segm
   if plan.runner == "reference":
     return _reference(q, k, v, terms, mask, causal, scale, dropout_rate, seed, segment_ids,
                       precision)
-  q_parts, k_parts, dense, offsets, zero_first = [q], [k], [], [], []
+  q_parts, k_parts, dense, offsets, zero_first, rows, cols = [q], [k], [], [], [], [], []
   for term, entry in zip(terms, plan.entries):
     if entry == "table":
       dense.append(term.logits(q, scale))
@@ -216,6 +219,11 @@ def _execute(plan: route_plan.Plan, q, k, v, terms, mask, causal, scale, *, segm
         batch = q.shape[0]
         q_parts.append(jnp.broadcast_to(part.q_extra, (batch,) + part.q_extra.shape[1:]))
         k_parts.append(jnp.broadcast_to(part.k_extra, (batch,) + part.k_extra.shape[1:]))
+      elif entry == "vectors":
+        rows.append(part.row)
+        cols.append(part.col)
+      elif entry == "broadcast":
+        dense.append(part.row[..., :, None] + part.col[..., None, :])
       else:  # "kernel", "offsets": the Toeplitz vector, in the tiles or materialised
         offsets.append(part.offset_bias)
         zero_first.append(part.zero_first)
@@ -228,8 +236,8 @@ def _execute(plan: route_plan.Plan, q, k, v, terms, mask, causal, scale, *, segm
   q_len, k_len = q.shape[1], k.shape[1]
   if plan.runner == "splash":
     return _splash(q, k, v, mask, causal, scale, segment_ids)
-  kernel = lambda: _kernel(plan.kernel, q, k, v, offsets, mask, causal, scale,  # noqa: E731
-                           segment_ids, precision, dropout_rate, seed)
+  kernel = lambda: _kernel(plan.kernel, q, k, v, offsets, rows, cols, mask,  # noqa: E731
+                           causal, scale, segment_ids, precision, dropout_rate, seed)
   if plan.runner == "kernel":
     return kernel()
   dense += [toeplitz_bias(o, q_len, k_len, z) for o, z in zip(offsets, zero_first)]
@@ -394,6 +402,9 @@ class MultiHeadAttention(nn.Module):
     cached_key, cached_value  ``[B, L_dec, H, D]``  raw projections (before
                                                     any term's q/k transform)
     cache_index               int32 scalar, the next position to write
+    key_state_<n>             ``[B, L_dec, ...]``   term ``n``'s :meth:`Term.key_state`
+                                                    (the forgetting gates' ``log f``), for
+                                                    a term that has one
 
   The first ``decode=True`` call (made with the full-length input, e.g. by
   ``init``) only creates the cache and otherwise runs as usual. Each later
@@ -450,6 +461,8 @@ class MultiHeadAttention(nn.Module):
     if decode and segment_ids is not None:
       raise ValueError("decode: a decoding step takes no packed segment_ids")
     context = x if context is None else context
+    # Terms computed from the layer input (the forgetting gates) take it here.
+    terms = [term.with_inputs(x, segment_ids) for term in terms]
     dense = lambda name: head_projection(self, name)  # noqa: E731
     q, k, v = dense("query")(x), dense("key")(context), dense("value")(context)
     if decode:
@@ -467,13 +480,17 @@ class MultiHeadAttention(nn.Module):
 
     Returns ``(k, v, terms, mask, causal)``: on the first (cache-creating)
     call the inputs unchanged; afterwards the full cache ``[B, L_dec, H, D]``,
-    the terms' row at ``cache_index``, the mask of keys ``<= cache_index``
-    and ``causal=False`` (the mask already is causal).
+    the terms' row at ``cache_index`` (a term with a key state over every cached key's),
+    the mask of keys ``<= cache_index`` and ``causal=False`` (the mask already is causal).
     """
     initialized = self.has_variable("cache", "cached_key")
     cached_key = self.variable("cache", "cached_key", jnp.zeros, k.shape, k.dtype)
     cached_value = self.variable("cache", "cached_value", jnp.zeros, v.shape, v.dtype)
     cache_index = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
+    states = [(n, term.key_state()) for n, term in enumerate(terms)]
+    cached_states = {n: self.variable("cache", f"key_state_{n}", jnp.zeros, state.shape,
+                                      state.dtype)
+                     for n, state in states if state is not None}
     if not initialized:
       return k, v, terms, mask, causal
     batch, length, heads, _ = cached_key.value.shape
@@ -487,6 +504,12 @@ class MultiHeadAttention(nn.Module):
     v = jax.lax.dynamic_update_slice(cached_value.value, v.astype(cached_value.value.dtype),
                                      (0, index, 0, 0))
     cached_key.value, cached_value.value = k, v
+    terms = list(terms)
+    for n, cached in cached_states.items():
+      step = terms[n].key_state()
+      cached.value = jax.lax.dynamic_update_slice(
+          cached.value, step.astype(cached.value.dtype), (0, index) + (0,) * (step.ndim - 2))
+      terms[n] = terms[n].with_key_state(cached.value)
     cache_index.value = index + 1
     step_mask = (jnp.arange(length) <= index)[None, None, None, :]  # [1, 1, 1, L_dec]
     mask = step_mask if mask is None else jnp.logical_and(_mask_4d(mask, False, 1, length),

@@ -23,17 +23,20 @@ What the plan decides, in order:
    fused route.
 2. **How each term enters** (:data:`ENTRIES`): a q/k transform has run already; a factored
    term folds into q/k; a Toeplitz term's offset vector goes to the Pallas kernel, which
-   builds its tiles; dense terms are a bias. A batch-free Toeplitz or factored term is
+   builds its tiles; a separable term's row and column vectors (the forgetting gates) go to
+   the kernel too, which adds them to its tiles in float32; dense terms are a bias. A batch-free Toeplitz or factored term is
    materialised once per call as a bias instead where the route table measured that faster
    (not with dropout or packed segments, which need the kernel).
 3. **What runs** (:data:`RUNNERS`): the Pallas kernel (Triton gather tiles on GPU and CPU,
    Mosaic roll tiles on TPU; the Hopper forward and backward where the table measured them
-   fastest and they fit) for Toeplitz terms without dense ones, and for bias-free attention
+   fastest and they fit; never with a separable term) for Toeplitz and separable terms
+   without dense ones, and for bias-free attention
    where cuDNN cannot run, with packed segments, or with dropout (the kernel draws the
    reference route's mask); splash attention on TPU for bias-free self-attention over a
    multiple of 128 positions; :func:`jax.nn.dot_product_attention` (cuDNN where
    :func:`cudnn_unsupported` allows, else XLA) for dense terms, with any Toeplitz vector
-   materialised; the reference route for dropout the kernel cannot take.
+   materialised and any separable term broadcast to ``r_i + s_j`` (no cuDNN or splash call
+   takes two vectors); the reference route for dropout the kernel cannot take.
 4. **How a mask reaches dot_product_attention** (:data:`MASKS`): with cuDNN, a key mask that
    keeps a prefix of every row goes as ``key_value_seq_lengths`` (no ``[Lq, Lk]`` array);
    whether it does is known only at run time, so the plan names the fallback (the kernel, or
@@ -62,8 +65,11 @@ MASK_KINDS = ("none", "key", "full")  # no mask, a [B, Lk] key mask, a mask broa
 # "transform" (nothing left: a q/k transform that has run, or an input-level term), "fold"
 # (concatenated to q/k), "kernel" (an offset vector whose tiles the kernel builds), "bias" (a
 # dense bias), "offsets" (a Toeplitz vector materialised as a bias: the kernel cannot run),
-# "table" (materialised once per call: the route table measured that faster).
-ENTRIES = ("logits", "transform", "fold", "kernel", "bias", "offsets", "table")
+# "table" (materialised once per call: the route table measured that faster), "vectors" (a
+# separable term's row and column vectors, added in the kernel's tiles), "broadcast" (the two
+# vectors broadcast to a dense bias: the kernel cannot run).
+ENTRIES = ("logits", "transform", "fold", "kernel", "bias", "offsets", "table", "vectors",
+           "broadcast")
 RUNNERS = ("reference", "kernel", "splash", "dot_product_attention")
 # How a mask reaches dot_product_attention: None (no mask), "mask" (as given, 4-D), "full"
 # (broadcast to [B, 1, Lq, Lk]), "lengths or kernel" / "lengths or full" (sequence lengths
@@ -101,6 +107,7 @@ class KernelPlan:
     blocks: tile sizes, padded head dims and launch settings.
     bias: an offset vector goes in (Toeplitz terms); ``zero_first``: TUPE-R's reset.
     dropout: the kernel draws attention dropout.
+    separable: a row and a column vector go in (separable terms).
   """
 
   tiles: str
@@ -110,6 +117,7 @@ class KernelPlan:
   bias: bool
   zero_first: bool
   dropout: bool
+  separable: bool = False
 
   def __str__(self) -> str:
     b = self.blocks
@@ -121,6 +129,7 @@ class KernelPlan:
     return (f"{passes}; blocks {b.block_q}x{b.block_k}, head dims {b.qk_dim}/{b.v_dim}"
             f"{launch}; {'offset bias' if self.bias else 'no bias'}"
             f"{' (zero first row/column)' if self.zero_first else ''}"
+            f"{', row/column vectors' if self.separable else ''}"
             f"{', dropout' if self.dropout else ''}")
 
 
@@ -212,16 +221,17 @@ def splash_fits(q_len: int, k_len: int) -> bool:
 
 
 def _kernel_plan(q_len: int, k_len: int, qk_dim: int, v_dim: int, dtype, *, bias: bool,
-                 zero_first: bool, dropout: bool, precision: str, device: Device,
-                 table: route_table.RouteTable) -> KernelPlan:
-  """The kernel's tiles, passes and blocks at these shapes (q/k already folded)."""
+                 zero_first: bool, dropout: bool, separable: bool, precision: str,
+                 device: Device, table: route_table.RouteTable) -> KernelPlan:
+  """The kernel's tiles, passes and blocks at these shapes (q/k already folded); the Hopper
+  passes decline a separable term."""
   tiles = "roll" if device.platform == "tpu" else "gather"
   choose = lambda block_q=None: blocks.kernel_blocks(  # noqa: E731
       q_len, k_len, qk_dim, v_dim, itemsize=jnp.dtype(dtype).itemsize, has_bias=bias,
       tiles=tiles, precision=precision,
       budget=blocks.memory_budget(tiles, device.compute_capability), block_q=block_q)
   hopper = both = False
-  if bias and tiles == "gather":
+  if bias and not separable and tiles == "gather":
     # The Hopper kernels take 64-row query blocks; where they fit and the table measured them
     # fastest, the forward (and the backward) run there.
     chosen = choose(hopper_flash.BLOCK_Q)
@@ -235,7 +245,7 @@ def _kernel_plan(q_len: int, k_len: int, qk_dim: int, v_dim: int, dtype, *, bias
     chosen = choose()
   return KernelPlan(tiles=tiles, forward="hopper" if hopper else "tiles",
                     backward="hopper" if both else "tiles", blocks=chosen, bias=bias,
-                    zero_first=zero_first, dropout=dropout)
+                    zero_first=zero_first, dropout=dropout, separable=separable)
 
 
 def plan(q_shape: Sequence[int], k_shape: Sequence[int], v_shape: Sequence[int], dtype,
@@ -286,8 +296,8 @@ def plan(q_shape: Sequence[int], k_shape: Sequence[int], v_shape: Sequence[int],
       notes.append(f"the route table has {form.name} materialised at L={length:g} on "
                    f"{device.kind} {dtype_name}")
       continue
-    entry = {"none": "transform", "fold": "fold", "toeplitz": "kernel",
-             "bias": "bias"}[form.entry]
+    entry = {"none": "transform", "fold": "fold", "toeplitz": "kernel", "bias": "bias",
+             "separable": "vectors"}[form.entry]
     entries.append(entry)
     width += form.rank if entry == "fold" else 0
     if entry == "kernel":
@@ -295,6 +305,7 @@ def plan(q_shape: Sequence[int], k_shape: Sequence[int], v_shape: Sequence[int],
   width += -width % 8
   dense = any(e in ("bias", "table") for e in entries)
   toeplitz = "kernel" in entries
+  separable = "vectors" in entries
   key_mask = mask in ("none", "key")
   kernel_fits = not dense and key_mask and len(zero_firsts) <= 1
   if not kernel_fits:
@@ -304,7 +315,8 @@ def plan(q_shape: Sequence[int], k_shape: Sequence[int], v_shape: Sequence[int],
   if implementation is None:
     # A 4-D mask or packed segments reach cuDNN as a full [B, 1, Lq, Lk] bias.
     full_mask = not key_mask or (segments and not kernel_fits)
-    why = cudnn_unsupported(folded_q, folded_k, dtype, has_bias=dense or toeplitz or full_mask,
+    why = cudnn_unsupported(folded_q, folded_k, dtype,
+                            has_bias=dense or toeplitz or separable or full_mask,
                             backend=device.platform,
                             compute_capability=float(device.compute_capability or 0))
     implementation = "xla" if why else "cudnn"
@@ -312,19 +324,20 @@ def plan(q_shape: Sequence[int], k_shape: Sequence[int], v_shape: Sequence[int],
       notes.append(f"no cuDNN: {why}")
   kernel = lambda: _kernel_plan(  # noqa: E731
       q_len, k_len, width, v_dim, dtype, bias=toeplitz, zero_first=True in zero_firsts,
-      dropout=dropout, precision=precision, device=device, table=table)
+      dropout=dropout, separable=separable, precision=precision, device=device, table=table)
   if dropout and not kernel_fits:
     return Plan("fused", "reference", ("logits",) * len(forms), names, head_dim,
                 notes=(*notes, "dropout: the reference route draws the kernel's mask"))
-  if (kernel_fits and not toeplitz and device.platform == "tpu" and splash_fits(q_len, k_len)
+  if (kernel_fits and not toeplitz and not separable and device.platform == "tpu"
+      and splash_fits(q_len, k_len)
       and not dropout):
     return Plan("fused", "splash", tuple(entries), names, width, notes=tuple(notes))
   # Packed segments: cuDNN (through dot_product_attention) has no segment ids; the kernel has.
   # Dropout: cuDNN's mask is its own; the kernel draws the reference route's.
-  if kernel_fits and (toeplitz or implementation == "xla" or segments or dropout):
+  if kernel_fits and (toeplitz or separable or implementation == "xla" or segments or dropout):
     return Plan("fused", "kernel", tuple(entries), names, width, kernel=kernel(),
                 notes=tuple(notes))
-  entries = ["offsets" if e == "kernel" else e for e in entries]
+  entries = [{"kernel": "offsets", "vectors": "broadcast"}.get(e, e) for e in entries]
   mask_4d = mask != "none" or segments
   fallback = None
   if implementation != "cudnn" or not mask_4d:

@@ -77,6 +77,8 @@ SCHEME_CONFIGS = {
     # npos_max 6 < LENGTH: the positions of far keys are clipped at the table's last row.
     "cope": {"name": "cope", "npos_max": 6},
     "cope_shared": {"name": "cope", "sharing": "layer"},
+    "fox": {"name": "fox"},
+    "fox_shared": {"name": "fox", "sharing": "layer"},
 }
 
 

@@ -123,6 +123,7 @@ class _Config:
   forward: str = "tiles"  # "tiles" (this module's forward kernel) or "hopper"
   warpgroups: int | None = None  # the Hopper forward's consumer warpgroups (None: most that fit)
   backward: str = "tiles"  # "tiles" (this module's backward kernels) or "hopper"
+  separable: bool = False  # a row and a column vector added to every logit (r_i + s_j)
 
   @property
   def compiler_params(self):
@@ -179,15 +180,19 @@ def _barrier(cfg: _Config) -> None:
     plt.debug_barrier()
 
 
-def _tile(cfg, q, k, ob_ref, qseg, kseg, qi, kj):
+def _tile(cfg, q, k, ob_ref, qseg, kseg, row, col, qi, kj):
   """Scaled logits + bias ``[bq, bk]`` (float32, masked to ``NEG``) and the validity mask.
 
-  ``qseg`` ``[bq, 1]`` and ``kseg`` ``[1, bk]`` are the tile's segment ids.
+  ``qseg`` ``[bq, 1]`` and ``kseg`` ``[1, bk]`` are the tile's segment ids, ``row``
+  ``[bq, 1]`` and ``col`` ``[1, bk]`` its part of the separable term (float32, added as
+  ``row + col``, the order of the reference route's sum; read only with ``cfg.separable``).
   """
   s = _dot(cfg, q, k, (1, 1)) * cfg.scale
   i, j = _positions(cfg, qi, kj)
   if cfg.has_bias:
     s = s + _cls_reset(cfg, _bias_tile(cfg, ob_ref, i, j, qi, kj), i, j)
+  if cfg.separable:
+    s = s + (row + col)
   valid = qseg == kseg
   if cfg.causal:
     valid = valid & (j <= i)
@@ -275,11 +280,12 @@ def _dropped(x, keep):
   return x if keep is None else x * keep
 
 
-def _cotangent(cfg, q, k, v, do, ob_ref, qseg, kseg, lse, delta, stream, qi, kj):
+def _cotangent(cfg, q, k, v, do, ob_ref, qseg, kseg, row, col, lse, delta, stream, qi, kj):
   """One tile's probabilities ``p``, its dropout multipliers ``keep`` (None without) and
   logit cotangent ``ds = p * (keep * dO v^T - delta)``, all ``[bq, bk]`` float32, from the
-  tile's rows of q/dO/lse/delta and columns of k/v (what the backward kernels share)."""
-  s, valid = _tile(cfg, q, k, ob_ref, qseg, kseg, qi, kj)
+  tile's rows of q/dO/lse/delta/row and columns of k/v/col (what the backward kernels
+  share)."""
+  s, valid = _tile(cfg, q, k, ob_ref, qseg, kseg, row, col, qi, kj)
   p = jnp.where(valid, jnp.exp(s - lse), 0.0)
   keep = _dropout(cfg, stream, qi, kj)
   return p, keep, p * (_dropped(_dot(cfg, do, v, (1, 1)), keep) - delta)
@@ -298,21 +304,24 @@ def _num_k_blocks(cfg, qi):
 # ---------------------------------------------------------------------------
 # Kernels. Refs are one (batch, head) slice, every array 2-D: q [bq or Lq_p, Dqk_p],
 # k [Lk_p or bk, Dqk_p], v [Lk_p or bk, Dv_p], out/do [bq or Lq_p, Dv_p], offset bias
-# [1, Loff_p], query segment ids and lse/delta columns [bq or Lq_p, 1], key segment ids a
-# row [1, Lk_p or bk], the dropout seed [1, 1] (read only with dropout).
+# [1, Loff_p], query segment ids, the separable term's row vector and lse/delta columns
+# [bq or Lq_p, 1], key segment ids and the column vector rows [1, Lk_p or bk], the dropout
+# seed [1, 1] (read only with dropout).
 
 
-def _fwd_kernel(cfg, q_ref, k_ref, v_ref, ob_ref, qseg_ref, kseg_ref, seed_ref, o_ref, lse_ref):
+def _fwd_kernel(cfg, q_ref, k_ref, v_ref, ob_ref, qseg_ref, kseg_ref, row_ref, col_ref,
+                seed_ref, o_ref, lse_ref):
   qi = pl.program_id(2)
   bq, bk = cfg.blocks.block_q, cfg.blocks.block_k
-  q, qseg = q_ref[...], qseg_ref[...]
+  q, qseg, row = q_ref[...], qseg_ref[...], row_ref[...]
   stream = _stream(cfg, seed_ref)
 
   def body(kj, carry):
     m, l, acc = carry
-    k = k_ref[pl.ds(kj * bk, bk), :]
-    v = v_ref[pl.ds(kj * bk, bk), :]
-    s, valid = _tile(cfg, q, k, ob_ref, qseg, kseg_ref[:, pl.ds(kj * bk, bk)], qi, kj)
+    cols = pl.ds(kj * bk, bk)
+    k = k_ref[cols, :]
+    v = v_ref[cols, :]
+    s, valid = _tile(cfg, q, k, ob_ref, qseg, kseg_ref[:, cols], row, col_ref[:, cols], qi, kj)
     m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
     p = jnp.where(valid, jnp.exp(s - m_new), 0.0)
     alpha = jnp.exp(m - m_new)
@@ -330,63 +339,81 @@ def _fwd_kernel(cfg, q_ref, k_ref, v_ref, ob_ref, qseg_ref, kseg_ref, seed_ref, 
   lse_ref[...] = jnp.where(empty, -NEG, m + jnp.log(l_safe))
 
 
-def _dq_kernel(cfg, q_ref, k_ref, v_ref, ob_ref, qseg_ref, kseg_ref, seed_ref, do_ref, lse_ref,
-               delta_ref, dq_ref, dob_ref=None, ds_ref=None):
-  """``dq`` of one query block and, with a bias (gather and roll tiles), its part of the
-  offset-bias gradient.
+def _dq_kernel(cfg, q_ref, k_ref, v_ref, ob_ref, qseg_ref, kseg_ref, row_ref, col_ref,
+               seed_ref, do_ref, lse_ref, delta_ref, dq_ref, *grads):
+  """``dq`` of one query block and, with a separable term, its row vector's gradient
+  ``dr_i = sum_j dS_ij`` (``grads[0]``, ``[bq, 1]``) and, with a bias (gather and roll tiles),
+  its part of the offset-bias gradient.
 
-  ``dob_ref`` ``[1, Loff_p]`` accumulates the diagonal sums of every logit
-  cotangent tile of this query block (``ds_ref`` ``[bq, bk]``: the gather
+  The next of ``grads``, ``dob_ref`` ``[1, Loff_p]``, accumulates the diagonal sums of every
+  logit cotangent tile of this query block (then ``ds_ref`` ``[bq, bk]``: the gather
   mode's scratch, see :func:`_diagonal_sums`). Band tiles leave the bias gradient to
   :func:`_dbias_kernel`.
   """
+  dr_ref, *grads = grads if cfg.separable else (None, *grads)
+  dob_ref, ds_ref = (*grads, None, None)[:2]
   qi = pl.program_id(2)
   bq, bk = cfg.blocks.block_q, cfg.blocks.block_k
-  q, do, qseg = q_ref[...], do_ref[...], qseg_ref[...]
+  q, do, qseg, row = q_ref[...], do_ref[...], qseg_ref[...], row_ref[...]
   lse, delta = lse_ref[...], delta_ref[...]
   stream = _stream(cfg, seed_ref)
   if dob_ref is not None:
     dob_ref[...] = jnp.zeros(dob_ref.shape, jnp.float32)
 
-  def body(kj, dq):
-    k = k_ref[pl.ds(kj * bk, bk), :]
-    _, _, ds = _cotangent(cfg, q, k, v_ref[pl.ds(kj * bk, bk), :], do, ob_ref, qseg,
-                          kseg_ref[:, pl.ds(kj * bk, bk)], lse, delta, stream, qi, kj)
+  def body(kj, carry):
+    dq, dr = carry
+    cols = pl.ds(kj * bk, bk)
+    k = k_ref[cols, :]
+    _, _, ds = _cotangent(cfg, q, k, v_ref[cols, :], do, ob_ref, qseg, kseg_ref[:, cols], row,
+                          col_ref[:, cols], lse, delta, stream, qi, kj)
     if dob_ref is not None:
       window = (slice(None), pl.ds(cfg.window_start(qi, kj), cfg.window))
       dbias = _cls_reset(cfg, ds, *_positions(cfg, qi, kj))
       dob_ref[window] = dob_ref[window] + _diagonal_sums(cfg, dbias, ds_ref)
-    return dq + _dot(cfg, ds.astype(k.dtype), k, (1, 0))
+    if cfg.separable:
+      dr = dr + jnp.sum(ds, axis=1, keepdims=True)
+    return dq + _dot(cfg, ds.astype(k.dtype), k, (1, 0)), dr
 
-  dq = lax.fori_loop(0, _num_k_blocks(cfg, qi), body, jnp.zeros(q.shape, jnp.float32))
+  init = (jnp.zeros(q.shape, jnp.float32), jnp.zeros((bq, 1), jnp.float32))
+  dq, dr = lax.fori_loop(0, _num_k_blocks(cfg, qi), body, init)
   dq_ref[...] = (dq * cfg.scale).astype(dq_ref.dtype)
+  if dr_ref is not None:
+    dr_ref[...] = dr
 
 
-def _dkv_kernel(cfg, q_ref, k_ref, v_ref, ob_ref, qseg_ref, kseg_ref, seed_ref, do_ref, lse_ref,
-                delta_ref, dk_ref, dv_ref):
+def _dkv_kernel(cfg, q_ref, k_ref, v_ref, ob_ref, qseg_ref, kseg_ref, row_ref, col_ref,
+                seed_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, dc_ref=None):
+  """``dk``, ``dv`` of one key block and, with a separable term, its column vector's
+  gradient ``ds_j = sum_i dS_ij`` (``dc_ref`` ``[1, bk]``)."""
   kj = pl.program_id(2)
   bq, bk = cfg.blocks.block_q, cfg.blocks.block_k
-  k, v, kseg = k_ref[...], v_ref[...], kseg_ref[...]
+  k, v, kseg, col = k_ref[...], v_ref[...], kseg_ref[...], col_ref[...]
   stream = _stream(cfg, seed_ref)
 
   def body(qi, carry):
-    dk, dv = carry
+    dk, dv, dc = carry
     rows = pl.ds(qi * bq, bq)
     q, do = q_ref[rows, :], do_ref[rows, :]
     p, keep, ds = _cotangent(cfg, q, k, v, do, ob_ref, qseg_ref[rows, :], kseg,
-                             lse_ref[rows, :], delta_ref[rows, :], stream, qi, kj)
+                             row_ref[rows, :], col, lse_ref[rows, :], delta_ref[rows, :],
+                             stream, qi, kj)
+    if cfg.separable:
+      dc = dc + jnp.sum(ds, axis=0, keepdims=True)
     return (dk + _dot(cfg, ds.astype(q.dtype), q, (0, 0)),
-            dv + _dot(cfg, _dropped(p, keep).astype(do.dtype), do, (0, 0)))
+            dv + _dot(cfg, _dropped(p, keep).astype(do.dtype), do, (0, 0)), dc)
 
   start = lax.div(kj * bk, bq) if cfg.causal else 0
-  init = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
-  dk, dv = lax.fori_loop(start, cfg.q_len // bq, body, init)
+  init = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32),
+          jnp.zeros((1, bk), jnp.float32))
+  dk, dv, dc = lax.fori_loop(start, cfg.q_len // bq, body, init)
   dk_ref[...] = (dk * cfg.scale).astype(dk_ref.dtype)
   dv_ref[...] = dv.astype(dv_ref.dtype)
+  if dc_ref is not None:
+    dc_ref[...] = dc
 
 
-def _dbias_kernel(cfg, q_ref, k_ref, v_ref, band_ref, qseg_ref, kseg_ref, seed_ref, do_ref,
-                  lse_ref, delta_ref, du_ref):
+def _dbias_kernel(cfg, q_ref, k_ref, v_ref, band_ref, qseg_ref, kseg_ref, row_ref, col_ref,
+                  seed_ref, do_ref, lse_ref, delta_ref, du_ref):
   """Band tiles' bias gradient: unit ``n`` of one (batch, head), the sum of the logit
   cotangent tiles of every (query block ``qi``, key block ``kj = qi + n - (nq - 1)``) pair,
   all of which read the same band columns ``n b + [0, b)`` (square ``b x b`` tiles).
@@ -409,7 +436,8 @@ def _dbias_kernel(cfg, q_ref, k_ref, v_ref, band_ref, qseg_ref, kseg_ref, seed_r
     rows, cols = pl.ds(qi * side, side), pl.ds(kj * side, side)
     _, _, ds = _cotangent(cfg, q_ref[rows, :], k_ref[cols, :], v_ref[cols, :],
                           do_ref[rows, :], band_ref, qseg_ref[rows, :], kseg_ref[:, cols],
-                          lse_ref[rows, :], delta_ref[rows, :], stream, qi, kj)
+                          row_ref[rows, :], col_ref[:, cols], lse_ref[rows, :],
+                          delta_ref[rows, :], stream, qi, kj)
     return du + _cls_reset(cfg, ds, *_positions(cfg, qi, kj))
 
   du_ref[...] = lax.fori_loop(first, last, body, jnp.zeros(du_ref.shape, jnp.float32))
@@ -418,7 +446,8 @@ def _dbias_kernel(cfg, q_ref, k_ref, v_ref, band_ref, qseg_ref, kseg_ref, seed_r
 # ---------------------------------------------------------------------------
 # pallas_call wrappers on padded, head-major arrays: q [B, H, Lq_p, Dqk_p], k [B, H, Lk_p,
 # Dqk_p], v [B, H, Lk_p, Dv_p], out/do [B, H, Lq_p, Dv_p], offset bias [H, 1, Loff_p], query
-# segment ids [B, Lq_p, 1], key segment ids [B, 1, Lk_p], lse/delta [B, H, Lq_p, 1] float32.
+# segment ids [B, Lq_p, 1], key segment ids [B, 1, Lk_p], the separable term's row vector
+# [B, H, Lq_p, 1] and column vector [B, H, 1, Lk_p], lse/delta [B, H, Lq_p, 1] float32.
 
 
 class _Specs(NamedTuple):
@@ -431,15 +460,16 @@ class _Specs(NamedTuple):
   offset_bias: pl.BlockSpec
   q_segments: pl.BlockSpec
   kv_segments: pl.BlockSpec
+  col: pl.BlockSpec  # the separable term's column vector
   seed: pl.BlockSpec
-  row: pl.BlockSpec  # lse and delta
+  row: pl.BlockSpec  # lse, delta and the separable term's row vector
 
   @property
   def inputs(self):
-    """Specs of the backward kernels' inputs (q, k, v, ob, qseg, kseg, seed, do, lse, delta);
-    the forward takes the first seven."""
+    """Specs of the backward kernels' inputs (q, k, v, ob, qseg, kseg, row, col, seed, do,
+    lse, delta); the forward takes the first nine."""
     return [self.q, self.k, self.v, self.offset_bias, self.q_segments, self.kv_segments,
-            self.seed, self.out, self.row, self.row]
+            self.row, self.col, self.seed, self.out, self.row, self.row]
 
 
 def _specs(cfg, *, over: str) -> _Specs:
@@ -468,11 +498,12 @@ def _specs(cfg, *, over: str) -> _Specs:
       offset_bias=pl.BlockSpec((None, bias_rows, cfg.offset_len), lambda b, h, n: (h, 0, 0)),
       q_segments=pl.BlockSpec((None, q_rows, 1), lambda b, h, n: (b, q_block(n), 0)),
       kv_segments=pl.BlockSpec((None, 1, k_rows), lambda b, h, n: (b, 0, k_block(n))),
+      col=pl.BlockSpec((None, None, 1, k_rows), lambda b, h, n: (b, h, 0, k_block(n))),
       seed=pl.BlockSpec((1, 1), lambda b, h, n: (0, 0)), row=q_spec(1))
 
 
-def _forward(cfg, q, k, v, ob, qseg, kseg, seed):
-  if cfg.forward == "hopper":
+def _forward(cfg, q, k, v, ob, qseg, kseg, row, col, seed):
+  if cfg.forward == "hopper":  # the Hopper kernels take no separable term (_hopper_problem)
     return hopper_flash.forward(
         q, k, v, ob, qseg, kseg, seed, block_k=cfg.blocks.block_k, scale=cfg.scale,
         causal=cfg.causal, zero_first=cfg.zero_first, has_bias=cfg.has_bias,
@@ -486,15 +517,17 @@ def _forward(cfg, q, k, v, ob, qseg, kseg, seed):
       out_shape=(jax.ShapeDtypeStruct((b, h, cfg.q_len, cfg.blocks.v_dim), q.dtype),
                  jax.ShapeDtypeStruct((b, h, cfg.q_len, 1), jnp.float32)),
       grid=(b, h, cfg.q_len // cfg.blocks.block_q),
-      in_specs=specs.inputs[:7],
+      in_specs=specs.inputs[:9],
       out_specs=(specs.out, specs.row),
       interpret=cfg.interpret,
       compiler_params=cfg.compiler_params,
       name="relative_flash_fwd",
-  )(q, k, v, ob, qseg, kseg, seed)
+  )(q, k, v, ob, qseg, kseg, row, col, seed)
 
 
-def _backward(cfg, q, k, v, ob, qseg, kseg, seed, out, lse, do):
+def _backward(cfg, q, k, v, ob, qseg, kseg, row, col, seed, out, lse, do):
+  """``(dq, dk, dv, d offset bias, d row, d col)``; the last two None without a separable
+  term."""
   b, h = q.shape[:2]
   bq, bk = cfg.blocks.block_q, cfg.blocks.block_k
   nq, nk = cfg.q_len // bq, cfg.k_len // bk
@@ -504,11 +537,15 @@ def _backward(cfg, q, k, v, ob, qseg, kseg, seed, out, lse, do):
         q, k, v, ob, qseg, kseg, seed, lse, delta, do, scale=cfg.scale, causal=cfg.causal,
         zero_first=cfg.zero_first, has_bias=cfg.has_bias, dropout_rate=cfg.dropout_rate,
         interpret=cfg.interpret)
-    return dq, dk, dv, dob.astype(ob.dtype)
-  args = (q, k, v, _band(cfg, ob) if cfg.reads_band else ob, qseg, kseg, seed, do, lse, delta)
+    return dq, dk, dv, dob.astype(ob.dtype), None, None
+  args = (q, k, v, _band(cfg, ob) if cfg.reads_band else ob, qseg, kseg, row, col, seed, do,
+          lse, delta)
 
   specs = _specs(cfg, over="queries")
   out_shapes, out_specs = [jax.ShapeDtypeStruct(q.shape, q.dtype)], [specs.q]
+  if cfg.separable:
+    out_shapes.append(jax.ShapeDtypeStruct(row.shape, jnp.float32))
+    out_specs.append(specs.row)
   if cfg.has_bias and not cfg.reads_band:  # per query block: the offset-bias gradient (and
     # the gather's scratch)
     loff = cfg.offset_len
@@ -528,21 +565,29 @@ def _backward(cfg, q, k, v, ob, qseg, kseg, seed, out, lse, do):
       name="relative_flash_dq",
   )(*args)
 
+  drow = rest.pop(0) if cfg.separable else None
   specs = _specs(cfg, over="keys")
-  dk, dv = pl.pallas_call(
+  out_shapes = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
+  out_specs = [specs.k, specs.v]
+  if cfg.separable:
+    out_shapes.append(jax.ShapeDtypeStruct(col.shape, jnp.float32))
+    out_specs.append(specs.col)
+  dk, dv, *dcol = pl.pallas_call(
       functools.partial(_dkv_kernel, cfg),
-      out_shape=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
+      out_shape=tuple(out_shapes),
       grid=(b, h, nk),
       in_specs=specs.inputs,
-      out_specs=(specs.k, specs.v),
+      out_specs=tuple(out_specs),
       interpret=cfg.interpret,
       compiler_params=cfg.compiler_params,
       name="relative_flash_dkv",
   )(*args)
+  grads = dq, dk, dv
+  vectors = (drow, dcol[0] if dcol else None)
   if not cfg.has_bias:
-    return dq, dk, dv, jnp.zeros_like(ob)
+    return *grads, jnp.zeros_like(ob), *vectors
   if not cfg.reads_band:
-    return dq, dk, dv, jnp.sum(rest[0], axis=(0, 2)).astype(ob.dtype)
+    return *grads, jnp.sum(rest[0], axis=(0, 2)).astype(ob.dtype), *vectors
   units = (cfg.q_len + cfg.k_len) // bq - 1  # square tiles: one per diagonal of tiles
   specs = _specs(cfg, over="units")
   du = pl.pallas_call(
@@ -555,7 +600,7 @@ def _backward(cfg, q, k, v, ob, qseg, kseg, seed, out, lse, do):
       compiler_params=cfg.compiler_params,
       name="relative_flash_dbias",
   )(*args)
-  return dq, dk, dv, unit_gradient(du, cfg.offset_len)[:, None, :].astype(ob.dtype)
+  return *grads, unit_gradient(du, cfg.offset_len)[:, None, :].astype(ob.dtype), *vectors
 
 
 def _band(cfg, ob):
@@ -566,18 +611,20 @@ def _band(cfg, ob):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(cfg, q, k, v, ob, qseg, kseg, seed):
-  return _forward(cfg, q, k, v, ob, qseg, kseg, seed)[0]
+def _flash(cfg, q, k, v, ob, qseg, kseg, row, col, seed):
+  return _forward(cfg, q, k, v, ob, qseg, kseg, row, col, seed)[0]
 
 
-def _flash_fwd(cfg, q, k, v, ob, qseg, kseg, seed):
-  out, lse = _forward(cfg, q, k, v, ob, qseg, kseg, seed)
-  return out, (q, k, v, ob, qseg, kseg, seed, out, lse)
+def _flash_fwd(cfg, q, k, v, ob, qseg, kseg, row, col, seed):
+  out, lse = _forward(cfg, q, k, v, ob, qseg, kseg, row, col, seed)
+  return out, (q, k, v, ob, qseg, kseg, row, col, seed, out, lse)
 
 
 def _flash_bwd(cfg, res, do):
-  q, k, v, ob, qseg, kseg, seed, out, lse = res
-  return _backward(cfg, q, k, v, ob, qseg, kseg, seed, out, lse, do) + (None, None, None)
+  q, k, v, ob, qseg, kseg, row, col, seed, out, lse = res
+  dq, dk, dv, dob, drow, dcol = _backward(cfg, q, k, v, ob, qseg, kseg, row, col, seed, out,
+                                          lse, do)
+  return dq, dk, dv, dob, None, None, drow, dcol, None  # None: no cotangent
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -599,9 +646,12 @@ def hopper_takes(dtype, blocks: KernelBlocks, *, has_bias: bool, backward: bool)
 
 
 def _hopper_problem(dtype, blocks: KernelBlocks, *, has_bias: bool, forward: str,
-                    backward: str, warpgroups: int | None) -> str | None:
-  """The one-line error for Hopper passes (and ``warpgroups``) these blocks cannot take, or
-  None."""
+                    backward: str, warpgroups: int | None, separable: bool = False) -> str | None:
+  """The one-line error for Hopper passes (and ``warpgroups``) these blocks or a separable
+  term cannot take, or None."""
+  if separable and "hopper" in (forward, backward):
+    return (f"{'forward' if forward == 'hopper' else 'backward'}: 'hopper' takes no row_bias "
+            "or col_bias; use 'tiles'")
   got = (f"got {jnp.dtype(dtype).name}, head dims {blocks.qk_dim}/{blocks.v_dim}, blocks "
          f"{blocks.block_q}x{blocks.block_k}")
   if forward == "hopper" and not hopper_takes(dtype, blocks, has_bias=has_bias, backward=False):
@@ -639,6 +689,8 @@ def relative_flash_attention(
     v: Array,
     offset_bias: Array | None = None,
     *,
+    row_bias: Array | None = None,
+    col_bias: Array | None = None,
     mask: Array | None = None,
     q_segment_ids: Array | None = None,
     kv_segment_ids: Array | None = None,
@@ -666,6 +718,10 @@ def relative_flash_attention(
     offset_bias: ``[H|1, Lq + Lk - 1]`` bias of each offset ``rel = j - i``
       (:func:`posenc_jax.terms.offsets`), or None for plain flash attention (no positional
       term).
+    row_bias, col_bias: ``[B|1, H|1, Lq]`` and ``[B|1, H|1, Lk]``, a separable term: logit
+      ``(i, j)`` gets ``row_bias[b, h, i] + col_bias[b, h, j]``, added to each tile in
+      float32 whatever q's dtype (the forgetting gates' ``c_i - c_j``, whose parts grow
+      without bound); None: zero. Not with the Hopper passes.
     mask: ``[B, Lk]`` key mask, True = attend.
     q_segment_ids: ``[B, Lq]`` int segment of each query (packed sequences);
       needs ``kv_segment_ids``.
@@ -708,7 +764,8 @@ def relative_flash_attention(
     interpret: Pallas interpret mode; None picks it on the CPU backend.
 
   Returns:
-    ``[B, Lq, H, Dv]``, differentiable in q, k, v and ``offset_bias``.
+    ``[B, Lq, H, Dv]``, differentiable in q, k, v, ``offset_bias``, ``row_bias`` and
+    ``col_bias``.
   """
   b, lq, h, d = q.shape
   lk, dv = k.shape[1], v.shape[-1]
@@ -742,8 +799,14 @@ def relative_flash_attention(
           else jnp.reshape(dropout_seed, (1, 1)).astype(jnp.int32))
 
   has_bias = offset_bias is not None
+  separable = row_bias is not None or col_bias is not None
+  for name, vector, length in (("row_bias", row_bias, lq), ("col_bias", col_bias, lk)):
+    if vector is not None and (vector.ndim != 3 or vector.shape[0] not in (1, b)
+                               or vector.shape[1] not in (1, h) or vector.shape[2] != length):
+      raise ValueError(f"{name}: got shape {vector.shape}; expected [{b} or 1, {h} or 1, "
+                       f"{length}]")
   problem = _hopper_problem(q.dtype, blocks, has_bias=has_bias, forward=forward,
-                            backward=backward, warpgroups=warpgroups)
+                            backward=backward, warpgroups=warpgroups, separable=separable)
   if problem:
     raise ValueError(problem)
   lq_p, lk_p = round_up(lq, blocks.block_q), round_up(lk, blocks.block_k)
@@ -751,7 +814,7 @@ def relative_flash_attention(
                 causal=causal, scale=float(scale), precision=precision,
                 dropout_rate=float(dropout_rate), blocks=blocks,
                 q_len=lq_p, k_len=lk_p, interpret=bool(interpret), forward=forward,
-                warpgroups=warpgroups, backward=backward)
+                warpgroups=warpgroups, backward=backward, separable=separable)
   loff = cfg.offset_len
 
   def heads_major(x, length, width):
@@ -778,6 +841,15 @@ def relative_flash_attention(
     ob = jnp.pad(jnp.broadcast_to(offset_bias, (h, lq + lk - 1)),
                  ((0, 0), (lq_p - lq, loff - (lq_p - lq) - (lq + lk - 1))))
   ob = jnp.broadcast_to(ob, (h, loff))[:, None, :]  # [H, 1, Loff_p]
+
+  def vector(x, length, padded):  # [B|1, H|1, L] -> [B, H, L_p] float32; padding is masked
+    if x is None:
+      return jnp.zeros((b, h, padded), jnp.float32)
+    x = jnp.broadcast_to(x.astype(jnp.float32), (b, h, length))
+    return jnp.pad(x, ((0, 0), (0, 0), (0, padded - length)))
+
+  row = vector(row_bias, lq, lq_p)[..., None]  # [B, H, Lq_p, 1]
+  col = vector(col_bias, lk, lk_p)[:, :, None, :]  # [B, H, 1, Lk_p]
   out = _flash(cfg, heads_major(q, lq_p, blocks.qk_dim), heads_major(k, lk_p, blocks.qk_dim),
-               heads_major(v, lk_p, blocks.v_dim), ob, qseg, kseg, seed)
+               heads_major(v, lk_p, blocks.v_dim), ob, qseg, kseg, row, col, seed)
   return jnp.swapaxes(out[:, :, :lq, :dv], 1, 2)

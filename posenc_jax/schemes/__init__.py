@@ -6,6 +6,7 @@ from posenc_jax.schemes.base import SHARING, Composite, NoPosition, Scheme, Sche
 from posenc_jax.schemes.cope import Cope
 from posenc_jax.schemes.diet import DietAbs, DietRel
 from posenc_jax.schemes.fire import Fire
+from posenc_jax.schemes.forgetting import Fox
 from posenc_jax.schemes.kerple import Kerple
 from posenc_jax.schemes.registry import SCHEMES, build_scheme, validate_scheme_config
 from posenc_jax.schemes.rope import Rope
@@ -17,7 +18,7 @@ from posenc_jax.schemes.xpos import Xpos
 
 __all__ = [
     "SCHEMES", "SHARING", "Alibi", "BertAd", "Composite", "Cope", "DietAbs", "DietRel", "Fire",
-    "Kerple", "LearnedAPE", "NoPosition", "Rope", "Scheme", "SchemeConfigError", "SegmentInput",
-    "SegmentPerHead", "ShawRPE", "SinusoidalAPE", "SinusoidalRPE", "T5Bias", "Tupe", "alibi_slopes",
+    "Fox", "Kerple", "LearnedAPE", "NoPosition", "Rope", "Scheme", "SchemeConfigError",
+    "SegmentInput", "SegmentPerHead", "ShawRPE", "SinusoidalAPE", "SinusoidalRPE", "T5Bias", "Tupe", "alibi_slopes",
     "Xpos", "build_scheme", "relative_position_bucket", "validate_scheme_config",
 ]

@@ -25,6 +25,7 @@ from posenc_jax.schemes.base import Composite, NoPosition, Scheme, SchemeConfigE
 from posenc_jax.schemes.cope import Cope
 from posenc_jax.schemes.diet import DietAbs, DietRel
 from posenc_jax.schemes.fire import Fire
+from posenc_jax.schemes.forgetting import Fox
 from posenc_jax.schemes.kerple import Kerple
 from posenc_jax.schemes.linformer import DietAbsLin
 from posenc_jax.schemes.rope import Rope
@@ -91,6 +92,7 @@ SCHEMES: dict[str, SchemeSpec] = {
     "kerple_log": SchemeSpec(Kerple, {"form": "log"}),
     "kerple_power": SchemeSpec(Kerple, {"form": "power"}),
     "cope": SchemeSpec(Cope),
+    "fox": SchemeSpec(Fox),
 }
 
 
