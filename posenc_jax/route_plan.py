@@ -24,19 +24,20 @@ What the plan decides, in order:
 2. **How each term enters** (:data:`ENTRIES`): a q/k transform has run already; a factored
    term folds into q/k; a Toeplitz term's offset vector goes to the Pallas kernel, which
    builds its tiles; a separable term's row and column vectors (the forgetting gates) go to
-   the kernel too, which adds them to its tiles in float32; dense terms are a bias. A batch-free Toeplitz or factored term is
-   materialised once per call as a bias instead where the route table measured that faster
-   (not with dropout or packed segments, which need the kernel).
+   the kernel too, which adds them to its tiles in float32; dense terms are a bias. A
+   batch-free Toeplitz or factored term is materialised once per call as a bias instead where
+   the route table measured that faster (not with dropout or packed segments, which need the
+   kernel).
 3. **What runs** (:data:`RUNNERS`): the Pallas kernel (Triton gather tiles on GPU and CPU,
    Mosaic roll tiles on TPU; the Hopper forward and backward where the table measured them
    fastest and they fit; never with a separable term) for Toeplitz and separable terms
-   without dense ones, and for bias-free attention
-   where cuDNN cannot run, with packed segments, or with dropout (the kernel draws the
-   reference route's mask); splash attention on TPU for bias-free self-attention over a
-   multiple of 128 positions; :func:`jax.nn.dot_product_attention` (cuDNN where
-   :func:`cudnn_unsupported` allows, else XLA) for dense terms, with any Toeplitz vector
-   materialised and any separable term broadcast to ``r_i + s_j`` (no cuDNN or splash call
-   takes two vectors); the reference route for dropout the kernel cannot take.
+   without dense ones, and for bias-free attention where cuDNN cannot run, with packed
+   segments, or with dropout (the kernel draws the reference route's mask); splash attention
+   on TPU for bias-free self-attention over a multiple of 128 positions;
+   :func:`jax.nn.dot_product_attention` (cuDNN where :func:`cudnn_unsupported` allows, else
+   XLA) for dense terms, with any Toeplitz vector materialised and any separable term
+   broadcast to ``r_i + s_j`` (no cuDNN or splash call takes two vectors); the reference
+   route for dropout the kernel cannot take.
 4. **How a mask reaches dot_product_attention** (:data:`MASKS`): with cuDNN, a key mask that
    keeps a prefix of every row goes as ``key_value_seq_lengths`` (no ``[Lq, Lk]`` array);
    whether it does is known only at run time, so the plan names the fallback (the kernel, or

@@ -19,6 +19,7 @@ from posenc_jax.schemes.xpos import Xpos
 __all__ = [
     "SCHEMES", "SHARING", "Alibi", "BertAd", "Composite", "Cope", "DietAbs", "DietRel", "Fire",
     "Fox", "Kerple", "LearnedAPE", "NoPosition", "Rope", "Scheme", "SchemeConfigError",
-    "SegmentInput", "SegmentPerHead", "ShawRPE", "SinusoidalAPE", "SinusoidalRPE", "T5Bias", "Tupe", "alibi_slopes",
+    "SegmentInput", "SegmentPerHead", "ShawRPE", "SinusoidalAPE", "SinusoidalRPE", "T5Bias",
+    "Tupe", "alibi_slopes",
     "Xpos", "build_scheme", "relative_position_bucket", "validate_scheme_config",
 ]
