@@ -9,8 +9,12 @@ command-line flags.
       --init_checkpoint=/data/runs/diet_abs --workdir=/data/ft/rte --sweep
 
 ``--init_checkpoint`` is a train.py workdir or a Hugging Face BERT folder.
-``--sweep`` runs ``config.sweep.seeds`` x ``config.sweep.learning_rates`` and
-writes the median-of-best table (sweep.json, sweep.md) as DIET reports it.
+``--sweep`` runs ``config.sweep.seeds`` x ``config.sweep.learning_rates`` (each
+``--config.sweep.seeds=0,1,2`` or ``='(0, 1, 2)'``) and writes the median-of-best table
+(sweep.json, sweep.md) as DIET reports it. A ``--config.`` field the run would not read
+is refused (:func:`posenc_jax.training.config.check_overrides`): ``sweep.*`` without
+``--sweep``, and a ``model.`` architecture field when ``--init_checkpoint`` supplies the
+model (no presets in the config argument).
 """
 
 import sys
@@ -36,10 +40,13 @@ def main(argv):
   cli.quiet_library_tracebacks()
   cli.quiet_library_notices()
   cli.start_tensorflow_quietly()
+  from posenc_jax.training.config import check_overrides  # noqa: PLC0415
   from posenc_jax.training.errors import USER_ERRORS  # noqa: PLC0415
   from posenc_jax.training.finetune import finetune, sweep, sweep_table  # noqa: PLC0415
 
   try:
+    check_overrides(_CONFIG.value, flags.FLAGS["config"].override_values,
+                    init_checkpoint=_INIT.value, sweep=_SWEEP.value)
     if _SWEEP.value:
       print(sweep_table(sweep(_CONFIG.value, _WORKDIR.value, _INIT.value)))
     else:

@@ -7,6 +7,11 @@ defines its command-line flags.
   python train.py --config=configs/pretrain.py:bert_base,diet_rel,tupe_protocol \\
       --config.batch_size=512 --workdir=/data/runs/diet_rel
   python train.py --config=configs/lm.py:bert_tiny,alibi --workdir=/tmp/posenc_lm
+  python train.py --config=configs/lm.py:bert_tiny,rope --config.model.scheme.scaling=yarn \\
+      --config.model.scheme.factor=4 --workdir=/tmp/posenc_lm_yarn
+
+A ``--config.`` field the run would not read (``mask_rate`` on a language model, say) is
+refused in one line (:func:`posenc_jax.training.config.check_overrides`).
 
 Multi-host: on TPU pods ``jax.distributed`` initialises itself; on GPU
 clusters pass ``--coordinator_address``, ``--num_processes`` and
@@ -53,10 +58,12 @@ def main(argv):
   cli.quiet_library_notices()
   cli.start_tensorflow_quietly()
   initialise_distributed()
+  from posenc_jax.training.config import check_overrides  # noqa: PLC0415
   from posenc_jax.training.errors import USER_ERRORS  # noqa: PLC0415
   from posenc_jax.training.loop import train  # noqa: PLC0415
 
   try:
+    check_overrides(_CONFIG.value, flags.FLAGS["config"].override_values)
     train(_CONFIG.value, _WORKDIR.value)
   except USER_ERRORS as e:
     cli.exit_with("train.py", e)

@@ -74,7 +74,9 @@ def get_config(arg="extrapolation"):
     config.train.update(short)
     config.tasks = "wordnet_supersense,wordnet_hypernym"
     config.finetune_config = "configs/finetune_wordnet.py:{task}"
-    config.finetune.update(short)
+    # The fine-tuning configs warm up over optimizer.warmup_fraction (10%: 10 of 100 steps);
+    # finetune.py refuses a warmup_steps that the fraction would override.
+    config.finetune.update({k: v for k, v in short.items() if k != "optimizer"})
     return config
   if arg == "extrapolation":
     config = _base(arg, "extrapolation",

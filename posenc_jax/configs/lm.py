@@ -9,15 +9,22 @@ size's ``num_layers`` are the model's layers, and the encoder-decoder sizes, whi
 unidirectional, ALiBi causal, the others as they are). The default is the bundled demo: a
 ``bert_tiny``-sized ALiBi model on the WordNet glosses (task ``wordnet_glosses_lm``, the
 MLM demo's text and SentencePiece vocabulary), with the MLM demo's schedule; minutes on a
-laptop CPU. ``posenc_jax.models.generate`` continues prompts with a trained model.
+laptop CPU. A preset that sets a segment scheme (``segment_per_head``) is refused: the
+language model has none. ``posenc_jax.models.generate`` continues prompts with a trained model.
 """
 
 from posenc_jax.configs.pretrain import DEMO
-from posenc_jax.presets import preset_config
+from posenc_jax.models.config import ModelConfigError
+from posenc_jax.presets import SCHEME_PRESETS, preset_config
 from posenc_jax.training.config import base_train_config
 
 
 def get_config(arg="bert_tiny,alibi"):
+  for name in arg.split(",")[1:]:
+    if SCHEME_PRESETS.get(name.strip(), {}).get("segment"):
+      raise ModelConfigError(f"config preset: {name.strip()!r} sets model.segment, but the "
+                             "language model reads one text stream (no token types, no "
+                             "segment scheme); drop it")
   config = base_train_config()
   config.update(preset_config(arg))
   config.objective = "lm"
