@@ -224,6 +224,8 @@ def test_architecture_fields_that_init_checkpoint_supplies_are_refused():
     ("configs/translate.py", ["--config.seq_len=64"], "seq_len"),
     (PRETRAIN, ["--config.randomized_positions_eval=plain"], "randomized_positions_eval"),
     (WORDNET, ["--config.optimizer.warmup_steps=100"], "optimizer.warmup_steps"),
+    ("configs/lm.py", ["--config.model.pooler=True"], "model.pooler"),
+    (PRETRAIN, ["--config.model.share_embeddings=False"], "model.share_embeddings"),
 ])
 def test_fields_the_run_does_not_read_are_refused(spec, overrides, field):
   line = _override_error(spec, *overrides)
@@ -237,10 +239,10 @@ def test_fields_the_run_does_not_read_are_refused(spec, overrides, field):
                 "--config.label_smoothing=0.1", "--config.seq_len=64"]),
     ("configs/lm.py", ["--config.cache_data=false", "--config.randomized_positions=128",
                        "--config.randomized_positions_eval=plain"]),
-    ("configs/translate.py", ["--config.seq_len=64", "--config.input_len=0",
-                              "--config.eval_steps=3"]),
+    ("configs/translate.py", ["--config.input_len=64", "--config.label_smoothing=0",
+                              "--config.eval_steps=3", "--config.model.share_embeddings=False"]),
     (WORDNET, ["--config.optimizer.warmup_fraction=0", "--config.optimizer.warmup_steps=100",
-               "--config.label_smoothing=0.1"]),
+               "--config.label_smoothing=0.1", "--config.model.pooler=True"]),
 ])
 def test_fields_the_run_reads_are_accepted(spec, overrides):
   assert _override_error(spec, *overrides) is None

@@ -232,7 +232,7 @@ def _reads_pretraining_stream(config: ml_collections.ConfigDict) -> bool:
 
 
 # Train config fields a run reads only in some settings, each with the test that it is read
-# and the reason it is not ({objective}: the config's). Set on the command line where it is
+# and the reason it is not ({objective}, {head}: the config's). Set on the command line where it is
 # not read, a field would be dropped without a word: check_overrides refuses it. (The fields
 # that validate_train_config refuses by value for another objective, max_predictions_per_seq,
 # packed_segments and randomized_positions, are not repeated here.)
@@ -248,11 +248,15 @@ READ_WHEN = {
                    "objective {objective!r} evaluates on the whole split"),
     "label_smoothing": (lambda c: c.objective != "regression",
                         "objective 'regression' has no classes to smooth"),
-    "seq_len": (lambda c: c.objective != "translation" or not (c.get("input_len")
-                                                                and c.get("target_len")),
-                "translation reads input_len and target_len"),
+    "seq_len": (lambda c: c.objective != "translation",
+                "translation's batches are input_len and target_len long"),
     "randomized_positions_eval": (lambda c: c.get("randomized_positions") is not None,
                                   "randomized_positions is None (off)"),
+    "model.pooler": (lambda c: c.head not in ("lm", "translation"),
+                     "head {head!r} has no pooler"),
+    "model.share_embeddings": (lambda c: c.head in ("lm", "translation"),
+                               "the BERT heads always tie the MLM output to the token "
+                               "embedding; head {head!r} reads no such choice"),
     "optimizer.warmup_steps": (lambda c: not c.optimizer.warmup_fraction,
                                ("optimizer.warmup_fraction sets the warm-up (set it to 0 to "
                                 "count warm-up steps)")),
@@ -282,7 +286,7 @@ def check_overrides(config: ml_collections.ConfigDict, overrides, *,
     for field, (read, why) in READ_WHEN.items():
       if (path == field or path.startswith(f"{field}.")) and not read(config):
         raise TrainConfigError(f"{field}: set on the command line, but this run does not read "
-                               f"it: {why.format(objective=config.objective)}; drop "
+                               f"it: {why.format(objective=config.objective, head=config.head)}; drop "
                                f"--config.{field}")
     if path.partition(".")[0] == "sweep" and not sweep:
       raise TrainConfigError(f"{path}: set on the command line, but only finetune.py --sweep "
