@@ -255,8 +255,8 @@ READ_WHEN = {
     "model.pooler": (lambda c: c.head not in ("lm", "translation"),
                      "head {head!r} has no pooler"),
     "model.share_embeddings": (lambda c: c.head in ("lm", "translation"),
-                               "the BERT heads always tie the MLM output to the token "
-                               "embedding; head {head!r} reads no such choice"),
+                               ("the BERT heads always tie the MLM output to the token "
+                                "embedding; head {head!r} reads no such choice")),
     "optimizer.warmup_steps": (lambda c: not c.optimizer.warmup_fraction,
                                ("optimizer.warmup_fraction sets the warm-up (set it to 0 to "
                                 "count warm-up steps)")),
