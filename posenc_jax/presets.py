@@ -67,6 +67,7 @@ SCHEME_PRESETS: dict[str, dict] = {
     # Dynamic NTK: the original length is the model's max_len, so it turns on past it.
     "rope_dynamic": dict(scheme={"name": "rope", "scaling": "dynamic", "factor": 2.0}),
     "cope": dict(scheme={"name": "cope"}),
+    "fox": dict(scheme={"name": "fox"}),
     # Modifiers.
     # NoPE layers: the position scheme's terms off every 4th layer (Llama 4, SmolLM3; MaxText's
     # nope_layer_interval), or every 2nd (models of 2 or 3 layers).

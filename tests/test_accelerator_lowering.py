@@ -36,7 +36,7 @@ ENCODER_PRESETS = ("bert", "shaw", "t5", "tupe_a", "tupe_r", "bert_ad", "diet_re
                    "rope", "linformer", "diet_abs_lin", "kerple_log", "kerple_power", "fire",
                    "xpos", "rope_dynamic", "rope,nope_every_2")
 # Causal-only schemes (encoders refuse them): the language model's training step.
-LM_PRESETS = ("cope",)
+LM_PRESETS = ("cope", "fox")
 TRANSLATION_PRESETS = ("transformer_base", "transformer_base,t5", "transformer_base,diet_rel",
                        "transformer_base,alibi")
 # Lowered-text markers of the kernels each route calls.
@@ -150,6 +150,16 @@ def test_every_layer_takes_the_kernel_in_either_layout(on_platform, scan_layers,
   text = lowered_train_step(_train_config("bert_tiny,diet_rel", attention_dropout_rate=0.0,
                                           scan_layers=scan_layers), "cuda")
   assert text.count(TRITON) == layers * 3  # forward, dq, dk/dv
+
+
+@pytest.mark.parametrize("platform, kernel", [("gpu", TRITON), ("tpu", MOSAIC)])
+def test_forgetting_gates_take_the_pallas_kernel(on_platform, platform, kernel):
+  """The language model's bf16 step with forgetting gates: the row and column vectors go to
+  the Pallas kernel (forward, dq with the rows' gradient, dk/dv with the columns')."""
+  on_platform(platform)
+  text = lowered_train_step(_train_config("bert_tiny,fox", "lm", attention_dropout_rate=0.0),
+                            "cuda" if platform == "gpu" else "tpu")
+  assert text.count(kernel) >= 3
 
 
 def test_tpu_training_step_takes_the_pallas_kernels(on_platform):
