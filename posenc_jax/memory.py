@@ -192,6 +192,56 @@ def step_memory(cfg: Any, *, batch: int, length: int, params: Any, opt_state: An
   })
 
 
+def decode_memory(cfg: Any, *, batch: int, length: int, params: Any) -> Estimate:
+  """The memory of cached decoding (:func:`posenc_jax.models.generate`) over ``length``
+  positions of ``batch`` rows: the parameters, the KV cache (each layer's keys and values
+  ``[B, L, H, D]`` in the compute dtype), the tokens ``[B, L]`` and one step's attention
+  arrays ``[B, H, 1, L]`` and logits ``[B, V]`` (float32); ``cfg`` as in
+  :func:`step_memory`."""
+  layers = cfg.num_layers + cfg.num_decoder_layers
+  heads = cfg.num_heads
+  return Estimate({
+      "parameters": tree_bytes(params),
+      "cache": 2 * layers * batch * length * heads * cfg.dim_per_head
+               * cfg.compute_dtype.itemsize,
+      "tokens": 2 * batch * length * 4,
+      "step": batch * (WORKING_ATTENTION * heads * length + 3 * cfg.vocab_size) * 4,
+  })
+
+
+def check_decoding(caller: str, cfg: Any, params: Any, batch: int, prompt: int,
+                   max_new_tokens: int) -> None:
+  """Raises one ValueError line ``<caller>: max_new_tokens: ...`` (``prompt`` when not even
+  one new token fits) when decoding ``max_new_tokens`` after ``prompt`` positions of
+  ``batch`` rows (:func:`decode_memory`) needs more memory than is free."""
+  free = available()
+
+  def needs(new: int) -> Estimate:
+    return decode_memory(cfg, batch=batch, length=prompt + new, params=params)
+
+  estimate = needs(max_new_tokens)
+  if estimate.total <= free[0]:
+    return
+  if needs(1).total > free[0]:
+    line = refusal(estimate, "prompt", f"[{batch}, {prompt}] ids", free=free,
+                   hint=" (fewer rows or positions)")
+  else:
+    most = largest(lambda n: needs(n).total <= free[0], max_new_tokens)
+    line = refusal(estimate, "max_new_tokens", max_new_tokens, free=free,
+                   hint=f" (at most about {most} fit)")
+  raise ValueError(f"{caller}: {line}")
+
+
+def largest(fits: Any, high: int) -> int:
+  """The largest ``n`` in ``[1, high]`` with ``fits(n)`` (true up to a point, false after
+  it), or 0 when ``fits(1)`` is false."""
+  low = 0
+  while low < high:
+    middle = (low + high + 1) // 2
+    low, high = (middle, high) if fits(middle) else (low, middle - 1)
+  return low
+
+
 def host_available() -> int:
   """Bytes of host memory available now (``MemAvailable`` of ``/proc/meminfo``, else the
   free physical pages)."""

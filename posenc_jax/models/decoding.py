@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from posenc_jax import memory
 from posenc_jax.ids import check_id_values
 from posenc_jax.models.decoder_lm import CausalLM
 from posenc_jax.models.inputs import check_token_ids
@@ -503,6 +504,7 @@ def generate(model: nn.Module, params: Any, prompt: Array, *, max_new_tokens: in
   if rng is None and (temperature != 1.0 or top_k != 0):
     raise ValueError(f"generate: temperature, top_k: got {temperature!r}, {top_k!r} without "
                      "rng; they shape sampling only: pass rng=jax.random.key(seed) to sample")
+  memory.check_decoding("generate", model.config, params, batch, length, max_new_tokens)
   inputs = jnp.concatenate([jnp.full((batch, 1), bos_id, jnp.int32),
                             jnp.asarray(prompt, jnp.int32)], axis=1)
   step = _step(model, params, ())

@@ -93,16 +93,6 @@ def train_memory(config: ml_collections.ConfigDict, cfg: ModelConfig,
   return TrainMemory(config, cfg, data_devices).step(rows, train_length(config))
 
 
-def largest(fits, high: int) -> int:
-  """The largest ``n`` in ``[1, high]`` with ``fits(n)`` (``fits`` true up to a point, false
-  after it), or 0 when ``fits(1)`` is false."""
-  low = 0
-  while low < high:
-    middle = (low + high + 1) // 2
-    low, high = (middle, high) if fits(middle) else (low, middle - 1)
-  return low
-
-
 def check_train_memory(config: ml_collections.ConfigDict, cfg: ModelConfig,
                        mesh: Any = None) -> None:
   """Raises one :class:`TrainConfigError` line when the step of ``config`` (on ``mesh``'s
@@ -122,11 +112,11 @@ def check_train_memory(config: ml_collections.ConfigDict, cfg: ModelConfig,
   if fits(rows, length):
     return
   if fits(1, length):
-    most = largest(lambda n: fits(n, length), rows) * data
+    most = memory.largest(lambda n: fits(n, length), rows) * data
     field, value, hint = "batch_size", config.batch_size, f" (at most about {most} fit)"
   elif fits(1, min(length, 8)):
     at = rows if fits(rows, min(length, 8)) else 1
-    most = largest(lambda n: fits(at, n), length)
+    most = memory.largest(lambda n: fits(at, n), length)
     field, value, hint = "seq_len", config.seq_len, (f" (at most about {most} fit with "
                                                      f"{at * data} rows)")
   else:
