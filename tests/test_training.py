@@ -104,18 +104,21 @@ def _steps(checkpoints: pathlib.Path) -> list[str]:
 
 @pytest.mark.parametrize("moment", ["compiling", "writing_checkpoint", "between_checkpoints"])
 def test_resume_after_sigkill_is_bit_identical(tmp_path, reference, moment):
-  """SIGKILL during the first compile, while checkpoint 4 is half-written, or after it: the
-  rerun resumes from the newest complete checkpoint and ends bit-identical, every step's
-  loss once in metrics.jsonl."""
+  """SIGKILL during the first compile (the driver holds the train step's trace until it is
+  killed), while checkpoint 4 is half-written, or after it: the rerun resumes from the newest
+  complete checkpoint and ends bit-identical, every step's loss once in metrics.jsonl."""
   workdir = tmp_path / "killed"
   checkpoints = workdir / "checkpoints"
+  compiling = tmp_path / "compiling"
   args = ["--steps=8", "--step_sleep=0.2"]
   if moment == "writing_checkpoint":
     args.append("--save_delay=3")
+  if moment == "compiling":
+    args.append(f"--hold_in_first_compile={compiling}")
   proc = run_driver(tmp_path, "killed", *args, popen=True)
   if moment == "compiling":
-    _wait_for(proc, (workdir / "config.json").exists, "config.json")
-    time.sleep(0.3)
+    _wait_for(proc, compiling.exists, "the first compile")
+    assert (workdir / "config.json").exists()
   elif moment == "writing_checkpoint":
     _wait_for(proc, lambda: "4.orbax-checkpoint-tmp" in _steps(checkpoints), "a half-written 4")
   else:

@@ -2,7 +2,7 @@
 
   python tests/drivers/train_driver.py --out=/tmp/x.npz --workdir=/tmp/w --mesh=4,2 [--steps=6]
       [--devices=8] [--coordinator=localhost:1234 --num_processes=2 --process_id=0]
-      [--step_sleep=0.0] [--nan_at=-1]
+      [--step_sleep=0.0] [--nan_at=-1] [--save_delay=0.0] [--hold_in_first_compile=FILE]
 
 Data is synthetic and deterministic in (seed, step): the global batch of a
 step is the same whatever the mesh or the number of hosts; each host takes
@@ -34,6 +34,9 @@ def parse():
   p.add_argument("--rank", type=int, default=8, help="DIET-ABS rank (another model: another rank)")
   p.add_argument("--save_delay", type=float, default=0.0,
                  help="seconds each checkpoint stays half-written (a window to kill it in)")
+  p.add_argument("--hold_in_first_compile", default=None,
+                 help="a file to create when JAX traces the train step (the first step's "
+                      "compile), which then waits there to be killed")
   return p.parse_args()
 
 
@@ -132,10 +135,30 @@ def slow_saves(seconds):
   ocp.JsonCheckpointHandler.async_save = delayed
 
 
+def hold_in_first_compile(marker):
+  """The loop's train step, when JAX traces it for the first step's compile, creates
+  ``marker`` and waits to be killed (for 300 s at most; then the process exits with 4)."""
+  from posenc_jax.training import loop  # noqa: PLC0415
+  make = loop.make_train_step
+
+  def held(*args, **kwargs):
+    make(*args, **kwargs)
+
+    def step(*step_args):
+      with open(marker, "w"):
+        pass
+      time.sleep(300)
+      os._exit(4)
+    return step
+  loop.make_train_step = held
+
+
 def main():
   cli.quiet_library_tracebacks()
   if ARGS.save_delay:
     slow_saves(ARGS.save_delay)
+  if ARGS.hold_in_first_compile:
+    hold_in_first_compile(ARGS.hold_in_first_compile)
   try:
     result = train(config(), ARGS.workdir, data=synthetic)
   except TrainingInterrupted as e:
