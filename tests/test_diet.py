@@ -1,7 +1,7 @@
 """DIET-ABS (Chen et al. 2021) against float64 transcriptions of the spec: head-wise sharing,
 a custom content scale, and the reference route's causal and packed-segment masks."""
 
-import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -57,7 +57,7 @@ def test_diet_abs_head_sharing_and_content_scale_equal_float64(causal, packed):
 def test_diet_abs_layers_differ_and_heads_share():
   """Head-wise sharing: one table per layer (layers differ), the same bias in every head."""
   _, params, st = init_scheme(SCHEME_CONFIGS["diet_abs_head"])
-  q = jax.numpy.zeros((1, LENGTH, DIMS["num_heads"], DIMS["head_dim"]))
+  q = jnp.zeros((1, LENGTH, DIMS["num_heads"], DIMS["head_dim"]))
   biases = [np.asarray(st.for_layer(layer)[0].logits(q, 1.0)) for layer in (0, 1)]
   for layer, bias in enumerate(biases):
     np.testing.assert_allclose(bias[0], np.broadcast_to(diet_abs_float64(params, layer, LENGTH),
