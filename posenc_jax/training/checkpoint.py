@@ -209,6 +209,23 @@ class InputRestore(ocp.args.CheckpointArgs):
   iterator: Any
 
 
+def check_writable(directory: str, field: str) -> None:
+  """Raises :class:`CheckpointError` (``<field>: <directory> is not writable (<reason>)``)
+  unless a file can be written in ``directory`` (created if missing): process 0 writes and
+  removes a probe file. Orbax, given a folder it cannot write, would wait minutes (its
+  coordination timeout) for the signal that the step's folder exists."""
+  if jax.process_index() != 0:
+    return
+  probe = epath.Path(directory) / f".writable-{os.getpid()}"
+  try:
+    probe.parent.mkdir(parents=True, exist_ok=True)
+    probe.write_text("")
+    probe.unlink()
+  except Exception as e:  # noqa: BLE001 - OSError locally, the backend's own remotely
+    reason = e.strerror if isinstance(e, OSError) and e.strerror else first_line(e)
+    raise CheckpointError(f"{field}: {directory} is not writable ({reason})") from None
+
+
 class Checkpointer:
   """Saves and restores ``(state, data_state)`` (and the input iterator's state) under
   ``<workdir>/checkpoints``.
@@ -227,16 +244,7 @@ class Checkpointer:
                async_save: bool = True):
     self.workdir = absolute(workdir)
     self.directory = os.path.join(self.workdir, "checkpoints")
-    if jax.process_index() == 0:
-      probe = epath.Path(self.directory) / f".writable-{os.getpid()}"
-      try:
-        probe.parent.mkdir(parents=True, exist_ok=True)
-        probe.write_text("")
-        probe.unlink()
-      except Exception as e:  # noqa: BLE001 - OSError locally, the backend's own remotely
-        reason = e.strerror if isinstance(e, OSError) and e.strerror else first_line(e)
-        raise CheckpointError(f"checkpoints: {self.directory} is not writable "
-                              f"({reason})") from None
+    check_writable(self.directory, "checkpoints")
     options = ocp.CheckpointManagerOptions(
         save_interval_steps=save_interval_steps, max_to_keep=max_to_keep,
         enable_async_checkpointing=async_save, cleanup_tmp_directories=True, create=True)
@@ -268,13 +276,15 @@ class Checkpointer:
 
   def save(self, step: int, state: Any, data_state: dict[str, Any], *, force: bool = False,
            input_iterator: Any = None) -> bool:
-    """Saves if the interval says so (or ``force``), with the state's fingerprints and, when
+    """Saves if the interval says so (or ``force``; the folder probed first,
+    :func:`check_writable`), with the state's fingerprints and, when
     ``input_iterator`` has a ``save_state(prefix)`` (and is not known to be
     ``checkpointable`` False), its state (taken before this returns); returns whether it
     saved."""
     self.check()
     if not (force or self.manager.should_save(step)):
       return False
+    check_writable(self.directory, "checkpoints")  # Orbax would wait minutes, not fail
     data = dict(data_state) | {"fingerprints": fingerprints(state)}
     items = dict(state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data))
     if (callable(getattr(input_iterator, "save_state", None))
@@ -284,6 +294,9 @@ class Checkpointer:
       saved = self.manager.save(step, args=ocp.args.Composite(**items), force=True)
       self._operation = synchronization.OperationIdGenerator.get_current_operation_id()
     except Exception as e:  # noqa: BLE001 - a failed write stops the run with one line
+      if jax.process_count() == 1:  # its writer threads would hold the exit
+        _release_waiting_writers(
+            synchronization.OperationIdGenerator.get_current_operation_id())
       raise CheckpointError(f"checkpoints: saving step {step} to {self.directory} failed "
                             f"({first_line(e)})") from None
     if saved:

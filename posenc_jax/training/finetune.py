@@ -45,7 +45,7 @@ from posenc_jax.models.scan import layout_for, match_layout
 from posenc_jax.training.config import TrainConfigError, validate_train_config
 from posenc_jax.training.input_pipeline import FINETUNE_FEATURES
 from posenc_jax.training.workdir import (ARCHITECTURE, architecture_differences, resolved_model,
-                                         saved_config)
+                                         saved_config, saved_model)
 
 # Encoder parameters that may differ in shape, be fresh or go unused: the position and segment
 # schemes (one swapped in; per-head segments for pairs). The pooler may also be absent.
@@ -126,8 +126,7 @@ def checkpoint_model(path: str) -> dict[str, Any] | None:
   ``config.json`` model, or a Hugging Face folder's ``config.json`` mapped by
   :func:`~posenc_jax.convert.hf_bert.config_from_hf`; None for a workdir without one."""
   if is_train_workdir(path):
-    saved = saved_config(path)
-    return None if saved is None else saved.get("model")
+    return saved_model(path, "init_checkpoint")
   from posenc_jax.convert.hf_bert import (ConversionError, config_from_hf,  # noqa: PLC0415
                                           read_hf_config)
 
@@ -202,7 +201,7 @@ def use_vocabulary(config: ml_collections.ConfigDict, init_checkpoint: str | Non
                              f"init_checkpoint ({own!r}); drop --config.vocab to use the "
                              "checkpoint's")
   elif init_checkpoint and vocab is not None:
-    trained = (saved_config(init_checkpoint) or {}).get("vocab")
+    trained = (saved_config(init_checkpoint, "init_checkpoint") or {}).get("vocab")
     if trained is None or not _same_tokens(_vocab_file(vocab), _vocab_file(trained)):
       raise TrainConfigError(
           f"vocab: {vocab!r}, but init_checkpoint {init_checkpoint!r} was trained with "

@@ -115,6 +115,59 @@ def check_data_config(config: ml_collections.ConfigDict) -> None:
           f"{name!r} vocabulary ({feature.vocabulary.vocab_size})")
 
 
+def sequence_lengths(config: ml_collections.ConfigDict) -> dict[str, int] | None:
+  """The ``sequence_length`` the pipeline asks ``config``'s task for (None: pre-training
+  packs the task's lines itself)."""
+  if config.objective == "translation":
+    return {"inputs": config.input_len, "targets": config.target_len}
+  if config.objective in FINETUNE_FEATURES:
+    return dict.fromkeys(("input_ids", "segment_ids", "mask"), config.seq_len)
+  if config.objective == "lm":
+    return {"targets": config.seq_len}
+  return None
+
+
+def evaluation_split(config: ml_collections.ConfigDict) -> tuple[str, str]:
+  """``(task, split)`` the evaluation reads: fine-tuning's ``eval_task`` and ``eval_split``
+  where set, else the task's ``validation`` split."""
+  if config.objective in FINETUNE_FEATURES:
+    return config.get("eval_task") or config.task, config.get("eval_split") or "validation"
+  return config.task, "validation"
+
+
+def _split_problem(config: ml_collections.ConfigDict, name: str, split: str) -> str | None:
+  """What keeps ``split`` of task ``name`` from giving batches (no such split, or no
+  example in it: the first is read, in order), or None."""
+  task = _task(name)
+  if split not in task.splits:
+    return f"{name!r} has no {split!r} split (splits: {', '.join(task.splits)})"
+  examples = task.get_dataset(sequence_lengths(config), split=split, shuffle=False,
+                              num_epochs=1, use_cached=False)
+  if not list(examples.take(1)):
+    return f"{name!r} has no examples in its {split!r} split"
+  return None
+
+
+def check_examples(config: ml_collections.ConfigDict) -> None:
+  """The training split, and with ``eval_every`` the evaluation split, each hold an example
+  (an empty training split would have the endless pipeline look for one forever, an empty
+  evaluation split evaluate nothing); probes generate theirs.
+
+  Raises:
+    TrainConfigError: one line, ``task`` or ``eval_every`` first.
+  """
+  if config.task.startswith(probes.TASK_PREFIX):
+    return
+  problem = _split_problem(config, config.task, "train")
+  if problem:
+    raise TrainConfigError(f"task: {problem}; nothing to train on")
+  if config.eval_every:
+    problem = _split_problem(config, *evaluation_split(config))
+    if problem:
+      raise TrainConfigError(f"eval_every: {config.eval_every}, but task {problem}; set "
+                             "--config.eval_every=0 or evaluate on a split with examples")
+
+
 def _check_probe_config(config: ml_collections.ConfigDict) -> None:
   if config.objective != "lm":
     raise TrainConfigError(f"objective: got {config.objective!r}; allowed: 'lm' for task "
@@ -143,7 +196,7 @@ def _translation(config, split, start_step, shard_id, num_shards):
   import seqio  # noqa: PLC0415
 
   task = _task(config.task)
-  lengths = {"inputs": config.input_len, "targets": config.target_len}
+  lengths = sequence_lengths(config)
   train = split == "train"
   ds = task.get_dataset(lengths, split=split, shuffle=train, seed=config.seed,
                         num_epochs=None if train else 1,
@@ -178,11 +231,10 @@ def _finetune(config, split, start_step, shard_id, num_shards):
   import tensorflow as tf  # noqa: PLC0415
 
   train = split == "train"
-  task = _task(config.task if train else config.get("eval_task") or config.task)
-  split = split if train else config.get("eval_split") or split
+  task_name, split = (config.task, split) if train else evaluation_split(config)
+  task = _task(task_name)
   length = config.seq_len
-  ds = task.get_dataset({"input_ids": length, "segment_ids": length, "mask": length},
-                        split=split, shuffle=train, seed=config.seed,
+  ds = task.get_dataset(sequence_lengths(config), split=split, shuffle=train, seed=config.seed,
                         num_epochs=None if train else 1,
                         shard_info=seqio.ShardInfo(shard_id, num_shards))
   keys = ("input_ids", "segment_ids", "mask") + FINETUNE_FEATURES[config.objective]

@@ -38,7 +38,7 @@ from posenc_jax.models.config import ModelConfig
 from posenc_jax.schemes.registry import scheme_parts
 from posenc_jax.training import mesh as mesh_lib
 from posenc_jax.training import workdir as workdir_lib
-from posenc_jax.training.checkpoint import Checkpointer
+from posenc_jax.training.checkpoint import Checkpointer, check_writable
 from posenc_jax.training.config import (TrainConfigError, compilation_cache_dir,
                                         max_predictions, validate_train_config)
 from posenc_jax.training.memory import check_train_memory
@@ -118,13 +118,14 @@ class BestKeeper:
 
   def __init__(self, workdir: str, metric: str | None):
     self.metric = metric
-    self.path = epath.Path(workdir) / "best.json"
+    self.path = epath.Path(workdir) / workdir_lib.BEST_FILE
     self.record: dict[str, float] | None = None
     if metric and self.path.exists():
-      self.record = json.loads(self.path.read_text())
+      self.record = workdir_lib.read_object(self.path)
     self.manager = None
     if metric:
       import orbax.checkpoint as ocp  # noqa: PLC0415
+      check_writable(os.path.join(absolute(workdir), "best"), "best")
       self.manager = ocp.CheckpointManager(
           os.path.join(absolute(workdir), "best"),
           options=ocp.CheckpointManagerOptions(max_to_keep=1, create=True))
@@ -142,8 +143,10 @@ class BestKeeper:
       self.manager.save(step, args=ocp.args.StandardSave(params), force=True)
       self.manager.wait_until_finished()
       self.record = {"step": step, "metric": self.metric, "score": score}
-      if jax.process_index() == 0:
-        self.path.write_text(json.dumps(self.record))
+      if jax.process_index() == 0:  # replaced atomically: never torn
+        tmp = self.path.parent / f"{self.path.name}.tmp"
+        tmp.write_text(json.dumps(self.record))
+        tmp.replace(self.path)
 
   def close(self) -> None:
     if self.manager is not None:
@@ -376,8 +379,10 @@ def train(config: ml_collections.ConfigDict, workdir: str,
   mesh_lib.check_batch(config.batch_size, mesh)
   check_train_memory(config, cfg, mesh)  # before any allocation or compile: one line
   if data is None:
-    from posenc_jax.training.input_pipeline import check_data_config, make_batches  # noqa: PLC0415
+    from posenc_jax.training.input_pipeline import (check_data_config,  # noqa: PLC0415
+                                                    check_examples, make_batches)
     check_data_config(config)
+    check_examples(config)  # an empty split: one line, not an endless search
     data = make_batches
   workdir_lib.claim(workdir, config)  # refuses another config's workdir, touching nothing
   use_compilation_cache(compilation_cache_dir(config))

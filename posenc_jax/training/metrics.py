@@ -16,7 +16,9 @@ MFU is ``train_flops_per_step * steps/s / (sum of the devices' peak FLOP/s)``:
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import math
 import time
 from collections.abc import Mapping
@@ -30,6 +32,7 @@ from posenc_jax.cli import is_remote
 from posenc_jax.models.config import HEADS, ModelConfig, causal_variant, model_config, scheme_dims
 from posenc_jax.schemes.base import is_int
 from posenc_jax.schemes.registry import SchemePart, scheme_parts
+from posenc_jax.training.workdir import METRICS_FILE, WorkdirError, read_metrics
 
 # Dense (no 2:4 sparsity) peak FLOP/s of one JAX device, ``(bfloat16, float32)``, keyed by the
 # exact ``jax.Device.device_kind``. "float32" is the rate of JAX's default precision for
@@ -355,15 +358,18 @@ class Throughput:
 
 
 def _truncate_after(path: epath.Path, step: int) -> None:
-  """Keeps the lines of ``path`` (JSONL with a ``step``) up to ``step``; replaced atomically."""
-  if not path.exists():
-    return
-  lines = path.read_text().splitlines(keepends=True)
-  kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= step]
-  if len(kept) == len(lines):
+  """Keeps the records of ``path`` (:data:`~posenc_jax.training.workdir.METRICS_FILE`) up to
+  ``step``, each on its own line; a torn last line is dropped with a warning (the record of
+  a later step, recomputed now). Replaced atomically, and only when that changes it."""
+  records, torn = read_metrics(path)
+  if torn is not None:
+    logging.warning("%s: dropped its last line, torn by a killed write (%r); its step is "
+                    "recomputed", path, torn[:60])
+  kept = "".join(line + "\n" for s, line in records if s <= step)
+  if not path.exists() or kept == path.read_text():
     return
   tmp = path.parent / (path.name + ".tmp")
-  tmp.write_text("".join(kept))
+  tmp.write_text(kept)
   tmp.replace(path)
 
 
@@ -384,8 +390,10 @@ class MetricWriter:
 
   A run resumed at ``start_step`` first drops the file's lines of later steps
   (written after that checkpoint by the interrupted run, and about to be
-  recomputed), so every step appears once; TensorBoard hides those steps'
-  events (``purge_step``).
+  recomputed; a torn last line with a warning), so every step appears once;
+  TensorBoard hides those steps' events (``purge_step``). A write that fails (a
+  read-only file, a full disk) is one :class:`~posenc_jax.training.workdir.WorkdirError`
+  line.
   """
 
   def __init__(self, workdir: str, start_step: int = 0):
@@ -394,31 +402,45 @@ class MetricWriter:
     self._tb = None
     if self.active:
       folder = epath.Path(workdir)
-      folder.mkdir(parents=True, exist_ok=True)
-      path = folder / "metrics.jsonl"
-      _truncate_after(path, start_step)
-      self._jsonl = path.open("a")
-      from tensorboardX import SummaryWriter, record_writer  # noqa: PLC0415
-      if is_remote(workdir):
-        record_writer.register_writer_factory(str(workdir).split("://")[0], _EpathEventFiles())
-      self._tb = SummaryWriter(str(folder / "tensorboard"),
-                               purge_step=start_step + 1 if start_step else None)
+      self.path = folder / METRICS_FILE
+      with self._writing(folder):
+        folder.mkdir(parents=True, exist_ok=True)
+        _truncate_after(self.path, start_step)
+        self._jsonl = self.path.open("a")
+        from tensorboardX import SummaryWriter, record_writer  # noqa: PLC0415
+        if is_remote(workdir):
+          record_writer.register_writer_factory(str(workdir).split("://")[0],
+                                                _EpathEventFiles())
+        self._tb = SummaryWriter(str(folder / "tensorboard"),
+                                 purge_step=start_step + 1 if start_step else None)
+
+  @contextlib.contextmanager
+  def _writing(self, path: epath.Path):
+    """Turns a failed write under ``path`` (read-only, disk full) into one line."""
+    try:
+      yield
+    except OSError as e:
+      raise WorkdirError(f"workdir: writing {e.filename or path} failed "
+                         f"({e.strerror or e})") from None
 
   def write(self, step: int, scalars: dict[str, Any]) -> None:
     if not self.active:
       return
     scalars = {k: float(v) for k, v in scalars.items()}
-    self._jsonl.write(json.dumps({"step": step, **scalars}) + "\n")
-    self._jsonl.flush()
-    for name, value in scalars.items():
-      if math.isfinite(value):
-        self._tb.add_scalar(name, value, step)
-    self._tb.flush()
+    with self._writing(self.path):
+      self._jsonl.write(json.dumps({"step": step, **scalars}) + "\n")
+      self._jsonl.flush()
+    with self._writing(self.path.parent / "tensorboard"):
+      for name, value in scalars.items():
+        if math.isfinite(value):
+          self._tb.add_scalar(name, value, step)
+      self._tb.flush()
 
   def close(self) -> None:
     if self.active:
-      self._jsonl.close()
-      self._tb.close()
+      with self._writing(self.path):
+        self._jsonl.close()
+        self._tb.close()
 
 
 def console_line(step: int, total: int, scalars: dict[str, float]) -> str:

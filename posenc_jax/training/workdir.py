@@ -7,6 +7,13 @@ evaluation cadence, the mesh, the compilation cache, profiling, the attention
 route). Anything else (the
 model, the task, the batch, the optimizer) is refused with one line before
 anything in the folder is touched.
+
+The files a run reads back on resume (``config.json``, ``metrics.jsonl``, ``best.json``)
+are checked in the same place (:func:`claim`): a ``metrics.jsonl`` whose last line a
+killed write left torn is accepted (that line is the record of a step the resume
+recomputes, and the writer drops it with a warning); any other file that is not what a run
+writes there (binary, a folder, JSON of another shape, a torn line before the last), or one
+that cannot be written, is one :class:`WorkdirError` line naming it, with nothing changed.
 """
 
 from __future__ import annotations
@@ -19,10 +26,15 @@ import jax
 import ml_collections
 from etils import epath
 
+from posenc_jax.cli import OutputPathError, check_output_dir, is_remote
 from posenc_jax.models.config import model_config
 from posenc_jax.training.config import TrainConfigError
 
 CONFIG_FILE = "config.json"
+METRICS_FILE = "metrics.jsonl"
+BEST_FILE = "best.json"
+# How every line of ``metrics.jsonl`` begins (``json.dumps({"step": step, ...})``).
+RECORD_HEAD = '{"step": '
 RESUMABLE = ("total_steps", "log_every", "eval_every", "eval_steps", "checkpoint_every",
              "keep_checkpoints", "async_checkpointing", "mesh", "decode", "sweep",
              "compilation_cache_dir", "profile_steps", "model.route", "cache_data",
@@ -78,24 +90,134 @@ ARCHITECTURE = ("vocab_size", "d_model", "num_layers", "num_heads", "head_dim", 
                 "activation", "layer_norm_eps")
 
 
-def saved_config(workdir: str) -> dict[str, Any] | None:
+class WorkdirError(TrainConfigError):
+  """A file in a workdir is not what a run writes there, or cannot be written."""
+
+
+def _foreign(field: str, path: epath.Path, problem: str) -> WorkdirError:
+  return WorkdirError(f"{field}: {path} {problem}, not the file a run writes there; move it "
+                      "away (nothing there was changed)")
+
+
+def _read_text(path: epath.Path, field: str) -> str:
+  """The text of the file ``path`` (UTF-8), or :class:`WorkdirError` naming it."""
+  try:
+    data = path.read_bytes()
+  except IsADirectoryError:
+    raise _foreign(field, path, "is a folder") from None
+  except OSError as e:
+    raise WorkdirError(f"{field}: {path} cannot be read ({e.strerror or e})") from None
+  try:
+    return data.decode("utf-8")
+  except UnicodeDecodeError as e:
+    raise _foreign(field, path, f"is not text (byte {e.start} is {data[e.start]:#04x})") from None
+
+
+def read_object(path: epath.Path, field: str = "workdir") -> dict[str, Any]:
+  """The JSON object the file ``path`` holds.
+
+  Raises:
+    WorkdirError: one line naming ``path``: not readable, not text, not JSON, or JSON that
+      is not an object (a list, ``null``, a string).
+  """
+  text = _read_text(path, field)
+  try:
+    data = json.loads(text)
+  except ValueError as e:
+    raise _foreign(field, path, f"does not read as JSON ({e})") from None
+  if not isinstance(data, dict):
+    raise _foreign(field, path, f"holds a JSON {type(data).__name__} ({text.strip()[:40]}), "
+                   "not an object")
+  return data
+
+
+def saved_config(workdir: str, field: str = "workdir") -> dict[str, Any] | None:
   """The resolved config a ``train.py`` run recorded in ``<workdir>/config.json`` (None
   without one).
 
   Raises:
-    TrainConfigError: the file does not read as JSON.
+    WorkdirError: one line naming the file (``field`` first) when it is not a JSON object
+      (:func:`read_object`) with a ``model`` object.
   """
   path = epath.Path(workdir) / CONFIG_FILE
   if not path.exists():
     return None
-  try:
-    saved = json.loads(path.read_text())
-  except (OSError, ValueError) as e:
-    raise TrainConfigError(f"workdir: {path} does not read as JSON ({e}); move it away to "
-                           "reuse this workdir") from None
-  if isinstance(saved.get("model"), dict):  # runs from before scan_layers were unrolled
-    saved["model"].setdefault("scan_layers", False)
+  saved = read_object(path, field)
+  if not isinstance(saved.get("model"), dict):
+    raise _foreign(field, path, "holds no 'model' object")
+  saved["model"].setdefault("scan_layers", False)  # runs from before scan_layers were unrolled
   return saved
+
+
+def saved_model(workdir: str, field: str = "workdir") -> dict[str, Any] | None:
+  """The model of :func:`saved_config` (None without a ``config.json``), which must hold
+  every :data:`ARCHITECTURE` field (else :class:`WorkdirError` naming the file)."""
+  saved = saved_config(workdir, field)
+  if saved is None:
+    return None
+  missing = [f for f in ARCHITECTURE if f not in saved["model"]]
+  if missing:
+    raise _foreign(field, epath.Path(workdir) / CONFIG_FILE,
+                   f"holds a model without {', '.join(missing[:3])}"
+                   f"{' ...' if len(missing) > 3 else ''}")
+  return saved["model"]
+
+
+def read_metrics(path: epath.Path, field: str = "workdir"
+                 ) -> tuple[list[tuple[int, str]], str | None]:
+  """The records of a ``metrics.jsonl``: ``[(step, line)]`` (lines without their newline,
+  blank ones left out), and its torn last line (None when it is whole).
+
+  A torn line is the head of a record (``{"step": ...`` cut short, with or without a
+  newline): what a process killed while writing leaves, and only as the last line.
+
+  Raises:
+    WorkdirError: one line naming the file and line when any other line is not a record
+      (the file binary, a folder, JSON of another shape, a torn line followed by others).
+  """
+  if not path.exists():
+    return [], None
+  lines = [(n, line) for n, line in enumerate(_read_text(path, field).split("\n"), 1)
+           if line.strip()]
+  records, torn = [], None
+  for index, (number, line) in enumerate(lines):
+    try:
+      record = json.loads(line)
+    except ValueError:
+      record = None
+      if (index == len(lines) - 1 and line.isascii()
+          and (line.startswith(RECORD_HEAD) or RECORD_HEAD.startswith(line))):
+        torn = line
+        continue
+    step = record.get("step") if isinstance(record, dict) else None
+    if not isinstance(step, int) or isinstance(step, bool):
+      raise _foreign(field, path, f"line {number} ({line.strip()[:40]!r}) is not a record "
+                     '{"step": <int>, ...}')
+    records.append((step, line))
+  return records, torn
+
+
+def check_files(workdir: str, config: ml_collections.ConfigDict) -> None:
+  """Checks that the files a run in ``workdir`` reads back and appends to are its own
+  (:func:`read_metrics`; ``best.json`` with ``config.best_metric``) and that they and the
+  ``checkpoints`` folder are writable (the checkpoints' own probe would come after
+  ``config.json`` is written).
+
+  Raises:
+    WorkdirError: one line naming the file.
+  """
+  folder = epath.Path(workdir)
+  read_metrics(folder / METRICS_FILE)
+  if config.get("best_metric") and (folder / BEST_FILE).exists():
+    record = read_object(folder / BEST_FILE)
+    if not isinstance(record.get("score"), (int, float)):
+      raise _foreign("workdir", folder / BEST_FILE, "holds no numeric 'score'")
+  events = folder / "tensorboard"
+  if events.exists() and not events.is_dir():
+    raise _foreign("workdir", events, "is a file, not a folder")
+  for path in (folder / METRICS_FILE, events, folder / "checkpoints"):
+    if path.exists() and not is_remote(workdir) and not os.access(path, os.W_OK):
+      raise WorkdirError(f"workdir: {path} is not writable")
 
 
 def architecture_differences(theirs: dict[str, Any], ours: dict[str, Any]) -> list[str]:
@@ -115,10 +237,9 @@ def claim(workdir: str, config: ml_collections.ConfigDict) -> None:
 
   Raises:
     TrainConfigError: ``workdir`` cannot be written, or holds another config's run
-      (or checkpoints with no ``config.json``); the folder is left untouched.
+      (or checkpoints with no ``config.json``), or a file that is not a run's
+      (:class:`WorkdirError`); the folder is left untouched.
   """
-  from posenc_jax.cli import OutputPathError, check_output_dir  # noqa: PLC0415
-
   current = resolved_config(config)
   path = epath.Path(workdir) / CONFIG_FILE
   try:
@@ -126,6 +247,7 @@ def claim(workdir: str, config: ml_collections.ConfigDict) -> None:
   except OutputPathError as e:
     raise TrainConfigError(str(e)) from None
   saved = saved_config(workdir)
+  check_files(workdir, config)
   if saved is not None:
     diffs = differences(saved, current)
     if diffs:

@@ -1,0 +1,330 @@
+"""Torn, foreign and unwritable files in a workdir, and empty data: a torn last line of
+metrics.jsonl is dropped with a warning and the resume ends bit-identical to an
+uninterrupted run; anything else is one line naming the file or field, before anything is
+compiled or changed (issue 32, items 1, 3 and 7)."""
+
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+import seqio
+
+from posenc_jax.data import tasks as tasks_lib
+from posenc_jax.presets import preset_config
+from posenc_jax.training import finetune, input_pipeline, workdir
+from posenc_jax.training.checkpoint import CheckpointError, check_writable
+from posenc_jax.training.config import TrainConfigError, base_train_config
+from posenc_jax.training.metrics import MetricWriter
+from posenc_jax.training.workdir import WorkdirError, read_metrics, saved_config, saved_model
+
+ROOT = pathlib.Path(__file__).parent.parent
+VOCAB, LENGTH, BATCH = 64, 8, 2
+RECORD = '{"step": 1, "loss": 4.5}\n{"step": 2, "loss": 4.25}\n'
+
+
+def config(steps=4):
+  c = base_train_config()
+  c.update(preset_config("bert_tiny,diet_abs_share"))
+  c.model.update(dict(vocab_size=VOCAB, d_model=16, num_heads=2, mlp_dim=32, num_layers=1,
+                      max_len=LENGTH, dropout_rate=0.0, attention_dropout_rate=0.0))
+  c.update(dict(seq_len=LENGTH, batch_size=BATCH, max_predictions_per_seq=LENGTH,
+                total_steps=steps, log_every=1, eval_every=0, checkpoint_every=2,
+                async_checkpointing=False, compilation_cache_dir=""))
+  c.optimizer.update(dict(learning_rate=3e-3, warmup_steps=0, schedule="constant"))
+  return c
+
+
+def synthetic(config, split, start_step, shard_id=0, num_shards=1):
+  """MLM batch of step s drawn from seed s (the same whatever the start)."""
+  step = start_step
+  while True:
+    rng = np.random.default_rng(1000 + step)
+    ids = rng.integers(6, VOCAB, (BATCH, LENGTH)).astype(np.int32)
+    weights = (rng.random((BATCH, LENGTH)) < 0.3).astype(np.float32)
+    yield {"input_ids": np.where(weights > 0, 5, ids), "segment_ids": np.zeros_like(ids),
+           "mask": np.ones_like(ids), "mlm_targets": ids * (weights > 0),
+           "mlm_weights": weights}
+    step += 1
+
+
+def snapshot(path: pathlib.Path) -> dict[str, tuple]:
+  return {str(p.relative_to(path)): (p.is_dir(), p.stat().st_size, p.stat().st_mtime_ns)
+          for p in sorted(path.rglob("*"))}
+
+
+# --- 1. Torn and foreign files -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tail", ['{"step": 3, "lo', '{"step": 3, "loss": 4.', '{"st',
+                                  '{"step": 3, "loss": 4.\n'])
+def test_a_torn_last_line_is_set_apart(tmp_path, tail):
+  path = tmp_path / "metrics.jsonl"
+  path.write_text(RECORD + tail)
+  records, torn = read_metrics(path)
+  assert [s for s, _ in records] == [1, 2] and torn == tail.strip()
+
+
+@pytest.mark.parametrize("content,problem", [
+    (b"\x89PNG\r\n\x1a\n\x00\x00", "is not text (byte 0 is 0x89)"),
+    (RECORD.encode() + b'{"step": 3, "lo\n{"step": 4, "loss": 1.0}\n',
+     "line 3 ('{\"step\": 3, \"lo') is not a record"),
+    (b'[1, 2, 3]\n', "line 1 ('[1, 2, 3]') is not a record"),
+    (RECORD.encode() + b'{"loss": 1.0}\n', "line 3"),
+    (b'{"step": true}\n', "line 1"),
+    (RECORD.encode() + b"hello\n", "line 3 ('hello')"),
+    (RECORD.encode() + b'{"step": 3, \xff\n', "is not text (byte 63 is 0xff)"),
+])
+def test_a_foreign_metrics_file_is_one_line_naming_it(tmp_path, content, problem):
+  path = tmp_path / "metrics.jsonl"
+  path.write_bytes(content)
+  with pytest.raises(WorkdirError, match=r"^workdir: .*metrics.jsonl ") as e:
+    read_metrics(path)
+  assert problem in str(e.value) and "\n" not in str(e.value)
+  assert path.read_bytes() == content
+
+
+def test_empty_and_absent_metrics_files_hold_no_records(tmp_path):
+  assert read_metrics(tmp_path / "metrics.jsonl") == ([], None)
+  (tmp_path / "metrics.jsonl").write_text("")
+  assert read_metrics(tmp_path / "metrics.jsonl") == ([], None)
+  (tmp_path / "metrics.jsonl").write_text("\n\n")
+  assert read_metrics(tmp_path / "metrics.jsonl") == ([], None)
+
+
+def test_metrics_folder_is_one_line(tmp_path):
+  (tmp_path / "metrics.jsonl").mkdir()
+  with pytest.raises(WorkdirError, match=r"metrics.jsonl is a folder, not the file a run"):
+    read_metrics(tmp_path / "metrics.jsonl")
+
+
+@pytest.mark.parametrize("content,problem", [
+    ("[1, 2, 3]", "holds a JSON list ([1, 2, 3]), not an object"),
+    ("null", "holds a JSON NoneType (null), not an object"),
+    ('"str"', "holds a JSON str"),
+    ("{}", "holds no 'model' object"),
+    ('{"model": [1]}', "holds no 'model' object"),
+    ('{"model": {}', "does not read as JSON"),
+    ("\x00\xff", "is not text"),
+    (None, "is a folder"),
+])
+def test_a_foreign_config_json_is_one_line_naming_it(tmp_path, content, problem):
+  path = tmp_path / "config.json"
+  if content is None:
+    path.mkdir()
+  else:
+    path.write_bytes(content.encode("latin-1"))
+  for field in ("workdir", "init_checkpoint"):
+    with pytest.raises(WorkdirError, match=rf"^{field}: {path} ") as e:
+      saved_config(str(tmp_path), field)
+    assert problem in str(e.value) and "nothing there was changed" in str(e.value)
+
+
+def test_init_checkpoint_with_a_foreign_config_json_is_one_line(tmp_path):
+  """finetune.py --init_checkpoint reads the workdir's model through saved_model."""
+  (tmp_path / "checkpoints").mkdir()
+  for content, problem in (("[1, 2, 3]", "JSON list"), ("null", "JSON NoneType"),
+                           ('{"model": {"d_model": 8}}', "a model without vocab_size")):
+    (tmp_path / "config.json").write_text(content)
+    with pytest.raises(WorkdirError, match=rf"^init_checkpoint: .*config.json .*{problem}"):
+      finetune.checkpoint_model(str(tmp_path))
+  (tmp_path / "config.json").write_text(json.dumps({"model": workdir.resolved_model(
+      config().model)}))
+  assert saved_model(str(tmp_path))["d_model"] == 16
+
+
+@pytest.mark.parametrize("name,content", [
+    ("metrics.jsonl", b"\x00\x01binary"), ("metrics.jsonl", None),
+    ("metrics.jsonl", b'{"step": 1, "lo\n{"step": 2}\n'), ("best.json", b"[1, 2]"),
+    ("best.json", b'{"score": "high"}'), ("tensorboard", b"a file")])
+def test_claim_refuses_a_foreign_file_and_changes_nothing(tmp_path, name, content):
+  c = config()
+  c.best_metric = "eval_accuracy"
+  workdir.claim(str(tmp_path), c)  # config.json of this config: a resume
+  if content is None:
+    (tmp_path / name).mkdir()
+  else:
+    (tmp_path / name).write_bytes(content)
+  before = snapshot(tmp_path)
+  with pytest.raises(WorkdirError, match=rf"^workdir: {tmp_path / name} "):
+    workdir.claim(str(tmp_path), c)
+  assert snapshot(tmp_path) == before
+
+
+def test_a_torn_metrics_line_resumes_bit_identical(tmp_path, caplog):
+  """4 steps in one go, against 2 steps, then the tail a kill during step 3's metrics write
+  leaves, then a resume to 4: the torn line is dropped with a warning, every step's record
+  appears once, and the parameters and every step's loss are the same (max difference 0)."""
+  from posenc_jax.training.loop import train  # noqa: PLC0415
+
+  whole = train(config(4), str(tmp_path / "whole"), data=synthetic)
+  split = tmp_path / "split"
+  train(config(2), str(split), data=synthetic)
+  with (split / "metrics.jsonl").open("a") as f:
+    f.write('{"step": 3, "loss": 4.1')
+  resumed = train(config(4), str(split), data=synthetic)
+  assert "dropped its last line, torn by a killed write" in caplog.text
+  assert [h["step"] for h in resumed["history"]] == [3, 4]
+  records = [json.loads(line) for line in (split / "metrics.jsonl").read_text().splitlines()]
+  expected = [json.loads(line)
+              for line in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in records] == [1, 2, 3, 4]
+  for got, want in zip(records, expected, strict=True):
+    for key in ("loss", "accuracy", "grad_norm", "learning_rate"):
+      assert got[key] == want[key], (got["step"], key)
+  leaves = zip(jax.tree.leaves(whole["state"].params), jax.tree.leaves(resumed["state"].params),
+               strict=True)
+  assert max(float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for a, b in leaves) == 0
+
+
+# --- 3. Empty data -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def empty_tasks(tmp_path_factory):
+  """Text-line tasks: one with an empty train split, one with an empty validation split."""
+  folder = tmp_path_factory.mktemp("corpus")
+  (folder / "empty.txt").write_text("")
+  (folder / "lines.txt").write_text("a gloss of a word\nanother gloss\n")
+  vocabulary = seqio.get_mixture_or_task("wordnet_glosses").output_features["text"].vocabulary
+  files = {"empty": str(folder / "empty.txt"), "lines": str(folder / "lines.txt")}
+  for name, (train, validation) in {"faults_empty_train": ("empty", "lines"),
+                                    "faults_empty_validation": ("lines", "empty")}.items():
+    if name not in seqio.TaskRegistry.names():
+      tasks_lib.register_text_lines(name, {"train": files[train],
+                                           "validation": files[validation]}, vocabulary)
+  return folder
+
+
+@pytest.mark.parametrize("task,eval_every,message", [
+    ("faults_empty_train", 0, ("task: 'faults_empty_train' has no examples in its 'train' "
+                               "split; nothing to train on")),
+    ("faults_empty_validation", 5, ("eval_every: 5, but task 'faults_empty_validation' has no "
+                                    "examples in its 'validation' split; set "
+                                    "--config.eval_every=0 or evaluate on a split with "
+                                    "examples")),
+])
+def test_an_empty_split_is_one_line_before_compiling(empty_tasks, task, eval_every, message):
+  c = config()
+  c.update(dict(task=task, eval_every=eval_every))
+  with pytest.raises(TrainConfigError) as e:
+    input_pipeline.check_examples(c)
+  assert str(e.value) == message
+  if task == "faults_empty_validation":
+    c.eval_every = 0
+    input_pipeline.check_examples(c)  # no evaluation: its empty split is never read
+
+
+def test_a_corpus_with_data_passes_and_a_missing_split_is_one_line(empty_tasks):
+  c = config()
+  c.update(dict(task="wordnet_glosses_lm", objective="lm", head="lm", eval_every=5))
+  input_pipeline.check_examples(c)
+  c = config()
+  c.update(dict(task="faults_empty_validation", eval_every=2, objective="classification",
+                eval_split="test"))
+  with pytest.raises(TrainConfigError, match=r"^eval_every: 2, but task "
+                     r"'faults_empty_validation' has no 'test' split \(splits: train, "
+                     r"validation\); set"):
+    input_pipeline.check_examples(c)
+
+
+# --- 7. Read-only and blocked places -----------------------------------------------------------
+
+
+def test_a_folder_that_cannot_be_written_fails_at_once(tmp_path):
+  """A path whose parent is a file (blocked even for root, where chmod is not)."""
+  (tmp_path / "file").write_text("")
+  with pytest.raises(CheckpointError, match=rf"^best: {tmp_path}/file/best is not writable "
+                     r"\(Not a directory\)$"):
+    check_writable(str(tmp_path / "file" / "best"), "best")
+  check_writable(str(tmp_path / "fine"), "checkpoints")
+  assert os.listdir(tmp_path / "fine") == []  # the probe is gone
+
+
+def test_unwritable_files_are_refused_by_claim(tmp_path, monkeypatch):
+  """os.access says no (what chmod a-w gives a user who is not root): one line naming it."""
+  c = config()
+  workdir.claim(str(tmp_path), c)
+  (tmp_path / "metrics.jsonl").write_text(RECORD)
+  (tmp_path / "checkpoints").mkdir()
+  before = snapshot(tmp_path)
+  real = os.access
+  for name in ("metrics.jsonl", "checkpoints"):
+    blocked = str(tmp_path / name)
+    monkeypatch.setattr(os, "access", lambda p, m, b=blocked: str(p) != b and real(p, m))
+    with pytest.raises(WorkdirError, match=rf"^workdir: {blocked} is not writable$"):
+      workdir.claim(str(tmp_path), c)
+    assert snapshot(tmp_path) == before
+
+
+def test_a_failed_metrics_write_is_one_line(tmp_path):
+  """tensorboard/ cannot be made (a file in its place after the check)."""
+  (tmp_path / "tensorboard").write_text("")
+  with pytest.raises(WorkdirError, match=rf"^workdir: writing {tmp_path}/tensorboard/events"
+                     r"\.out\S* failed \(Not a directory\)$"):
+    MetricWriter(str(tmp_path))
+
+
+# --- The command lines: one line, no traceback, nothing changed ------------------------------
+
+
+def _drop_root_override() -> list[str]:
+  """A prefix under which root's writes obey file modes (CAP_DAC_OVERRIDE dropped), as a
+  user's do; none for a user."""
+  if os.geteuid() != 0:
+    return []
+  if not shutil.which("setpriv"):
+    pytest.skip("running as root without setpriv: chmod cannot make a folder read-only")
+  caps = "-dac_override,-dac_read_search"
+  return ["setpriv", f"--bounding-set={caps}", f"--inh-caps={caps}"]
+
+
+def _cli(tmp_path, *args, prefix=(), code=None):
+  cmd = [*prefix, sys.executable, "train.py", "--config=configs/pretrain.py",
+         f"--workdir={tmp_path / 'run'}", *args]
+  if code is not None:
+    cmd = [*prefix, sys.executable, "-c", code, *cmd[len(prefix) + 2:]]
+  proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 1, proc.stderr[-3000:]
+  assert "Traceback" not in proc.stderr + proc.stdout, proc.stderr[-3000:]
+  return proc.stderr.strip().splitlines()[-1]
+
+
+def test_cli_foreign_metrics_file(tmp_path):
+  run = tmp_path / "run"
+  run.mkdir()
+  (run / "metrics.jsonl").write_bytes(b"\x00\x01\x02 not a metrics file")
+  before = snapshot(run)
+  last = _cli(tmp_path)
+  assert last == (f"train.py: workdir: {run}/metrics.jsonl is not text (byte 0 is 0x00), "
+                  "not the file a run writes there; move it away (nothing there was changed)")
+  assert snapshot(run) == before
+
+
+def test_cli_empty_corpus(tmp_path, empty_tasks):
+  code = ("import sys, seqio; from posenc_jax.data import tasks; import posenc_jax.tasks; "
+          "v = seqio.get_mixture_or_task('wordnet_glosses').output_features['text'].vocabulary; "
+          f"tasks.register_text_lines('cli_empty', {{'train': '{empty_tasks}/empty.txt'}}, v); "
+          "sys.argv = ['train.py'] + sys.argv[1:]; from posenc_jax.train import run; run()")
+  last = _cli(tmp_path, "--config.task=cli_empty", "--config.eval_every=0", code=code)
+  assert last == ("train.py: task: 'cli_empty' has no examples in its 'train' split; "
+                  "nothing to train on")
+  assert not (tmp_path / "run").exists()
+
+
+def test_cli_read_only_checkpoints_folder(tmp_path):
+  prefix = _drop_root_override()
+  checkpoints = tmp_path / "run" / "checkpoints"
+  checkpoints.mkdir(parents=True)
+  checkpoints.chmod(0o555)
+  try:
+    last = _cli(tmp_path, prefix=prefix)
+  finally:
+    checkpoints.chmod(0o755)
+  assert last == f"train.py: workdir: {checkpoints} is not writable"
+  assert sorted(os.listdir(tmp_path / "run")) == ["checkpoints"]
