@@ -298,10 +298,10 @@ def _cli(tmp_path, *args, prefix=(), code=None):
 def test_cli_foreign_metrics_file(tmp_path):
   run = tmp_path / "run"
   run.mkdir()
-  (run / "metrics.jsonl").write_bytes(b"\x00\x01\x02 not a metrics file")
+  (run / "metrics.jsonl").write_bytes(b"\xff\xfe not a metrics file")
   before = snapshot(run)
   last = _cli(tmp_path)
-  assert last == (f"train.py: workdir: {run}/metrics.jsonl is not text (byte 0 is 0x00), "
+  assert last == (f"train.py: workdir: {run}/metrics.jsonl is not text (byte 0 is 0xff), "
                   "not the file a run writes there; move it away (nothing there was changed)")
   assert snapshot(run) == before
 
