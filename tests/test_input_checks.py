@@ -1,7 +1,8 @@
 """Bad input to the Python API is one line naming the argument, the value and the range
-(issue 32, items 4 and 5): token and segment ids outside their tables in every model's
-``__call__`` (concrete ids; traced ones cost nothing and are not read), ``generate``'s and
-``translate``'s arguments, and ``save_hf_bert``'s files and its ``hf`` extra."""
+(issue 32, items 4 and 5): token and segment ids (and masked positions) outside their
+tables in every model's ``__call__`` (concrete ids; traced ones cost nothing and are not
+read), ``generate``'s and ``translate``'s arguments, and ``save_hf_bert``'s files and its
+``hf`` extra."""
 
 import functools
 import os
@@ -107,8 +108,11 @@ def mt_apply(src, tgt):
      f"Decoder: tgt_ids: got id -4; allowed: [0, vocab_size={MT_VOCAB})"),
     (lambda: lm()[0].apply({"params": lm()[1]}, jnp.array([[1, 2, 999]])),
      f"Decoder: tgt_ids: got id 999; allowed: [0, vocab_size={LM_VOCAB})"),
+    (lambda: BertForMaskedLM(model_config(BERT)).init(KEY, IDS,
+                                                      masked_positions=np.array([[0, 4]])),
+     "BertForMaskedLM: masked_positions: got id 4; allowed: [0, L=4)"),
 ], ids=["bert_high", "mlm_negative", "segment_input", "segment_per_head", "encoder_decoder_src",
-        "encoder_decoder_tgt", "causal_lm"])
+        "encoder_decoder_tgt", "causal_lm", "masked_positions"])
 def test_concrete_ids_outside_their_table_are_one_line(call, message):
   one_line(ValueError, message, call)
 

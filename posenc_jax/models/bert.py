@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from posenc_jax.ids import check_id_values
 from posenc_jax.models.config import (ModelConfig, ModelConfigError, check_bidirectional_form,
                                       scheme_dims)
 from posenc_jax.models.inputs import as_mask, check_ids_like, check_like, check_token_ids
@@ -117,7 +118,9 @@ class BertEncoder(nn.Module):
       without a pooler).
 
     Raises:
-      ValueError: one line naming an input of the wrong shape or dtype.
+      ValueError: one line naming an input of the wrong shape or dtype, or a concrete
+        token id outside ``[0, vocab_size)`` (traced ids, under :func:`jax.jit`, cannot be
+        read: :mod:`posenc_jax.ids`).
     """
     cfg = self.config
     batch, length = check_token_ids("BertEncoder", "input_ids", input_ids,
@@ -187,6 +190,8 @@ class BertForMaskedLM(nn.Module):
     if masked_positions is not None:
       check_token_ids("BertForMaskedLM", "masked_positions", masked_positions,
                       hidden.shape[0])
+      check_id_values("BertForMaskedLM", "masked_positions", masked_positions,
+                      hidden.shape[1], "L")
       # A one-hot contraction, not a gather: its gradient is a matmul, not a scatter-add
       # (exact: one non-zero term per output, multiplied at full precision).
       select = jax.nn.one_hot(masked_positions, hidden.shape[1], dtype=hidden.dtype)

@@ -110,7 +110,9 @@ class CausalLM(nn.Module):
         row); attention stays within a document. Not with ``decode``.
 
     Raises:
-      ValueError: one line naming an input of the wrong shape or dtype.
+      ValueError: one line naming an input of the wrong shape or dtype, or a concrete
+        token id outside ``[0, vocab_size)`` (traced ids, under :func:`jax.jit`, cannot be
+        read: :mod:`posenc_jax.ids`).
     """
     h = self.decoder(None, None, ids, mask, decode=decode, deterministic=deterministic,
                      position_ids=position_ids, packed_segment_ids=packed_segment_ids)

@@ -117,7 +117,8 @@ class Encoder(nn.Module):
                deterministic: bool = True) -> Array:
     """``src_ids`` ``[B, Ls]``, ``src_mask`` ``[B, Ls]`` (True = token) -> ``[B, Ls, d]``.
 
-    Inputs of the wrong shape or dtype raise one ValueError line naming them.
+    Inputs of the wrong shape or dtype, and concrete ids outside ``[0, vocab_size)``, raise
+    one ValueError line naming them (traced ids, under :func:`jax.jit`, cannot be read).
     """
     cfg = self.config
     position = build_scheme(cfg.scheme, **scheme_dims(cfg), name="position")
@@ -188,7 +189,9 @@ class Decoder(nn.Module):
       ``[B, Lt, d]``.
 
     Raises:
-      ValueError: one line naming an input of the wrong shape or dtype.
+      ValueError: one line naming an input of the wrong shape or dtype, or a concrete
+        token id outside ``[0, vocab_size)`` (traced ids, under :func:`jax.jit`, cannot be
+        read: :mod:`posenc_jax.ids`).
     """
     cfg = self.config
     if encoded is None:
