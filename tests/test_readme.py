@@ -116,4 +116,4 @@ def test_bench_unknown_scheme_is_one_line():
       "none, sinusoidal, "
       "sinusoidal_learnable, shaw, sinusoidal_rpe, t5, tupe_a, tupe_a_tie_cls, tupe_r, bert_ad, "
       "diet_rel, diet_rel_share, diet_abs, diet_abs_share, linformer, diet_abs_lin, alibi, rope, "
-      "kerple_log, kerple_power, fire, xpos, rope_dynamic, cope"]
+      "kerple_log, kerple_power, fire, xpos, rope_dynamic, cope, fox"]
