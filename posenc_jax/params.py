@@ -5,8 +5,11 @@
   python -m posenc_jax.params --table diet6
 
 The first form prints JSON: the total and a per-module breakdown (layers
-``layers_0 .. layers_{N-1}`` summed as ``layers_*``). ``--table diet6``
-prints DIET Table 6 (Chen et al. 2021) beside the counts of our models.
+``layers_0 .. layers_{N-1}`` summed as ``layers_*``); a train config
+(``--config=configs/pretrain.py:bert_base,rope --config.seq_len=4096``) adds ``step_memory``,
+the estimate of one device's training step at its ``batch_size`` and ``seq_len``
+(:mod:`posenc_jax.training.memory`, by part, in bytes) beside the memory free for it.
+``--table diet6`` prints DIET Table 6 (Chen et al. 2021) beside the counts of our models.
 """
 
 from __future__ import annotations
@@ -92,6 +95,23 @@ def format_diet6(rows: list[dict[str, Any]]) -> str:
   return "\n".join(lines)
 
 
+def step_memory(config) -> dict[str, Any]:
+  """``{"bytes", "parts", "summary", "free_bytes", "free"}``: the estimated memory of one
+  device's training step of the train config ``config`` (the batch split over the mesh's
+  ``data`` axis) and the memory free for it (:func:`posenc_jax.memory.available`)."""
+  from posenc_jax import memory  # noqa: PLC0415
+  from posenc_jax.training import mesh as mesh_lib  # noqa: PLC0415
+  from posenc_jax.training.config import validate_train_config  # noqa: PLC0415
+  from posenc_jax.training.memory import train_memory  # noqa: PLC0415
+
+  cfg = validate_train_config(config)
+  mesh = mesh_lib.make_mesh(config.mesh.shape, config.mesh.axes)
+  estimate = train_memory(config, cfg, mesh.shape["data"])
+  free, where = memory.available()
+  return {"bytes": estimate.total, "parts": dict(estimate.parts), "summary": str(estimate),
+          "free_bytes": free, "free": where}
+
+
 def main(argv: list[str]) -> None:
   """Prints the counts of ``--config`` or the table of ``--table``; a bad flag (or preset) is one
   line ``params: ...`` and exit status 1, before any model is built."""
@@ -100,6 +120,9 @@ def main(argv: list[str]) -> None:
 
   from posenc_jax import cli  # noqa: PLC0415
   from posenc_jax.models import ModelConfigError  # noqa: PLC0415
+  from posenc_jax.training.config import TrainConfigError  # noqa: PLC0415
+  from posenc_jax.training.mesh import MeshConfigError  # noqa: PLC0415
+  from posenc_jax.training.optim import OptimizerConfigError  # noqa: PLC0415
 
   fv = flags.FlagValues()  # fresh, so main can run more than once in a process
   config_flag = config_flags.DEFINE_config_file("config", None, "configs/<file>.py:<presets>",
@@ -119,9 +142,12 @@ def main(argv: list[str]) -> None:
     return
   if config_flag.value is None:
     raise SystemExit("params: give --config=configs/<file>.py:<presets> or --table diet6")
+  config = config_flag.value
   try:
-    counts = model_counts(config_flag.value)
-  except ModelConfigError as e:
+    counts = model_counts(config)
+    if "batch_size" in config and "seq_len" in config:  # a train config: its step too
+      counts["step_memory"] = step_memory(config)
+  except (ModelConfigError, TrainConfigError, MeshConfigError, OptimizerConfigError) as e:
     raise SystemExit(f"params: {e}") from None
   print(json.dumps(counts, indent=2))
 
