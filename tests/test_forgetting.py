@@ -11,6 +11,9 @@ import pytest
 
 from posenc_jax import attend, build_scheme, route_plan, route_table
 from posenc_jax.kernels import relative_flash_attention
+from posenc_jax.models import model_config
+from posenc_jax.models.build import check_head
+from posenc_jax.models.config import ModelConfigError
 from posenc_jax.schemes import SchemeConfigError
 from posenc_jax.terms import ForgettingGates, TermForm
 from tests import test_decoding as decoding
@@ -193,3 +196,14 @@ def test_errors_are_one_line_naming_the_field():
   with pytest.raises(ValueError, match=r"^attend: terms\[0\] \(ForgettingGates\): weight "
                      r"\[32, 5\] has 5 heads, but q has 4$"):
     attend(q, q, q, [bad], causal=True)
+
+
+def test_bidirectional_stacks_refuse_it():
+  """Causal only: the language model takes it, the BERT encoder refuses it in one line."""
+  cfg = model_config(vocab_size=100, d_model=32, num_layers=2, num_heads=4, mlp_dim=64,
+                     max_len=64, segment=None, scheme={"name": "fox"})
+  check_head(cfg, "lm")
+  with pytest.raises(ModelConfigError, match="^model.scheme: got 'fox' in the BERT encoder, a "
+                     "bidirectional stack") as e:
+    check_head(cfg, "mlm")
+  assert "\n" not in str(e.value)

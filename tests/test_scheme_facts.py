@@ -40,6 +40,7 @@ REGISTERED = {
     "kerple_power": ({}, False, False),
     "xpos": ({}, False, False),
     "cope": ({}, False, False),
+    "fox": ({}, False, False),
 }
 
 MODEL = dict(vocab_size=100, d_model=32, num_layers=2, num_heads=4, mlp_dim=64, max_len=64,
