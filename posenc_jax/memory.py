@@ -37,7 +37,8 @@ from posenc_jax.schemes import build_scheme
 from posenc_jax.terms import TermForm
 
 # The estimate lies within this factor of XLA's compiled peak (argument + output + temp
-# bytes, less donated aliases) on CPU: tests/test_memory_estimate.py checks it.
+# bytes, less donated aliases) on CPU: tests/test_memory_estimate.py checks it. A step is
+# refused only when its estimate exceeds the free memory by more than this factor.
 FACTOR = 1.5
 # Activations the backward pass keeps per token and layer, in units of d_model and mlp_dim
 # (``ModelConfig.remat``): every intermediate (residuals, LayerNorm outputs, q/k/v, the
@@ -100,11 +101,12 @@ def term_forms(scheme: Any, segment: Any, dims: Mapping[str, int]) -> tuple[Term
 
 
 def attention_arrays(plan: route_plan.Plan, forms: tuple[TermForm, ...], batch: int,
-                     heads: int, length: int, training: bool, remat: str,
+                     heads: int, length: int, keys: int, training: bool, remat: str,
                      dropout: bool) -> tuple[int, int]:
-  """``(kept, working)``: bytes of the ``[B|1, H, L, L]`` arrays that ``plan`` materialises,
-  those each layer keeps for the backward pass and those the layer being computed holds."""
-  square = heads * length * length * 4  # one float32 [1, H, L, L]
+  """``(kept, working)``: bytes of the ``[B|1, H, L, Lk]`` arrays that ``plan`` materialises
+  (``Lk = keys``), those each layer keeps for the backward pass and those the layer being
+  computed holds."""
+  square = heads * length * keys * 4  # one float32 [1, H, L, Lk]
   if plan.runner in ("kernel", "splash"):
     return 0, 0
   # Dense biases: batch-free terms (a table form) once, the others per example.
@@ -112,7 +114,7 @@ def attention_arrays(plan: route_plan.Plan, forms: tuple[TermForm, ...], batch: 
              for form, entry in zip(forms, plan.entries)
              if entry in ("bias", "table", "offsets", "logits") and form.entry != "none")
   if plan.mask == "full":
-    bias += batch * length * length  # the bool mask [B, 1, L, L]
+    bias += batch * length * keys  # the bool mask [B, 1, L, Lk]
   logits = plan.runner == "reference" or plan.implementation == "xla"
   if not logits:  # cuDNN: the bias is all that is materialised
     return (bias if training and remat != "full" else 0), bias
@@ -161,14 +163,15 @@ def step_memory(cfg: Any, *, batch: int, length: int, params: Any, opt_state: An
                        {"num_layers": cfg.num_layers, "num_heads": heads, "head_dim": head_dim,
                         "d_model": width, "max_len": cfg.max_len})
   dropout = training and cfg.attention_dropout_rate > 0
+  keys = cfg.linformer_k if cfg.attention == "linformer" else length  # Linformer's projected
   plan = route_plan.plan(
-      (rows, length, heads, head_dim), (rows, length, heads, head_dim),
-      (rows, length, heads, head_dim), cfg.compute_dtype, forms, mask="key", causal=causal,
+      (rows, length, heads, head_dim), (rows, keys, heads, head_dim),
+      (rows, keys, heads, head_dim), cfg.compute_dtype, forms, mask="key", causal=causal,
       dropout=dropout, segments=segments, route=cfg.route, precision=cfg.attention_precision,
       device=route_plan.current_device() if device is None else device,
       table=route_table.current())
   remat = cfg.remat if training else "full"  # inference keeps nothing past a layer
-  kept_attention, working_attention = attention_arrays(plan, forms, rows, heads, length,
+  kept_attention, working_attention = attention_arrays(plan, forms, rows, heads, length, keys,
                                                        training, remat, dropout)
   layers = cfg.num_layers + cfg.num_decoder_layers
   itemsize = cfg.compute_dtype.itemsize
@@ -220,7 +223,7 @@ def check_decoding(caller: str, cfg: Any, params: Any, batch: int, prompt: int,
     return decode_memory(cfg, batch=batch, length=prompt + new, params=params)
 
   estimate = needs(max_new_tokens)
-  if estimate.total <= free[0]:
+  if refusal(estimate, "max_new_tokens", max_new_tokens, free=free) is None:
     return
   if needs(1).total > free[0]:
     line = refusal(estimate, "prompt", f"[{batch}, {prompt}] ids", free=free,
@@ -269,7 +272,8 @@ def available(device: jax.Device | None = None) -> tuple[int, str]:
 def refusal(estimate: Estimate, field: str, value: Any, *, hint: str = "",
             free: tuple[int, str] | None = None) -> str | None:
   """The one line refusing ``field = value`` when ``estimate`` exceeds what is free
-  (``free``: :func:`available` when None), else None::
+  (``free``: :func:`available` when None) by more than :data:`FACTOR`, the estimate's own
+  error (a step that could fit is never refused), else None::
 
     seq_len: got 1000000000; the step needs about 1.2e+12 GiB (parameters ..., attention
     7.23e+11 GiB, ...), more than the 19.5 GiB of available host memory; allowed: a smaller
@@ -278,7 +282,7 @@ def refusal(estimate: Estimate, field: str, value: Any, *, hint: str = "",
   (one line; ``hint``, e.g. ``" (at most about 2700 fit)"``, ends it).
   """
   size, where = available() if free is None else free
-  if estimate.total <= size:
+  if estimate.total <= FACTOR * size:
     return None
   return (f"{field}: got {value!r}; the step needs about {estimate}, more than the "
           f"{gib(size)} of {where}; allowed: a smaller {field}{hint}")

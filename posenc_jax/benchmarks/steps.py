@@ -15,10 +15,11 @@ drifts cancel. ``--route`` sets the attention route of every model
 ``--route fused --baseline none --schemes diet_rel`` measures the Pallas
 Toeplitz kernel against itself without a bias.
 It prints milliseconds, the ratio to the baseline, tokens/s, peak device
-memory where the device reports it, MFU (analytic FLOPs over the
-device's peak) on accelerators, and the seconds of the first train step and
-inference pass (compile and one run, layers scanned); ``--json`` writes the
-same rows. A scheme that is also the baseline is compiled once.
+memory where the device reports it beside the estimate of the train step
+(:func:`posenc_jax.memory.step_memory`, what the trainer checks before
+compiling), MFU (analytic FLOPs over the device's peak) on accelerators, and the
+seconds of the first train step and inference pass (compile and one run, layers
+scanned); ``--json`` writes the same rows. A scheme that is also the baseline is compiled once.
 
 Attention alone: :mod:`posenc_jax.benchmarks.routes`; compile seconds:
 :mod:`posenc_jax.benchmarks.compile`. Compilation is excluded. Every flag is checked (and the
@@ -31,11 +32,14 @@ from __future__ import annotations
 import json
 
 import jax
+import optax
 
-from posenc_jax import cli
+from posenc_jax import cli, memory
 from posenc_jax.benchmarks import flags
 from posenc_jax.benchmarks.model_steps import BASELINE, BERT_SIZES, compiled_steps
 from posenc_jax.benchmarks.timing import timed_against
+from posenc_jax.models import BertForMaskedLM
+from posenc_jax.models.build import abstract_params
 from posenc_jax.presets import POSITION_PRESETS
 from posenc_jax.training.metrics import peak_flops, train_flops_per_step
 
@@ -48,6 +52,15 @@ def peak_memory() -> int | None:
   """Peak bytes in use on the first device, where the backend reports it (GPU, TPU)."""
   stats = jax.devices()[0].memory_stats() or {}
   return stats.get("peak_bytes_in_use")
+
+
+def estimated_memory(cfg, batch: int, length: int) -> int:
+  """Bytes :func:`posenc_jax.memory.step_memory` estimates for the benchmark's train step
+  (:func:`~posenc_jax.benchmarks.model_steps.model_steps`: AdamW, logits at every token)."""
+  params = abstract_params(BertForMaskedLM(cfg))
+  opt_state = jax.eval_shape(optax.adamw(1e-4).init, params)
+  return memory.step_memory(cfg, batch=batch, length=length, params=params,
+                            opt_state=opt_state, input_bytes=4 * batch * length * 4).total
 
 
 def parse_args(argv=None):
@@ -82,7 +95,7 @@ def main(argv=None):
   base_train, base_infer, _, _ = compiled[args.baseline]
   ratio = f"x {args.baseline}"[:8]
   print(f"{'scheme':<16}{'train ms':>10}{ratio:>8}{'infer ms':>10}{ratio:>8}"
-        f"{'tokens/s':>11}{'peak MB':>9}{'MFU':>7}{'compile s':>11}")
+        f"{'tokens/s':>11}{'peak MB':>9}{'est MB':>8}{'MFU':>7}{'compile s':>11}")
   rows = []
   for scheme in args.schemes:
     if scheme not in compiled:  # the baseline's row times it against itself, compiled once
@@ -91,14 +104,17 @@ def main(argv=None):
     train_s, train_base = timed_against(train, base_train, args.repeats)
     infer_s, infer_base = timed_against(infer, base_infer, args.repeats)
     flops = train_flops_per_step(cfg, args.batch, args.length)  # the MLM head at every token
-    memory = peak_memory()
+    peak_bytes = peak_memory()
+    estimate = estimated_memory(cfg, args.batch, args.length)
     row = {"scheme": scheme, "train_ms": 1e3 * train_s, "train_ratio": train_s / train_base,
            "infer_ms": 1e3 * infer_s, "infer_ratio": infer_s / infer_base,
-           "tokens_per_s": tokens / train_s, "peak_bytes": memory,
+           "tokens_per_s": tokens / train_s, "peak_bytes": peak_bytes,
+           "estimated_bytes": estimate,
            "mfu": flops / train_s / peak if peak else None,
            "first_train_s": first["train_s"], "first_infer_s": first["infer_s"]}
     rows.append(row)
-    mem = f"{memory / 2**20:>9.0f}" if memory else f"{'n/a':>9}"
+    mem = (f"{peak_bytes / 2**20:>9.0f}" if peak_bytes else f"{'n/a':>9}") + \
+        f"{estimate / 2**20:>8.0f}"
     mfu = f"{row['mfu']:>7.1%}" if row["mfu"] is not None else f"{'n/a':>7}"
     print(f"{scheme:<16}{row['train_ms']:>10.2f}{row['train_ratio']:>8.2f}"
           f"{row['infer_ms']:>10.2f}{row['infer_ratio']:>8.2f}{row['tokens_per_s']:>11.0f}"

@@ -96,8 +96,9 @@ def train_memory(config: ml_collections.ConfigDict, cfg: ModelConfig,
 def check_train_memory(config: ml_collections.ConfigDict, cfg: ModelConfig,
                        mesh: Any = None) -> None:
   """Raises one :class:`TrainConfigError` line when the step of ``config`` (on ``mesh``'s
-  data-parallel devices; None: one) and its input buffers need more memory than is free,
-  with the estimate, the free memory and the largest value that fits: naming ``seq_len``
+  data-parallel devices; None: one) and its input buffers need more memory than is free
+  (beyond the estimate's error, :func:`posenc_jax.memory.refusal`), with the estimate, the
+  free memory and the largest value whose estimate fits: naming ``seq_len``
   when one row per device does not fit, else ``batch_size``, and ``model`` when not even 8
   positions do."""
   data = 1 if mesh is None else mesh.shape["data"]
@@ -109,7 +110,8 @@ def check_train_memory(config: ml_collections.ConfigDict, cfg: ModelConfig,
 
   length = train_length(config)
   rows = max(config.batch_size // data, 1)
-  if fits(rows, length):
+  estimate = estimates.step(rows, length)
+  if memory.refusal(estimate, "batch_size", config.batch_size, free=free) is None:
     return
   if fits(1, length):
     most = memory.largest(lambda n: fits(n, length), rows) * data
@@ -123,5 +125,4 @@ def check_train_memory(config: ml_collections.ConfigDict, cfg: ModelConfig,
     field, value = "model", (f"{memory.tree_bytes(estimates.params) // 4:,} parameters "
                              f"(max_len={cfg.max_len})")
     hint = ""
-  raise TrainConfigError(memory.refusal(estimates.step(rows, length), field, value, hint=hint,
-                                        free=free))
+  raise TrainConfigError(memory.refusal(estimate, field, value, hint=hint, free=free))
