@@ -276,15 +276,16 @@ class Checkpointer:
 
   def save(self, step: int, state: Any, data_state: dict[str, Any], *, force: bool = False,
            input_iterator: Any = None) -> bool:
-    """Saves if the interval says so (or ``force``; the folder probed first,
-    :func:`check_writable`), with the state's fingerprints and, when
+    """Saves if the interval says so (or ``force``; before the first save the folder is
+    probed again, :func:`check_writable`), with the state's fingerprints and, when
     ``input_iterator`` has a ``save_state(prefix)`` (and is not known to be
     ``checkpointable`` False), its state (taken before this returns); returns whether it
     saved."""
     self.check()
     if not (force or self.manager.should_save(step)):
       return False
-    check_writable(self.directory, "checkpoints")  # Orbax would wait minutes, not fail
+    if self._operation is None:  # the first save: Orbax would wait minutes, not fail
+      check_writable(self.directory, "checkpoints")
     data = dict(data_state) | {"fingerprints": fingerprints(state)}
     items = dict(state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data))
     if (callable(getattr(input_iterator, "save_state", None))
@@ -294,9 +295,6 @@ class Checkpointer:
       saved = self.manager.save(step, args=ocp.args.Composite(**items), force=True)
       self._operation = synchronization.OperationIdGenerator.get_current_operation_id()
     except Exception as e:  # noqa: BLE001 - a failed write stops the run with one line
-      if jax.process_count() == 1:  # its writer threads would hold the exit
-        _release_waiting_writers(
-            synchronization.OperationIdGenerator.get_current_operation_id())
       raise CheckpointError(f"checkpoints: saving step {step} to {self.directory} failed "
                             f"({first_line(e)})") from None
     if saved:
