@@ -121,6 +121,19 @@ def test_the_largest_batch_named_fits_and_one_more_does_not(monkeypatch):
   train_memory_lib.check_train_memory(config, cfg)
 
 
+def test_the_input_buffers_are_checked_against_the_host():
+  """(With an accelerator; on CPU the step's estimate holds them.) The shuffle block grows
+  with the length alone, the prefetched batches with the rows too."""
+  config = tiny_config("mlm", "t5", seq_len=HUGE, max_len=HUGE)
+  with pytest.raises(TrainConfigError, match=r"^seq_len: got 1000000000; .* of test memory"):
+    train_memory_lib.check_input_buffers(config, 4, HUGE, free=(2**30, "test memory"))
+  config = tiny_config("mlm", "t5", batch_size=HUGE)
+  block = train_memory_lib.input_buffers(config, 0, 16)
+  with pytest.raises(TrainConfigError, match=r"^batch_size: got 1000000000; "):
+    train_memory_lib.check_input_buffers(config, HUGE, 16, free=(2 * block, "test memory"))
+  train_memory_lib.check_input_buffers(config, 4, 16, free=(2 * block, "test memory"))
+
+
 def tiny_lm():
   cfg = tiny_config("lm", "rope").model
   model = build_model(cfg, "lm")

@@ -1,14 +1,15 @@
 """A train config's memory: its step (:func:`posenc_jax.memory.step_memory`) and its input
 buffers, checked before anything is compiled, allocated or written.
 
-:func:`train_memory` builds the model and the optimizer abstractly (``jax.eval_shape``:
-nothing allocated) and estimates one device's step at the config's batch and length, plus
-the input pipeline's host buffers (the pre-training shuffle block of ``shuffle_block``
-sequences, :func:`posenc_jax.data.preprocessors.mlm_dataset`, and the batches it
-prefetches). :func:`check_train_memory` refuses a config whose estimate exceeds the free
-memory with one :class:`~posenc_jax.training.config.TrainConfigError` line naming the field
-to shrink: ``seq_len`` when one row per device does not fit, else ``batch_size``; the
-model itself (``model``) when not even 8 positions fit.
+:class:`TrainMemory` builds the model and the optimizer abstractly (``jax.eval_shape``:
+nothing allocated) and estimates one device's step at any batch and length; the input
+pipeline's host buffers (:func:`input_buffers`: the pre-training shuffle block of
+``shuffle_block`` sequences, :func:`posenc_jax.data.preprocessors.mlm_dataset`, and the
+batches it prefetches) count with the step on a CPU host, whose memory they share, and
+against the host's memory with an accelerator. :func:`check_train_memory` refuses a config
+that cannot fit with one :class:`~posenc_jax.training.config.TrainConfigError` line naming
+the field to shrink: ``seq_len`` when one row per device does not fit, else ``batch_size``;
+the model itself (``model``) when not even 8 positions fit.
 """
 
 from __future__ import annotations
@@ -93,6 +94,20 @@ def train_memory(config: ml_collections.ConfigDict, cfg: ModelConfig,
   return TrainMemory(config, cfg, data_devices).step(rows, train_length(config))
 
 
+def check_input_buffers(config: ml_collections.ConfigDict, rows: int, length: int,
+                        free: tuple[int, str] | None = None) -> None:
+  """Raises one :class:`TrainConfigError` line when the input pipeline's host buffers at
+  ``rows`` per host and ``length`` (:func:`input_buffers`) exceed the host's available
+  memory (``free``; None: :func:`posenc_jax.memory.host_available`) beyond the estimate's
+  error: naming ``seq_len`` when the shuffle block alone does, else ``batch_size``."""
+  free = (memory.host_available(), "available host memory") if free is None else free
+  estimate = memory.Estimate({"input buffers": input_buffers(config, rows, length)})
+  field = "seq_len" if input_buffers(config, 0, length) > free[0] else "batch_size"
+  line = memory.refusal(estimate, field, config[field], free=free)
+  if line:
+    raise TrainConfigError(line)
+
+
 def check_train_memory(config: ml_collections.ConfigDict, cfg: ModelConfig,
                        mesh: Any = None) -> None:
   """Raises one :class:`TrainConfigError` line when the step of ``config`` (on ``mesh``'s
@@ -100,15 +115,18 @@ def check_train_memory(config: ml_collections.ConfigDict, cfg: ModelConfig,
   (beyond the estimate's error, :func:`posenc_jax.memory.refusal`), with the estimate, the
   free memory and the largest value whose estimate fits: naming ``seq_len``
   when one row per device does not fit, else ``batch_size``, and ``model`` when not even 8
-  positions do."""
+  positions do. With an accelerator, the input buffers are checked against the host's
+  memory first (:func:`check_input_buffers`)."""
   data = 1 if mesh is None else mesh.shape["data"]
+  length = train_length(config)
+  if jax.default_backend() != "cpu":  # else step() counts them with the device's
+    check_input_buffers(config, config.batch_size // jax.process_count(), length)
   estimates = TrainMemory(config, cfg, data)
   free = memory.available()
 
   def fits(rows: int, length: int) -> bool:
     return estimates.step(rows, length).total <= free[0]
 
-  length = train_length(config)
   rows = max(config.batch_size // data, 1)
   estimate = estimates.step(rows, length)
   if memory.refusal(estimate, "batch_size", config.batch_size, free=free) is None:
