@@ -73,6 +73,12 @@ SCHEME_PRESETS: dict[str, dict] = {
     # nope_layer_interval), or every 2nd (models of 2 or 3 layers).
     "nope_every_4": dict(nope_layer_interval=4),
     "nope_every_2": dict(nope_layer_interval=2),
+    # Gemma 3's RoPE bases (Gemma Team 2025; Hugging Face Gemma3TextConfig: rope_theta 1e6 on
+    # the global layers, rope_local_base_freq 1e4 on the others, sliding_window_pattern 6):
+    # with `rope` (base 1e4), every 6th layer takes base 1e6. The local layers' sliding window
+    # is not modelled.
+    "gemma3_global_rope": dict(alternate_scheme={"name": "rope", "base": 1e6},
+                               alternate_scheme_interval=6),
     "segment_per_head": dict(segment={"name": "segment_per_head"}),
     "no_segment": dict(segment=None),
     "pre_ln": dict(pre_ln=True),

@@ -98,11 +98,13 @@ MODEL_FIELDS = {
     "scan_layers": ("False", False), "attention_precision": ("tensorfloat32", "tensorfloat32"),
     "num_decoder_layers": ("3", 3), "share_embeddings": ("False", False),
     "attention": ("linformer", "linformer"), "nope_layer_interval": ("2", 2),
+    "alternate_scheme_interval": ("2", 2), "alternate_scheme.base": ("500000.0", 500000.0),
 }
 # The config each field is set in (default: the pre-training demo's presets).
 MODEL_SPECS = {"num_decoder_layers": "configs/translate.py:transformer_base,t5",
                "share_embeddings": "configs/translate.py:transformer_base,t5",
-               "attention": "configs/pretrain.py:bert_tiny,bert"}
+               "attention": "configs/pretrain.py:bert_tiny,bert",
+               "alternate_scheme.base": "configs/pretrain.py:bert_base,rope,gemma3_global_rope"}
 TRAIN_FIELDS = {
     "async_checkpointing": ("False", False), "batch_size": ("16", 16),
     "cache_data": ("false", "false"), "data_sharding": ("stream", "stream"),

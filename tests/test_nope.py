@@ -39,9 +39,9 @@ def both_layouts(cfg, head, *args):
 def test_nope_layers_are_maxtexts():
   """Layer ``i`` (0-based) is NoPE when ``(i + 1) % N == 0`` (MaxText's
   ``determine_is_nope_layer``): the last of every N layers."""
-  assert tiny().nope_layers(8) == (False, False, False, True) * 2
-  assert tiny(nope_layer_interval=3).nope_layers(4) == (False, False, True, False)
-  assert tiny(nope_layer_interval=0).nope_layers(4) == (False,) * 4
+  assert tiny().alternate_layers(8) == (False, False, False, True) * 2
+  assert tiny(nope_layer_interval=3).alternate_layers(4) == (False, False, True, False)
+  assert tiny(nope_layer_interval=0).alternate_layers(4) == (False,) * 4
 
 
 def rope64(x, pos):
@@ -145,7 +145,8 @@ def test_cached_decoding_equals_teacher_forcing(scanned):
     ({"nope_layer_interval": True}, "model.nope_layer_interval: got True;"),
     ({"nope_layer_interval": 4, "num_decoder_layers": 3},
      "model.nope_layer_interval: got 4; allowed: 0 (off) or an integer in [2, 3]"),
-    ({"scheme": {"name": "none"}}, "model.nope_layer_interval: got 4 with scheme 'none'"),
+    ({"scheme": {"name": "none"}}, "model.nope_layer_interval: got 4, but the alternate scheme "
+                                   "is model.scheme ('none') itself"),
 ])
 def test_bad_configs_are_one_line(fields, message):
   with pytest.raises(ModelConfigError) as e:

@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from posenc_jax.models.scan import layout_for
+from posenc_jax.models.stack import select_terms
 from posenc_jax.terms import Bias, Factored, QKShift, QueryRelative, SchemeTerms, Toeplitz
 
 Array = jax.Array
@@ -185,18 +186,20 @@ def layer_runner(encoder, layer: int = 0):
 
   def forward(module, input_ids, segment_ids, mask):
     module(input_ids, segment_ids, mask)
-    return module.terms(input_ids.shape[1], segment_ids)
+    terms, per_layer = module.terms(input_ids.shape[1], segment_ids)
+    own = select_terms(terms.for_layer(layer), per_layer["alternate_layers"][layer],
+                       per_layer["counts"])  # the alternate scheme's on its layers
+    return own, terms.content_scale
 
   @jax.jit
   def run(variables, input_ids, segment_ids, mask):
     variables = {**variables, "params": layout_for(variables["params"], scan_layers=False)}
     with nn.intercept_methods(skip_later_layers):
-      terms, state = encoder.apply(variables, input_ids, segment_ids, mask, method=forward,
-                                   capture_intermediates=capture, mutable=["intermediates"])
+      (layer_terms, scale), state = encoder.apply(
+          variables, input_ids, segment_ids, mask, method=forward,
+          capture_intermediates=capture, mutable=["intermediates"])
     captured = state["intermediates"][target[0]][target[1]]
     q, k, v = (captured[name]["__call__"][0] for name in ("query", "key", "value"))
-    layer_terms = terms.for_layer(layer)
-    scale = terms.content_scale
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     logits = term_logits(q, k, layer_terms, scale)
     logits = jnp.broadcast_to(logits, (q.shape[0],) + logits.shape[1:])

@@ -1,12 +1,13 @@
 """BERT (Devlin et al.) with any positional and segment scheme, and its heads.
 
 The scheme is built once per model from ``config.scheme`` and called once
-per forward pass; each layer gets its own (or the shared) terms, and NoPE layers
-(``config.nope_layer_interval``) none of the position scheme's. Parameter
-layout of :class:`BertEncoder`::
+per forward pass; each layer gets its own (or the shared) terms, and every N-th layer
+the alternate scheme's instead of the scheme's (``config.alternate_scheme``; NoPE layers,
+``config.nope_layer_interval``, get none). Parameter layout of :class:`BertEncoder`::
 
   token_embed/embedding               [V, d]
   position/...                        the scheme's parameters
+  alternate_position/...              the alternate scheme's (when its interval is set)
   segment/...                         the segment scheme's parameters
   embed_norm/{scale,bias}             [d]      (post-LN only)
   layers_{i}/attention/{query,key,value}/{kernel [d, H, D], bias [H, D]}
@@ -26,6 +27,8 @@ The heads wrap the encoder as ``bert/...``.
 
 from __future__ import annotations
 
+from typing import Any
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -38,7 +41,7 @@ from posenc_jax.models.inputs import as_mask, check_ids_like, check_like, check_
 from posenc_jax.models.layers import (ACTIVATION_FNS, EncoderLayer, dense, layer_norm,
                                       token_embedding)
 from posenc_jax.models.linformer import shared_projection
-from posenc_jax.models.stack import layer_stack, nope_args, run_stack
+from posenc_jax.models.stack import layer_stack, per_layer_args, run_stack
 from posenc_jax.schemes import build_scheme
 from posenc_jax.schemes.base import is_int
 from posenc_jax.terms import SchemeTerms
@@ -64,6 +67,9 @@ class BertEncoder(nn.Module):
     cfg = self.config
     self.token_embed = token_embedding(cfg)
     self.position = build_scheme(cfg.scheme, **scheme_dims(cfg))
+    alternate, interval = cfg.alternate()
+    if interval:
+      self.alternate_position = build_scheme(alternate, **scheme_dims(cfg))
     if cfg.segment is not None:
       self.segment = build_scheme(cfg.segment, **scheme_dims(cfg))
     self.linformer = shared_projection(cfg)  # None unless linformer_sharing='layer'
@@ -77,17 +83,24 @@ class BertEncoder(nn.Module):
       self.pooler = dense(cfg.d_model, ("embed", "mlp"), cfg)
 
   def terms(self, length: int, segment_ids: Array,
-            position_ids: Array | None = None) -> SchemeTerms:
-    """The position (and segment) scheme's terms for one forward pass.
+            position_ids: Array | None = None) -> tuple[SchemeTerms, dict[str, Any]]:
+    """The terms of one forward pass and :func:`~posenc_jax.models.stack.run_stack`'s
+    per-layer arguments: the position scheme's terms, the alternate scheme's, then the
+    segment scheme's (layer ``i`` takes
+    ``select_terms(terms.for_layer(i), args["alternate_layers"][i], args["counts"])``, see
+    :func:`~posenc_jax.models.stack.select_terms`).
 
     ``position_ids`` ``[B, L]`` (None: ``0..L-1`` in every row) go to the position
-    scheme. Under Linformer's ``layer`` sharing the terms also carry the shared ``E``.
+    schemes. Under Linformer's ``layer`` sharing the terms also carry the shared ``E``.
     """
     position = self.position(length, segment_ids, position_ids)
-    return position + self.context_terms(length, segment_ids)
+    alternate = (self.alternate_position(length, segment_ids, position_ids)
+                 if self.config.alternate()[1] else None)
+    terms = position + (alternate or SchemeTerms()) + self.context_terms(length, segment_ids)
+    return terms, per_layer_args(self.config, self.config.num_layers, position, alternate)
 
   def context_terms(self, length: int, segment_ids: Array) -> SchemeTerms:
-    """The terms after the position scheme's, which NoPE layers keep: the segment scheme's
+    """The terms after the position schemes', which every layer keeps: the segment scheme's
     and, under Linformer's ``layer`` sharing, the shared ``E``."""
     terms = SchemeTerms()
     if self.config.segment is not None:
@@ -135,14 +148,13 @@ class BertEncoder(nn.Module):
                        "'linformer'")
     segment_ids = jnp.zeros_like(input_ids) if segment_ids is None else segment_ids
     mask = as_mask(mask, (batch, length))
-    position = self.position(length, segment_ids, position_ids)
-    terms = position + self.context_terms(length, segment_ids)
+    terms, per_layer = self.terms(length, segment_ids, position_ids)
     x = terms.embed(self.token_embed(input_ids).astype(jnp.float32))
     if not cfg.pre_ln:
       x = self.embed_norm(x)
     x = self.dropout(x, deterministic=deterministic).astype(cfg.compute_dtype)
     x = run_stack(self.layers, x, terms, mask, terms.content_scale, deterministic,
-                  packed_segment_ids, **nope_args(cfg, cfg.num_layers, position))
+                  packed_segment_ids, **per_layer)
     if cfg.pre_ln:
       x = self.final_norm(x)
     pooled = jnp.tanh(self.pooler(x[:, 0])) if cfg.pooler else None

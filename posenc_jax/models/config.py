@@ -32,6 +32,8 @@ REMAT = ("none", "dots", "full")
 LINFORMER_SHARING = ("none", "kv", "layer")
 
 
+NO_POSITION = FrozenDict(name="none")  # the alternate scheme of NoPE layers
+
 # The models a config can be built as (:func:`posenc_jax.models.build.build_model`).
 HEADS = ("mlm", "encoder", "classification", "span", "translation", "lm")
 
@@ -86,11 +88,18 @@ class ModelConfig:
       language model, decoder-only, counts its layers in ``num_layers``).
     share_embeddings: encoder-decoder: one table for source, target and the
       output projection; language model: the output projection is the token table.
-    nope_layer_interval: N: every N-th layer of each stack (0-based layer ``i`` with
-      ``(i + 1) % N == 0``, MaxText's ``nope_layer_interval``) drops the position scheme's
-      attention terms and attends over ``q . k`` alone (NoPE; Llama 4 and SmolLM3 use
-      N = 4 with RoPE); 0 (the default) gives every layer its terms. See
-      :meth:`nope_layers`.
+    alternate_scheme: the position scheme config (or a tuple of them to compose) that
+      replaces ``scheme`` on every ``alternate_scheme_interval``-th layer of each stack, e.g.
+      RoPE with base 1e6 on Gemma 3's global layers and base 1e4 on the others. Its
+      parameters are ``alternate_position/...`` beside ``position/...``. ``{"name":
+      "none"}`` (the default) with an interval gives NoPE layers.
+    alternate_scheme_interval: N: layer ``i`` (0-based) of each stack with ``(i + 1) % N ==
+      0`` runs ``alternate_scheme`` (MaxText's ``nope_layer_interval`` convention, Hugging
+      Face's ``no_rope_layer_interval`` and Gemma 3's ``sliding_window_pattern``); 0 (the
+      default) runs ``scheme`` on every layer. See :meth:`alternate`.
+    nope_layer_interval: N: the shorthand for ``alternate_scheme={"name": "none"}`` at
+      interval N (MaxText's name): every N-th layer attends over ``q . k`` alone (NoPE;
+      Llama 4 and SmolLM3 use N = 4 with RoPE); 0 (the default) is off.
   """
 
   vocab_size: int = 30522
@@ -119,6 +128,8 @@ class ModelConfig:
   num_decoder_layers: int = 0
   share_embeddings: bool = True
   nope_layer_interval: int = 0
+  alternate_scheme: Any = FrozenDict(name="none")
+  alternate_scheme_interval: int = 0
 
   @property
   def dim_per_head(self) -> int:
@@ -128,11 +139,18 @@ class ModelConfig:
   def compute_dtype(self):
     return jnp.dtype(self.dtype)
 
-  def nope_layers(self, num_layers: int) -> tuple[bool, ...]:
-    """For each of a stack's ``num_layers`` layers, True where it has no position terms:
-    layer ``i`` (0-based) with ``(i + 1) % nope_layer_interval == 0``, as MaxText's
-    ``determine_is_nope_layer`` (``layers/llama4.py``); all False when the interval is 0."""
-    n = self.nope_layer_interval
+  def alternate(self) -> tuple[Any, int]:
+    """``(config, N)``: the scheme that replaces ``scheme`` on every N-th layer and N, 0 when
+    every layer runs ``scheme``; ``nope_layer_interval`` N gives ``({"name": "none"}, N)``."""
+    if self.nope_layer_interval:
+      return NO_POSITION, self.nope_layer_interval
+    return self.alternate_scheme, self.alternate_scheme_interval
+
+  def alternate_layers(self, num_layers: int) -> tuple[bool, ...]:
+    """For each of a stack's ``num_layers`` layers, True where it runs the alternate scheme:
+    layer ``i`` (0-based) with ``(i + 1) % N == 0``, as MaxText's ``determine_is_nope_layer``
+    (``layers/llama4.py``); all False when N is 0 (:meth:`alternate`)."""
+    _, n = self.alternate()
     return tuple(n > 0 and (i + 1) % n == 0 for i in range(num_layers))
 
   def replace(self, **changes) -> ModelConfig:
@@ -247,27 +265,64 @@ def model_config(config: Any = None, **overrides) -> ModelConfig:
   if cfg.attention == "linformer":
     _check("linformer_k", cfg.linformer_k <= cfg.max_len, cfg.linformer_k,
            f"at most max_len={cfg.max_len} (E projects the L <= max_len keys to k rows)")
-  parts = {"scheme": _check_scheme(cfg, "scheme", cfg.scheme)}
+  _check_intervals(cfg)
+  parts = {field: _check_scheme(cfg, field, form) for field, form in position_schemes(cfg)}
   if cfg.segment is not None:
     parts["segment"] = _check_scheme(cfg, "segment", cfg.segment)
   for field, checked in parts.items():
     _check_linformer(cfg, field, checked)
-  _check_nope(cfg, parts["scheme"])
+  if "alternate_scheme" in parts:
+    _check_distinct(cfg, parts["scheme"], parts["alternate_scheme"])
   return cfg
 
 
-def _check_nope(cfg: ModelConfig, parts: tuple[SchemePart, ...]) -> None:
-  """``nope_layer_interval`` is 0 or a period in ``[2, N]`` for every stack's ``N`` layers
-  (1 would drop the terms of every layer: that is scheme ``none``), with a scheme that has
-  terms to drop."""
-  interval = cfg.nope_layer_interval
+def interval_field(cfg: ModelConfig) -> str:
+  """The field that set the alternate layers: ``nope_layer_interval`` (its shorthand) or
+  ``alternate_scheme_interval``."""
+  return "nope_layer_interval" if cfg.nope_layer_interval else "alternate_scheme_interval"
+
+
+def position_schemes(cfg: ModelConfig) -> list[tuple[str, Any]]:
+  """``(field, config)`` of each position scheme some layer runs: ``scheme``, and
+  ``alternate_scheme`` (``{"name": "none"}`` for NoPE layers) when its interval is set."""
+  alternate, interval = cfg.alternate()
+  return [("scheme", cfg.scheme)] + ([("alternate_scheme", alternate)] if interval else [])
+
+
+def _check_intervals(cfg: ModelConfig) -> None:
+  """Each interval is 0 or a period in ``[2, n]`` for the shortest stack's ``n`` layers (1
+  would put every layer on the alternate scheme: set ``scheme`` to it); at most one is set;
+  an alternate scheme other than ``none`` has ``alternate_scheme_interval`` set."""
   stacks = [n for n in (cfg.num_layers, cfg.num_decoder_layers) if n]
-  ok = is_int(interval) and (interval == 0 or 2 <= interval <= min(stacks))
-  _check("nope_layer_interval", ok, interval, f"0 (off) or an integer in [2, {min(stacks)}] "
-         "(the layers of the shortest stack; every N-th layer has no position terms)")
-  if interval and any(part.name == "none" for part in parts):
-    raise ModelConfigError(f"model.nope_layer_interval: got {interval} with scheme 'none', "
-                           "which has no terms to drop; allowed: 0 with scheme 'none'")
+  for field in ("nope_layer_interval", "alternate_scheme_interval"):
+    interval = getattr(cfg, field)
+    ok = is_int(interval) and (interval == 0 or 2 <= interval <= min(stacks))
+    _check(field, ok, interval, f"0 (off) or an integer in [2, {min(stacks)}] (the layers of "
+           "the shortest stack; every N-th layer runs the alternate scheme)")
+  named = _freeze(cfg.alternate_scheme) != NO_POSITION
+  if cfg.nope_layer_interval and (cfg.alternate_scheme_interval or named):
+    raise ModelConfigError(
+        f"model.nope_layer_interval: got {cfg.nope_layer_interval} with an alternate scheme "
+        "set; allowed: 0 with alternate_scheme and alternate_scheme_interval (it is their "
+        "shorthand for alternate_scheme {'name': 'none'})")
+  if named and not cfg.nope_layer_interval and not cfg.alternate_scheme_interval:
+    raise ModelConfigError(
+        f"model.alternate_scheme: got {_thaw(cfg.alternate_scheme)!r} with "
+        "alternate_scheme_interval 0 (off); allowed: an interval in [2, "
+        f"{min(stacks)}] with it, or {{'name': 'none'}}")
+
+
+def _check_distinct(cfg: ModelConfig, scheme: tuple[SchemePart, ...],
+                    alternate: tuple[SchemePart, ...]) -> None:
+  """One line when the alternate scheme is ``scheme`` itself (every layer would run it)."""
+  def form(parts):
+    return [(part.name, dict(part.values)) for part in parts]
+  if form(scheme) == form(alternate):
+    field = interval_field(cfg)
+    names = ", ".join(repr(part.name) for part in scheme)
+    raise ModelConfigError(
+        f"model.{field}: got {getattr(cfg, field)}, but the alternate scheme is model.scheme "
+        f"({names}) itself, so every layer would run it; allowed: 0, or another scheme")
 
 
 def _checked_parts(cfg: ModelConfig, field: str, label: str, form: Any,
@@ -282,24 +337,26 @@ def _checked_parts(cfg: ModelConfig, field: str, label: str, form: Any,
 
 
 def check_causal_form(cfg: ModelConfig, num_layers: int, owner: str = "decoder") -> None:
-  """One :class:`ModelConfigError` line unless ``cfg.scheme``'s causal form
-  (:func:`causal_variant`) fits a causal stack of ``num_layers`` layers (``owner``
-  names it in the message)."""
-  _checked_parts(cfg, "scheme", f"{owner} (causal form): ", causal_variant(cfg.scheme),
-                 num_layers)
+  """One :class:`ModelConfigError` line unless the causal form (:func:`causal_variant`) of
+  ``cfg.scheme`` (and of the alternate scheme when set) fits a causal stack of
+  ``num_layers`` layers (``owner`` names it in the message)."""
+  for field, form in position_schemes(cfg):
+    _checked_parts(cfg, field, f"{owner} (causal form): ", causal_variant(form), num_layers)
 
 
 def check_bidirectional_form(cfg: ModelConfig, owner: str = "encoder") -> None:
-  """One :class:`ModelConfigError` line, naming ``model.scheme``, when a part of the scheme
-  is :attr:`~posenc_jax.schemes.Scheme.causal_only` (CoPE) and so has no form for a
+  """One :class:`ModelConfigError` line, naming ``model.scheme`` (or
+  ``model.alternate_scheme``), when a part of it is
+  :attr:`~posenc_jax.schemes.Scheme.causal_only` (CoPE) and so has no form for a
   bidirectional stack: the BERT encoder, or the encoder-decoder's encoder (``owner`` names
   it in the message)."""
-  for part in scheme_parts(cfg.scheme):
-    if part.module.causal_only:
-      raise ModelConfigError(
-          f"model.scheme: got {part.name!r} in the {owner}, a bidirectional stack, but it is "
-          f"defined for causal attention only; allowed there: any position scheme but "
-          f"{_registered('causal_only')} (those run in decoders and the language model)")
+  for field, form in position_schemes(cfg):
+    for part in scheme_parts(form):
+      if part.module.causal_only:
+        raise ModelConfigError(
+            f"model.{field}: got {part.name!r} in the {owner}, a bidirectional stack, but it "
+            f"is defined for causal attention only; allowed there: any position scheme but "
+            f"{_registered('causal_only')} (those run in decoders and the language model)")
 
 
 def _registered(fact: str) -> str:
@@ -309,8 +366,8 @@ def _registered(fact: str) -> str:
 
 def _check_scheme(cfg: ModelConfig, field: str, config: Any) -> tuple[SchemePart, ...]:
   """The parts of ``config`` after checking that they fit the model's dimensions (and, for
-  the scheme of a model with a decoder, so does its causal form), each a segment scheme
-  exactly when ``field`` is ``segment``."""
+  the scheme of a model with a decoder, so does its causal form and the alternate's), each a
+  segment scheme exactly when ``field`` is ``segment``."""
   parts = _checked_parts(cfg, field, "", config, cfg.num_layers)
   if field == "scheme" and cfg.num_decoder_layers:
     check_causal_form(cfg, cfg.num_decoder_layers)
@@ -319,8 +376,8 @@ def _check_scheme(cfg: ModelConfig, field: str, config: Any) -> tuple[SchemePart
     if field == "segment" and not part.module.segment_scheme:
       raise ModelConfigError(f"model.segment: got {part.name!r}; allowed: "
                              f"{_registered('segment_scheme')} or None")
-    if field == "scheme" and part.module.segment_scheme:
-      raise ModelConfigError(f"model.scheme: got {part.name!r}, a segment scheme; allowed: a "
+    if field != "segment" and part.module.segment_scheme:
+      raise ModelConfigError(f"model.{field}: got {part.name!r}, a segment scheme; allowed: a "
                              "position scheme (segment schemes go in model.segment)")
   return parts
 

@@ -10,7 +10,8 @@ Design:
   Decoder` with no encoder): the scheme from ``config.scheme`` is built in its causal form
   (T5 unidirectional, ALiBi causal, the others as they are), called once per forward pass;
   input-level schemes (learned or sinusoidal APE) add their table to the embeddings;
-  ``config.nope_layer_interval`` takes the scheme off every N-th layer (NoPE). The KV
+  ``config.alternate_scheme`` (causal form too) replaces it on every N-th layer, and
+  ``config.nope_layer_interval`` takes it off every N-th layer (NoPE). The KV
   cache and the decoding step are the decoder's too, so cached decoding equals teacher
   forcing for every scheme (``tests/test_lm.py``).
 * **Embeddings and output.** As in the translation model (tensor2tensor): the table is
@@ -30,6 +31,7 @@ Parameter layout::
   embed/embedding                       [V, d]
   output/{kernel [d, V], bias [V]}      (share_embeddings=False)
   decoder/position/...                  the causal form's parameters
+  decoder/alternate_position/...        the alternate scheme's causal form's (when set)
   decoder/layers_{i}/{self_attention,self_attention_norm,mlp,mlp_norm}/...
   decoder/final_norm                    (pre-LN only)
 

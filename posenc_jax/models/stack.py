@@ -15,10 +15,12 @@ Positional terms follow :class:`~posenc_jax.terms.SchemeTerms`' layer axis: term
 value per layer are scanned together with the parameters, terms shared by every layer are
 broadcast once (:meth:`~posenc_jax.terms.SchemeTerms.split_layers`).
 
-NoPE layers (``ModelConfig.nope_layer_interval``) drop the position scheme's terms, which
-come first in the composed terms, and keep the rest (segment terms, Linformer's shared
-projection). Unrolled, each layer is simply called with fewer terms; scanned, a flag per
-layer is scanned with the terms and ``nn.cond`` picks the call with or without them, so
+Per-layer schemes (``ModelConfig.alternate_scheme`` every ``alternate_scheme_interval``-th
+layer; NoPE layers, ``nope_layer_interval``, are the alternate scheme ``none``): the composed
+terms are the position scheme's, then the alternate scheme's, then the rest (segment terms,
+Linformer's shared projection), and each layer takes its scheme's and the rest
+(:func:`select_terms`). Unrolled, each layer is simply called with its own; scanned, a flag
+per layer is scanned with the terms and ``nn.cond`` picks the call with one or the other, so
 one layer body (with its two branches) is still compiled and the parameters are the same.
 """
 
@@ -32,7 +34,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from posenc_jax.models.config import ModelConfig, ModelConfigError
+from posenc_jax.models.config import ModelConfig, ModelConfigError, interval_field
 from posenc_jax.terms import SchemeTerms, layer_terms
 
 Array = jax.Array
@@ -60,24 +62,28 @@ def rematerialised(layer: type[nn.Module], remat: str, scanned: bool) -> type[nn
 
 @functools.cache
 def _scan_body(layer: type[nn.Module]) -> type[nn.Module]:
-  """``layer`` as ``nn.scan``'s body: ``(x, (per_layer, nope), (shared, dropped, *args)) ->
-  (x, None)``, with ``nope`` this layer's NoPE flag (None: no layer is NoPE) and ``dropped``
-  the number of leading terms a NoPE layer drops."""
+  """``layer`` as ``nn.scan``'s body: ``(x, (per_layer, alternate), (shared, counts, *args))
+  -> (x, None)``, with ``alternate`` this layer's flag (None: no layer runs the alternate
+  scheme) and ``counts`` the position and alternate schemes' numbers of terms
+  (:func:`select_terms`)."""
 
   class Scanned(layer):
     def __call__(self, x, scanned, broadcast):
-      (per_layer, nope), (shared, dropped, *args) = scanned, broadcast
+      (per_layer, alternate), (shared, counts, *args) = scanned, broadcast
 
       def call(module, x, terms):
         return layer.__call__(module, x, terms, *args)
 
-      def without_position(module, x, terms):
-        return call(module, x, terms[dropped:])
+      def with_scheme(module, x, terms):
+        return call(module, x, select_terms(terms, False, counts))
+
+      def with_alternate(module, x, terms):
+        return call(module, x, select_terms(terms, True, counts))
 
       terms = layer_terms(per_layer, shared)
-      if nope is None:
+      if alternate is None:
         return call(self, x, terms), None
-      return nn.cond(nope, without_position, call, self, x, terms), None
+      return nn.cond(alternate, with_alternate, with_scheme, self, x, terms), None
 
   Scanned.__name__ = Scanned.__qualname__ = f"Scanned{layer.__name__}"
   return Scanned
@@ -108,39 +114,58 @@ def layer_stack(layer: type[nn.Module], config: ModelConfig, count: int, *,
   return scanned(config, name=name)
 
 
-def nope_args(config: ModelConfig, count: int, position: SchemeTerms) -> dict[str, Any]:
-  """:func:`run_stack`'s NoPE arguments for a stack of ``count`` layers whose composed terms
-  start with the position scheme's terms ``position``.
+def select_terms(terms: Sequence[Any], alternate: bool, counts: tuple[int, int]) -> list[Any]:
+  """A layer's terms out of the composed ``terms``: the position scheme's ``m``, the
+  alternate scheme's ``a`` (``counts = (m, a)``), then the rest, which every layer keeps.
+  A layer running the alternate scheme (``alternate``) drops the first ``m``, the others
+  the ``a`` after them."""
+  m, a = counts
+  return list(terms[m:]) if alternate else list(terms[:m]) + list(terms[m + a:])
+
+
+def per_layer_args(config: ModelConfig, count: int, position: SchemeTerms,
+                   alternate: SchemeTerms | None) -> dict[str, Any]:
+  """:func:`run_stack`'s per-layer arguments for a stack of ``count`` layers whose composed
+  terms start with the position scheme's terms ``position`` and the alternate scheme's
+  ``alternate`` (None: no alternate scheme is set).
 
   Raises:
-    ModelConfigError: one line when ``config.nope_layer_interval`` is set and the scheme adds
-      an input embedding (it is added once, before every layer, so no layer can drop it) or
-      asks for a content scale (a NoPE layer attends over ``q . k / sqrt(D)``).
+    ModelConfigError: one line, naming the interval field (or ``alternate_scheme``), when
+      a layer runs the alternate scheme and either scheme adds an input embedding (it is
+      added once, before every layer, so no layer can be without it) or asks for a content
+      scale (set on every layer alike).
   """
-  nope_layers = config.nope_layers(count)
-  if any(nope_layers) and position.embedding is not None:
-    raise ModelConfigError("model.nope_layer_interval: the scheme adds input embeddings, which "
-                           "no layer can drop; allowed: 0 with an input-level scheme")
-  if any(nope_layers) and position.content_scale is not None:
-    raise ModelConfigError(f"model.nope_layer_interval: the scheme sets every layer's content "
-                           f"scale to {position.content_scale}; allowed: 0 with such a scheme")
-  return {"nope_layers": nope_layers, "position_terms": len(position.terms)}
+  flags = config.alternate_layers(count)
+  if any(flags):
+    field = interval_field(config)
+    for owner, terms in ((field, position), ("alternate_scheme", alternate)):
+      which = "scheme" if owner == field else "alternate scheme"
+      if terms.embedding is not None:
+        raise ModelConfigError(f"model.{owner}: the {which} adds input embeddings, which no "
+                               f"layer can drop; allowed: 0 with an input-level scheme")
+      if terms.content_scale is not None:
+        raise ModelConfigError(f"model.{owner}: the {which} sets every layer's content scale to "
+                               f"{terms.content_scale}; allowed: 0 with such a scheme")
+  counts = (len(position.terms), 0 if alternate is None else len(alternate.terms))
+  return {"alternate_layers": flags, "counts": counts}
 
 
 def run_stack(stack: Sequence[nn.Module] | nn.Module, x: Array, terms: SchemeTerms,
-              *args, nope_layers: Sequence[bool] = (), position_terms: int = 0) -> Array:
+              *args, alternate_layers: Sequence[bool] = (),
+              counts: tuple[int, int] = (0, 0)) -> Array:
   """``x`` through every layer of ``stack`` (:func:`layer_stack`), each called with its own
   terms from ``terms`` and ``args``.
 
-  ``nope_layers`` (one flag per layer, or empty) marks the NoPE layers, which drop the
-  first ``position_terms`` of ``terms.terms`` (:func:`nope_args`).
+  ``alternate_layers`` (one flag per layer, or empty) marks the layers that run the
+  alternate scheme; each layer takes its terms by :func:`select_terms` with ``counts``
+  (:func:`per_layer_args`).
   """
   if isinstance(stack, Sequence):
-    for index, (layer, nope) in enumerate(zip(stack, nope_layers or [False] * len(stack))):
-      own = terms.for_layer(index)
-      x = layer(x, own[position_terms:] if nope else own, *args)
+    flags = alternate_layers or [False] * len(stack)
+    for index, (layer, alternate) in enumerate(zip(stack, flags)):
+      x = layer(x, select_terms(terms.for_layer(index), alternate, counts), *args)
     return x
   per_layer, shared = terms.split_layers()
-  nope = jnp.asarray(nope_layers) if any(nope_layers) else None
-  x, _ = stack(x, (per_layer, nope), (shared, position_terms, *args))
+  flags = jnp.asarray(alternate_layers) if any(alternate_layers) else None
+  x, _ = stack(x, (per_layer, flags), (shared, counts, *args))
   return x

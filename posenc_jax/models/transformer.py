@@ -19,8 +19,10 @@ Design:
   variant automatically: T5 with ``bidirectional=False``, ALiBi with
   ``causal=True``; the other schemes run under the causal mask as they are.
   Input-level schemes (learned or sinusoidal APE) add their table to the
-  embeddings. With ``config.nope_layer_interval`` every N-th layer of each
-  stack has no positional term (NoPE).
+  embeddings. With ``config.alternate_scheme`` (and its interval N) every N-th
+  layer of each stack runs a second scheme instead, built beside the first
+  (causal in the decoder); ``config.nope_layer_interval`` N leaves those layers
+  with no positional term (NoPE).
 * **Cross-attention is content only**: no positional term. Its keys are
   encoder states, which already carry the source positions, and a relative
   offset between a target and a source position has no meaning across two
@@ -42,9 +44,11 @@ Parameter layout::
   source_embed/embedding, target_embed/embedding  [V, d]   (not shared)
   output/{kernel [d, V], bias [V]}               (not shared)
   encoder/position/...                  the scheme's parameters
+  encoder/alternate_position/...        the alternate scheme's (when its interval is set)
   encoder/layers_{i}/attention/{query,key,value,out}/..., attention_norm, mlp, mlp_norm
   encoder/final_norm                    (pre-LN only)
   decoder/position/...                  the causal variant's parameters
+  decoder/alternate_position/...        the alternate scheme's causal variant's
   decoder/layers_{i}/{self_attention,cross_attention}/{query,key,value,out}/...
   decoder/layers_{i}/{self_attention_norm,cross_attention_norm,mlp,mlp_norm}/...
   decoder/final_norm                    (pre-LN only)
@@ -72,8 +76,9 @@ from posenc_jax.models.config import ModelConfig, ModelConfigError, causal_varia
 from posenc_jax.models.inputs import as_mask, check_ids_like, check_like, check_token_ids
 from posenc_jax.models.layers import (DecoderLayer, EncoderLayer, dense, layer_norm,
                                       token_embedding)
-from posenc_jax.models.stack import layer_stack, nope_args, run_stack
+from posenc_jax.models.stack import layer_stack, per_layer_args, run_stack
 from posenc_jax.schemes import build_scheme
+from posenc_jax.terms import SchemeTerms
 
 Array = jax.Array
 
@@ -101,6 +106,29 @@ def embedding_init(config: ModelConfig) -> nn.initializers.Initializer:
   return nn.initializers.normal(config.d_model ** -0.5)
 
 
+def alternate_scheme(config: ModelConfig, causal: bool,
+                     num_layers: int | None = None) -> nn.Module | None:
+  """The alternate scheme's module (``alternate_position``; its causal form for a decoder),
+  built for a stack of ``num_layers`` (None: ``config.num_layers``), or None when no layer
+  runs it. Call inside a compact ``__call__``."""
+  form, interval = config.alternate()
+  if not interval:
+    return None
+  form = causal_variant(form) if causal else form
+  return build_scheme(form, **scheme_dims(config, num_layers), name="alternate_position")
+
+
+def stack_terms(config: ModelConfig, num_layers: int, position: nn.Module,
+                alternate: nn.Module | None, length: int, position_ids: Array | None = None
+                ) -> tuple[SchemeTerms, dict]:
+  """The terms of a stack of ``num_layers`` layers over ``length`` positions (the position
+  scheme's, then the alternate scheme's) and :func:`~posenc_jax.models.stack.run_stack`'s
+  per-layer arguments."""
+  own = position(length, None, position_ids)
+  other = None if alternate is None else alternate(length, None, position_ids)
+  return own + (other or SchemeTerms()), per_layer_args(config, num_layers, own, other)
+
+
 class Encoder(nn.Module):
   """Scaled token embeddings, the scheme's terms, N encoder layers.
 
@@ -125,13 +153,13 @@ class Encoder(nn.Module):
     batch, length = check_token_ids("Encoder", "src_ids", src_ids, vocab_size=cfg.vocab_size)
     check_like("Encoder", "src_mask", src_mask, (batch, length))
     mask = as_mask(src_mask, (batch, length))
-    terms = position(length)
+    terms, per_layer = stack_terms(cfg, cfg.num_layers, position, alternate_scheme(cfg, False),
+                                   length)
     x = self.embed(src_ids).astype(jnp.float32) * math.sqrt(cfg.d_model)
     x = terms.embed(x)
     x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic).astype(cfg.compute_dtype)
     layers = layer_stack(EncoderLayer, cfg, cfg.num_layers, name="layers")
-    x = run_stack(layers, x, terms, mask, terms.content_scale, deterministic,
-                  **nope_args(cfg, cfg.num_layers, terms))
+    x = run_stack(layers, x, terms, mask, terms.content_scale, deterministic, **per_layer)
     if cfg.pre_ln:
       x = layer_norm(cfg, "final_norm")(x)
     return x
@@ -214,13 +242,15 @@ class Decoder(nn.Module):
                        "positions by step; pass them only without decode")
     position = build_scheme(causal_variant(cfg.scheme), **scheme_dims(cfg, self.num_layers),
                             name="position")
+    alternate = alternate_scheme(cfg, True, self.num_layers)
     step = decode and self._decode_length() is not None
     x = self.embed(tgt_ids).astype(jnp.float32) * math.sqrt(cfg.d_model)
     if step:
       if tgt_mask is not None:
         raise ValueError("tgt_mask: a decoding step takes no target mask")
       length = self._decode_length()
-    terms = position(length, None, position_ids)
+    terms, per_layer = stack_terms(cfg, self.num_layers, position, alternate, length,
+                                   position_ids)
     if decode:
       cache_index = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
     if step:
@@ -233,7 +263,7 @@ class Decoder(nn.Module):
     x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic).astype(cfg.compute_dtype)
     layers = layer_stack(DecoderLayer, cfg, self.num_layers, remat=not decode, name="layers")
     x = run_stack(layers, x, terms, encoded, tgt_mask, src_mask, terms.content_scale, decode,
-                  deterministic, packed_segment_ids, **nope_args(cfg, self.num_layers, terms))
+                  deterministic, packed_segment_ids, **per_layer)
     if cfg.pre_ln:
       x = layer_norm(cfg, "final_norm")(x)
     return x
