@@ -23,6 +23,12 @@ gradient: each logit-cotangent tile is summed along its diagonals
 (``O(block_q (block_q + block_k))`` per tile) into the offsets it covers;
 JAX then carries that gradient back through the scheme's gather to its table.
 
+A separable term (``row_bias [B, H, Lq]``, ``col_bias [B, H, Lk]``: logit ``(i, j)`` gets
+``row_bias[i] + col_bias[j]``, the forgetting gates' ``c_i - c_j``) is read per tile as a
+``[bq, 1]`` column and a ``[1, bk]`` row and added in float32 whatever q's dtype; the
+backward returns its gradients ``sum_j dS_ij`` (the query-block kernel) and ``sum_i dS_ij``
+(the key-block kernel). The Hopper passes take none.
+
 Masking: ``q_segment_ids [B, Lq]`` and ``kv_segment_ids [B, Lk]`` (packed
 sequences: a query sees only keys of its own segment), a ``mask [B, Lk]`` of
 keys (True = attend), and ``causal`` (``j > i`` masked, top-left aligned as
