@@ -18,8 +18,9 @@ import seqio
 from posenc_jax.data import tasks as tasks_lib
 from posenc_jax.presets import preset_config
 from posenc_jax.training import finetune, input_pipeline, workdir
-from posenc_jax.training.checkpoint import CheckpointError, check_writable
+from posenc_jax.training.checkpoint import Checkpointer, CheckpointError, check_writable
 from posenc_jax.training.config import TrainConfigError, base_train_config
+from posenc_jax.training.loop import BestKeeper, train
 from posenc_jax.training.metrics import MetricWriter
 from posenc_jax.training.workdir import WorkdirError, read_metrics, saved_config, saved_model
 
@@ -157,16 +158,16 @@ def test_claim_refuses_a_foreign_file_and_changes_nothing(tmp_path, name, conten
 
 
 def test_a_torn_metrics_line_resumes_bit_identical(tmp_path, caplog):
-  """4 steps in one go, against 2 steps, then the tail a kill during step 3's metrics write
-  leaves, then a resume to 4: the torn line is dropped with a warning, every step's record
-  appears once, and the parameters and every step's loss are the same (max difference 0)."""
-  from posenc_jax.training.loop import train  # noqa: PLC0415
-
+  """4 steps in one go; its workdir as a kill during step 3's metrics write leaves it
+  (checkpoint 2, the records of steps 1-2 and a torn one of step 3), resumed to 4: the torn
+  line is dropped with a warning, every step's record appears once, and the parameters and
+  every step's loss are the same (max difference 0)."""
   whole = train(config(4), str(tmp_path / "whole"), data=synthetic)
   split = tmp_path / "split"
-  train(config(2), str(split), data=synthetic)
-  with (split / "metrics.jsonl").open("a") as f:
-    f.write('{"step": 3, "loss": 4.1')
+  shutil.copytree(tmp_path / "whole", split)
+  shutil.rmtree(split / "checkpoints" / "4")
+  lines = (split / "metrics.jsonl").read_text().splitlines(keepends=True)
+  (split / "metrics.jsonl").write_text("".join(lines[:2]) + lines[2][:24])
   resumed = train(config(4), str(split), data=synthetic)
   assert "dropped its last line, torn by a killed write" in caplog.text
   assert [h["step"] for h in resumed["history"]] == [3, 4]
@@ -193,10 +194,10 @@ def empty_tasks(tmp_path_factory):
   (folder / "lines.txt").write_text("a gloss of a word\nanother gloss\n")
   vocabulary = seqio.get_mixture_or_task("wordnet_glosses").output_features["text"].vocabulary
   files = {"empty": str(folder / "empty.txt"), "lines": str(folder / "lines.txt")}
-  for name, (train, validation) in {"faults_empty_train": ("empty", "lines"),
-                                    "faults_empty_validation": ("lines", "empty")}.items():
+  for name, (training, validation) in {"faults_empty_train": ("empty", "lines"),
+                                       "faults_empty_validation": ("lines", "empty")}.items():
     if name not in seqio.TaskRegistry.names():
-      tasks_lib.register_text_lines(name, {"train": files[train],
+      tasks_lib.register_text_lines(name, {"train": files[training],
                                            "validation": files[validation]}, vocabulary)
   return folder
 
@@ -244,6 +245,19 @@ def test_a_folder_that_cannot_be_written_fails_at_once(tmp_path):
     check_writable(str(tmp_path / "file" / "best"), "best")
   check_writable(str(tmp_path / "fine"), "checkpoints")
   assert os.listdir(tmp_path / "fine") == []  # the probe is gone
+
+
+def test_checkpoint_folders_are_probed_before_the_first_save(tmp_path):
+  """checkpoints/ blocked after the start (a file in its place): the first save fails at
+  once; best/ blocked: the keeper of the best evaluation refuses to start."""
+  checkpointer = Checkpointer(str(tmp_path), save_interval_steps=1, async_save=True)
+  (tmp_path / "checkpoints").rmdir()
+  (tmp_path / "checkpoints").write_text("")
+  with pytest.raises(CheckpointError, match=r"^checkpoints: .* is not writable \(File exists\)$"):
+    checkpointer.save(1, {"w": jax.numpy.ones(2)}, {"step": 1}, force=True)
+  (tmp_path / "best").write_text("")
+  with pytest.raises(CheckpointError, match=rf"^best: {tmp_path}/best is not writable"):
+    BestKeeper(str(tmp_path), "eval_accuracy")
 
 
 def test_unwritable_files_are_refused_by_claim(tmp_path, monkeypatch):
