@@ -119,6 +119,7 @@ def attention_arrays(plan: route_plan.Plan, forms: tuple[TermForm, ...], batch: 
   if not logits:  # cuDNN: the bias is all that is materialised
     return (bias if training and remat != "full" else 0), bias
   arrays = batch * square
+  # Attention dropout keeps its multipliers and the dropped probabilities too.
   kept = (KEPT_ATTENTION[remat] + (2 if dropout and remat == "none" else 0)) * arrays
   return (kept if training else 0), bias + WORKING_ATTENTION * arrays
 
