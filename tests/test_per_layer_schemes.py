@@ -13,11 +13,12 @@ from flax import nnx
 
 from posenc_jax.attention import MultiHeadAttention
 from posenc_jax.models import BertEncoder, ModelConfigError, model_config
-from posenc_jax.models.build import build_model
+from posenc_jax.models.build import build_model, check_head
 from posenc_jax.models.scan import layout_for
 from posenc_jax.nnx import to_nnx
 from posenc_jax.presets import preset_config
 from posenc_jax.schemes import build_scheme
+from tests.test_configs import _parsed
 from tests.test_lm import cached_logits, init_lm, token_ids
 from tests.test_nope import IDS, TOL, both_layouts, tiny
 
@@ -157,6 +158,18 @@ def test_gemma3_preset_puts_the_long_base_on_every_sixth_layer():
   assert cfg.alternate_layers(12) == ((False,) * 5 + (True,)) * 2
   assert cfg.alternate() == ({"name": "rope", "base": 1e6}, 6)
   assert cfg.scheme["name"] == "rope" and "base" not in cfg.scheme
+
+
+def test_the_alternate_is_set_from_the_command_line():
+  """``--config.model.alternate_scheme.<field>`` as for ``model.scheme``: a new name, then
+  its hyperparameters with their types, and the interval."""
+  config = _parsed("configs/pretrain.py:bert_small,rope",
+                   "--config.model.alternate_scheme.name=rope",
+                   "--config.model.alternate_scheme.base=1000000",
+                   "--config.model.alternate_scheme_interval=4")
+  cfg = check_head(config.model, config.head)
+  assert cfg.alternate() == ({"name": "rope", "base": 1e6}, 4)
+  assert cfg.alternate_layers(4) == (False, False, False, True)
 
 
 @pytest.mark.parametrize("fields, message", [
