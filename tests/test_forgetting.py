@@ -62,10 +62,15 @@ def test_term_and_attention_equal_the_float64_formula():
   x = inputs()
   want = reference_bias(w, b, x)
   causal = np.tril(np.ones((L, L), bool))
-  got = term(w, b, x).logits(jnp.zeros((B, L, H, D)), 1.0)
-  np.testing.assert_allclose(np.where(causal, got, 0.0), want, rtol=1e-5, atol=1e-5)
   q, k, v = qkv(length=L)
-  out = attend(q, k, v, [term(w, b, x)], causal=True, route="reference")
+
+  @jax.jit
+  def run(x):
+    t = term(w, b, x)
+    return t.logits(q, 1.0), attend(q, k, v, [t], causal=True, route="reference")
+
+  got, out = run(x)
+  np.testing.assert_allclose(np.where(causal, got, 0.0), want, rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(out, attention_float64(q, k, v, D**-0.5, want, causal), **TOL)
 
 
@@ -73,7 +78,8 @@ def test_diagonal_is_zero_and_the_bias_falls_with_the_distance():
   """``b(i, i) = 0`` and ``b(i, j - 1) <= b(i, j)`` for ``j <= i`` (each step adds a
   ``log f < 0``); a wrong sign or an off-by-one in the sum's range breaks one of them."""
   w, b = gate_params(3)
-  bias = np.asarray(term(w, b, inputs(4)).logits(jnp.zeros((B, L, H, D)), 1.0))
+  bias = np.asarray(jax.jit(lambda x: term(w, b, x).logits(jnp.zeros((B, L, H, D)), 1.0))(
+      inputs(4)))
   np.testing.assert_array_equal(np.diagonal(bias, axis1=-2, axis2=-1), 0.0)
   steps = bias[..., :, 1:] - bias[..., :, :-1]  # b(i, j) - b(i, j - 1)
   below = np.tril(np.ones((L, L - 1), bool), 0)  # j = 1..i
@@ -105,7 +111,8 @@ def test_fused_route_equals_reference_in_values_and_gradients():
     def f(q, k, v, w, b, x):
       t = term(w, b, x, ids)
       return jnp.sum(jnp.sin(attend(q, k, v, [t], causal=True, route=route, **kwargs)))
-    return jax.value_and_grad(f, argnums=range(6))(q, k, v, jnp.asarray(w), jnp.asarray(b), x)
+    return jax.jit(jax.value_and_grad(f, argnums=range(6)))(q, k, v, jnp.asarray(w),
+                                                            jnp.asarray(b), x)
 
   (ref, ref_grads), (fus, fus_grads) = loss("reference"), loss("fused")
   np.testing.assert_allclose(fus, ref, **TOL)
@@ -121,9 +128,10 @@ def test_a_packed_row_has_each_sequences_vectors():
   w, b = gate_params(7)
   x = inputs(8, L)[:1]
   ids = jnp.array([[1] * 9 + [2] * 7])
-  rows, cols = term(w, b, x, ids).vectors(L)
+  vectors = lambda x, ids=None: term(w, b, x, ids).vectors(x.shape[1])  # noqa: E731
+  rows, cols = jax.jit(vectors)(x, ids)
   for part in (slice(0, 9), slice(9, L)):
-    alone = term(w, b, x[:, part]).vectors(part.stop - part.start)
+    alone = jax.jit(vectors)(x[:, part])
     np.testing.assert_allclose(rows[..., part], alone[0], rtol=1e-6, atol=2e-6)
     np.testing.assert_allclose(cols[..., part], alone[1], rtol=1e-6, atol=2e-6)
 
@@ -138,8 +146,8 @@ def test_bfloat16_inputs_keep_the_vectors_in_float32():
   f32 = [a.astype(jnp.float32) for a in (q, k, v)]
   want = attention_float64(*f32, D**-0.5, c[..., :, None] - c[..., None, :],
                            np.tril(np.ones((L, L), bool)))
-  run = lambda r, s: relative_flash_attention(q, k, v, row_bias=r, col_bias=s,  # noqa: E731
-                                              causal=True, block_q=16, block_k=16)
+  run = jax.jit(lambda r, s: relative_flash_attention(q, k, v, row_bias=r, col_bias=s,
+                                                      causal=True, block_q=16, block_k=16))
   np.testing.assert_allclose(run(c, -c).astype(jnp.float32), want, atol=3e-2)
   rounded = c.astype(jnp.bfloat16)
   assert np.abs(run(rounded, -rounded).astype(jnp.float32) - want).max() > 0.2
