@@ -112,7 +112,8 @@ def _padded_call(length, block_k=64, causal=False, dropout=0.0):
   qseg = jnp.zeros((1, length, 1), jnp.int32)
   kseg = jnp.where(jnp.arange(length) < length - 9, 0, -1)[None, None, :].astype(jnp.int32)
   seed = jnp.array([[1234]], jnp.int32)
-  args = (*head_major, obp, qseg, kseg, seed)
+  rows, cols = jnp.zeros((1, H, length, 1)), jnp.zeros((1, H, 1, length))  # no separable term
+  args = (*head_major, obp, qseg, kseg, rows, cols, seed)
   return cfg, args
 
 
