@@ -260,10 +260,11 @@ def host_available() -> int:
 
 
 def available(device: jax.Device | None = None) -> tuple[int, str]:
-  """``(bytes, where)``: the memory free on ``device`` (None: the first device) from its
+  """``(bytes, where)``: the memory free on ``device`` (None: this process's first device; with
+  several processes only their own devices report memory) from its
   ``memory_stats()`` (``bytes_limit - bytes_in_use``), or where the device reports none (CPU)
   the host's available memory; ``where`` names it for a message."""
-  device = jax.devices()[0] if device is None else device
+  device = jax.local_devices()[0] if device is None else device
   stats = device.memory_stats() or {}
   if "bytes_limit" in stats:
     return stats["bytes_limit"] - stats.get("bytes_in_use", 0), f"{device.device_kind} memory"

@@ -306,11 +306,17 @@ def _two_processes(tmp_path, name, files, steps):
 
 
 def test_two_processes_resume_from_their_own_input_states(corpus, tmp_path):
-  """Two processes, source-sharded (2 files each): stopping at 3 and rerunning to 6 restores
-  each process's own iterator state and gives the uninterrupted run's losses."""
+  """Two processes, source-sharded (2 files each): a run stopped after its step-3 checkpoint
+  and rerun to 6 restores each process's own iterator state and gives the uninterrupted run's
+  losses. The stopped run is the uninterrupted one's workdir without its step-6 checkpoint
+  (what a kill between the two saves leaves), so the job runs twice instead of three times."""
+  import shutil  # noqa: PLC0415
+
   _, files, _ = corpus
   whole, _ = _two_processes(tmp_path, "whole", files, 6)
-  _two_processes(tmp_path, "split", files, 3)
+  shutil.copytree(tmp_path / "whole", tmp_path / "split")
+  shutil.rmtree(tmp_path / "split" / "checkpoints" / "6")
+  assert sorted(os.listdir(tmp_path / "split" / "checkpoints")) == ["3"]
   for k in (0, 1):
     assert (tmp_path / "split" / "checkpoints" / "3" / "input" / f"process_{k}-of-2" /
             "iterator.index").exists()
