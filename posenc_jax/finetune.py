@@ -12,7 +12,7 @@ command-line flags.
 ``--sweep`` runs ``config.sweep.seeds`` x ``config.sweep.learning_rates`` (each
 ``--config.sweep.seeds=0,1,2`` or ``='(0, 1, 2)'``) and writes the median-of-best table
 (sweep.json, sweep.md) as DIET reports it. A ``--config.`` field the run would not read
-is refused (:func:`posenc_jax.training.config.check_overrides`): ``sweep.*`` without
+is refused (:func:`posenc_jax.training.overrides.check_overrides`): ``sweep.*`` without
 ``--sweep``, and a ``model.`` architecture field when ``--init_checkpoint`` supplies the
 model (no presets in the config argument).
 """
@@ -40,7 +40,7 @@ def main(argv):
   cli.quiet_library_tracebacks()
   cli.quiet_library_notices()
   cli.start_tensorflow_quietly()
-  from posenc_jax.training.config import check_overrides  # noqa: PLC0415
+  from posenc_jax.training.overrides import check_overrides  # noqa: PLC0415
   from posenc_jax.training.errors import USER_ERRORS  # noqa: PLC0415
   from posenc_jax.training.finetune import finetune, sweep, sweep_table  # noqa: PLC0415
 

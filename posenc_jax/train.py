@@ -11,7 +11,7 @@ defines its command-line flags.
       --config.model.scheme.factor=4 --workdir=/tmp/posenc_lm_yarn
 
 A ``--config.`` field the run would not read (``mask_rate`` on a language model, say) is
-refused in one line (:func:`posenc_jax.training.config.check_overrides`).
+refused in one line (:func:`posenc_jax.training.overrides.check_overrides`).
 
 Multi-host: on TPU pods ``jax.distributed`` initialises itself; on GPU
 clusters pass ``--coordinator_address``, ``--num_processes`` and
@@ -58,7 +58,7 @@ def main(argv):
   cli.quiet_library_notices()
   cli.start_tensorflow_quietly()
   initialise_distributed()
-  from posenc_jax.training.config import check_overrides  # noqa: PLC0415
+  from posenc_jax.training.overrides import check_overrides  # noqa: PLC0415
   from posenc_jax.training.errors import USER_ERRORS  # noqa: PLC0415
   from posenc_jax.training.loop import train  # noqa: PLC0415
 

@@ -20,7 +20,8 @@ from ml_collections import config_flags
 from posenc_jax import cli
 from posenc_jax.models.build import check_head
 from posenc_jax.schemes.registry import SCHEMES
-from posenc_jax.training.config import TrainConfigError, check_overrides, validate_train_config
+from posenc_jax.training.config import TrainConfigError, validate_train_config
+from posenc_jax.training.overrides import check_overrides
 from tests import forked_cli
 from tests.conftest import SCHEME_CONFIGS
 
