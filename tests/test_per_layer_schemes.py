@@ -99,8 +99,8 @@ def test_each_layer_receives_its_schemes_terms():
 def test_scanned_equals_unrolled_with_gradients():
   """The scanned stack's ``nn.cond`` between the two schemes' terms gives the unrolled
   values and gradients (BERT, 2 layers: DIET-REL on layer 0, T5 on layer 1, both with
-  per-layer tables; remat on)."""
-  cfg = alternating(remat="full", scheme={"name": "diet_rel", "clip": 3}, num_layers=2,
+  per-layer tables; under remat: ``tests/test_nope.py``)."""
+  cfg = alternating(scheme={"name": "diet_rel", "clip": 3}, num_layers=2,
                     alternate_scheme_interval=2)
   unrolled, scanned, params, stacked = both_layouts(cfg, "mlm", IDS)
   loss = lambda model, p: jnp.sum(jnp.sin(model.apply({"params": p}, IDS)))  # noqa: E731
@@ -141,7 +141,7 @@ def test_encoder_decoder_builds_the_causal_alternate_in_the_decoder():
 def test_language_model_decodes_as_it_is_teacher_forced():
   """Scanned, RoPE on layer 0 and causal ALiBi on layer 1: one cached step per position
   gives the teacher-forced logits, which differ from RoPE alone."""
-  ids = token_ids(6)
+  ids = token_ids(6, length=4)
   model, params = init_lm(ROPE, alternate_scheme={"name": "alibi"},
                           alternate_scheme_interval=2)
   forced = model.apply({"params": params}, ids)
