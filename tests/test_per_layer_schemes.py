@@ -18,6 +18,7 @@ from posenc_jax.models.scan import layout_for
 from posenc_jax.nnx import to_nnx
 from posenc_jax.presets import preset_config
 from posenc_jax.schemes import build_scheme
+from posenc_jax.training.metrics import train_flops_per_step
 from tests.test_configs import _parsed
 from tests.test_lm import cached_logits, init_lm, token_ids
 from tests.test_nope import IDS, TOL, both_layouts, tiny
@@ -244,3 +245,22 @@ def test_bert_with_an_alternate_scheme_runs_under_nnx():
   assert "alternate_position" in params
   jax.tree.map(np.testing.assert_array_equal, encoder(IDS),
                BertEncoder(cfg).apply({"params": params}, IDS))
+
+
+@pytest.mark.parametrize("head", ["mlm", "lm", "translation"])
+def test_flops_charge_each_layer_its_own_scheme(head):
+  """Over 2 layers with Shaw's terms (query-offset products) on one and none on the other,
+  the training FLOPs are the mean of the all-Shaw and the all-none models' (the same
+  layers, input work and head either way)."""
+  fields = {"nope_layer_interval": 0, "num_layers": 2, "num_decoder_layers": 0}
+  if head == "translation":
+    fields["num_decoder_layers"] = 2
+  shaw, none = {"name": "shaw", "clip": 3}, {"name": "none"}
+  flops = {name: train_flops_per_step(tiny(**(fields | config)), 2, 6, head=head)
+           for name, config in (
+               ("shaw", {"scheme": shaw}), ("none", {"scheme": none}),
+               ("mixed", {"scheme": shaw, "alternate_scheme": none,
+                          "alternate_scheme_interval": 2}),
+               ("nope", {"scheme": shaw, "nope_layer_interval": 2}))}
+  assert flops["shaw"] > flops["none"]
+  assert flops["mixed"] == flops["nope"] == (flops["shaw"] + flops["none"]) // 2

@@ -29,7 +29,8 @@ import jax.numpy as jnp
 from etils import epath
 
 from posenc_jax.cli import is_remote
-from posenc_jax.models.config import HEADS, ModelConfig, causal_variant, model_config, scheme_dims
+from posenc_jax.models.config import (HEADS, ModelConfig, causal_variant, model_config,
+                                      position_schemes, scheme_dims)
 from posenc_jax.schemes.base import is_int
 from posenc_jax.schemes.registry import SchemePart, scheme_parts
 from posenc_jax.training.workdir import METRICS_FILE, WorkdirError, read_metrics
@@ -167,24 +168,44 @@ def _mlp(cfg: ModelConfig, tokens: int) -> int:
   return 2 * 2 * cfg.d_model * cfg.mlp_dim * tokens
 
 
-def _stack(cfg: ModelConfig, num_layers: int, length: int, parts: tuple[SchemePart, ...],
-           **attention: bool) -> int:
+def _stack(cfg: ModelConfig, num_layers: int, length: int,
+           schemes: tuple[tuple[SchemePart, ...], tuple[SchemePart, ...]],
+           shared: tuple[SchemePart, ...] = (), **attention: bool) -> int:
   """Forward FLOPs of one example through ``num_layers`` layers of self-attention over
-  ``length`` tokens and MLP, with the scheme ``parts``: the folded rank each adds to
-  ``Q K^T``, its terms' work in every layer, and its own once per pass (the classes'
+  ``length`` tokens and MLP, with the position scheme's parts and the alternate scheme's
+  (``schemes``; the latter on the layers ``cfg.alternate_layers`` marks) and the ``shared``
+  parts on every layer: the folded rank each adds to ``Q K^T``, its terms' work in each of
+  its layers, and its own once per pass (the classes'
   :meth:`~posenc_jax.schemes.Scheme.folded_rank`, ``layer_flops`` and ``input_flops``).
   ``attention``: :func:`_attention`'s ``causal`` and ``linformer``."""
   dims = scheme_dims(cfg, num_layers)
-  rank = sum(p.module.folded_rank(p.values, cfg.dim_per_head) for p in parts)
-  layer = (_attention(cfg, length, length, rank=rank, **attention) + _mlp(cfg, length)
-           + sum(p.module.layer_flops(p.values, dims, length) for p in parts))
-  return num_layers * layer + sum(p.module.input_flops(p.values, dims, length) for p in parts)
+
+  def layer(parts):
+    rank = sum(p.module.folded_rank(p.values, cfg.dim_per_head) for p in parts)
+    return (_attention(cfg, length, length, rank=rank, **attention) + _mlp(cfg, length)
+            + sum(p.module.layer_flops(p.values, dims, length) for p in parts))
+
+  own, other = schemes
+  alternate = sum(cfg.alternate_layers(num_layers))
+  flops = (num_layers - alternate) * layer(own + shared) + (
+      alternate * layer(other + shared) if alternate else 0)
+  return flops + sum(p.module.input_flops(p.values, dims, length) for p in own + other + shared)
+
+
+def _position_parts(cfg: ModelConfig, causal: bool = False
+                    ) -> tuple[tuple[SchemePart, ...], tuple[SchemePart, ...]]:
+  """The parts of the position scheme and of the alternate scheme (none without its
+  interval), in their causal forms for a decoder."""
+  parts = [scheme_parts(causal_variant(form) if causal else form)
+           for _, form in position_schemes(cfg)]
+  return parts[0], parts[1] if len(parts) > 1 else ()
 
 
 def _encoder(cfg: ModelConfig, length: int) -> int:
   """Forward FLOPs of the encoder stack for one example of ``length`` tokens."""
-  parts = scheme_parts(cfg.scheme) + (() if cfg.segment is None else scheme_parts(cfg.segment))
-  return _stack(cfg, cfg.num_layers, length, parts, linformer=cfg.attention == "linformer")
+  segment = () if cfg.segment is None else scheme_parts(cfg.segment)
+  return _stack(cfg, cfg.num_layers, length, _position_parts(cfg), segment,
+                linformer=cfg.attention == "linformer")
 
 
 def _decoder(cfg: ModelConfig, num_layers: int, length: int,
@@ -192,8 +213,7 @@ def _decoder(cfg: ModelConfig, num_layers: int, length: int,
   """Forward FLOPs of a decoder stack of ``num_layers`` layers for one example: causal
   self-attention with the scheme's causal form, content-only cross-attention to
   ``source_length`` states (None: decoder-only, none), MLP."""
-  parts = scheme_parts(causal_variant(cfg.scheme))
-  flops = _stack(cfg, num_layers, length, parts, causal=True)
+  flops = _stack(cfg, num_layers, length, _position_parts(cfg, causal=True), causal=True)
   if source_length is not None:
     flops += num_layers * _attention(cfg, length, source_length)
   return flops
