@@ -18,6 +18,8 @@ from posenc_jax.models.scan import layout_for
 from posenc_jax.nnx import to_nnx
 from posenc_jax.presets import preset_config
 from posenc_jax.schemes import build_scheme
+from posenc_jax.training.config import (TrainConfigError, base_train_config,
+                                        validate_train_config)
 from posenc_jax.training.metrics import train_flops_per_step
 from tests.test_configs import _parsed
 from tests.test_lm import cached_logits, init_lm, token_ids
@@ -264,3 +266,16 @@ def test_flops_charge_each_layer_its_own_scheme(head):
                ("nope", {"scheme": shaw, "nope_layer_interval": 2}))}
   assert flops["shaw"] > flops["none"]
   assert flops["mixed"] == flops["nope"] == (flops["shaw"] + flops["none"]) // 2
+
+
+def test_an_alternate_absolute_table_bounds_the_training_length():
+  """DIET-ABS (a table of max_len positions) as the alternate: seq_len past max_len is
+  refused when the train config is validated, naming it, as for model.scheme."""
+  train = base_train_config()
+  train.model = tiny(nope_layer_interval=0, alternate_scheme={"name": "diet_abs", "rank": 4},
+                     alternate_scheme_interval=2).to_dict()
+  train.seq_len, train.optimizer.warmup_steps = 17, 10
+  with pytest.raises(TrainConfigError) as e:
+    validate_train_config(train)
+  assert str(e.value).startswith("seq_len: 17 exceeds model.max_len=16, the length scheme "
+                                 "'diet_abs' covers")

@@ -11,7 +11,7 @@ import ml_collections
 from posenc_jax.data.randomized_positions import EVAL_POSITIONS, TOKENS
 from posenc_jax.messages import nearest
 from posenc_jax.models.build import HEADS, check_head
-from posenc_jax.models.config import ModelConfig
+from posenc_jax.models.config import ModelConfig, position_schemes
 from posenc_jax.schemes.registry import scheme_parts
 from posenc_jax.training.mesh import check_mesh_config
 from posenc_jax.training.objectives import HEAD_OF, OBJECTIVES
@@ -84,8 +84,11 @@ def _positive_int(config, field: str) -> None:
 
 
 def absolute_table_schemes(cfg: ModelConfig) -> list[str]:
-  """Names of the schemes of ``cfg.scheme`` that own an absolute position table."""
-  return [part.name for part in scheme_parts(cfg.scheme) if part.module.absolute_table]
+  """Names of the parts of the position schemes (``cfg.scheme`` and the alternate scheme
+  some layers run, :func:`~posenc_jax.models.config.position_schemes`) that own an absolute
+  position table."""
+  return [part.name for _, form in position_schemes(cfg) for part in scheme_parts(form)
+          if part.module.absolute_table]
 
 
 def compilation_cache_dir(config: ml_collections.ConfigDict) -> str | None:
