@@ -1,10 +1,10 @@
 """Benchmarks: tools that time the library, one module per tool (``python -m <module>``).
 
-    steps        each scheme's BERT train and inference steps against a baseline's
+    steps        each scheme's model train and inference steps against a baseline's
     routes       each attention kernel and route at one shape; points for the route table
     compile      compile seconds with unrolled and with scanned layers
     pipeline     the masked-LM input pipeline alone, per simulated host
-    model_steps  the masked-LM BERT that ``steps``, ``compile`` and the comparison time
+    model_steps  the masked-LM BERT (causal LM: causal-only schemes) that the tools time
     timing       medians of steps timed alternately
     flags        the model-shape flags several tools take, and the check of the files they write
 """

@@ -25,7 +25,8 @@ strings. ``train_config``, ``finetune_config`` are config specs where ``{size}``
 ``--config.<field>`` overrides for every run (the budgets; a field not listed there is
 added in a copy of this file); ``evaluate`` holds the evaluate tool's flags (unset: its
 defaults). ``cost`` times each scheme's training step and its peak
-memory against ``baseline`` (default: the first scheme) with ``posenc_jax.benchmarks``.
+memory against ``baseline`` (default: the first scheme) with ``posenc_jax.benchmarks``: the
+masked-LM BERT's, the causal LM's for a causal-only scheme (cope, fox) and the baseline beside it.
 The defaults run on the bundled data on a laptop CPU in minutes.
 """
 
@@ -80,7 +81,7 @@ def get_config(arg="extrapolation"):
     return config
   if arg == "extrapolation":
     config = _base(arg, "extrapolation",
-                   "bert,sinusoidal,rope,alibi,t5,diet_rel,kerple_log,fire,xpos", "0")
+                   "bert,sinusoidal,rope,alibi,t5,diet_rel,kerple_log,fire,xpos,cope,fox", "0")
     config.train_config = "configs/lm.py:{size},{scheme}"
     config.train.update(short | dict(total_steps=300, log_every=100, eval_every=100,
                                      checkpoint_every=100, seq_len=32))

@@ -1,0 +1,102 @@
+"""The step benchmark's models (posenc_jax/benchmarks/model_steps.py): a causal-only scheme
+(CoPE, the forgetting gates) is timed on the causal LM, against the baseline on the same model,
+in ``python -m posenc_jax.benchmarks.steps`` and in compare's cost column."""
+
+import json
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from posenc_jax import presets
+from posenc_jax.benchmarks import model_steps, steps
+from posenc_jax.comparison import cost, plan
+from posenc_jax.configs.compare import get_config
+from posenc_jax.schemes import SCHEMES
+
+# bert_tiny shrunk for the tests: what every benchmark --size tiny model is built from.
+TINY = dict(vocab_size=64, d_model=32, num_layers=1, num_heads=2, mlp_dim=64, max_len=16)
+DIMS = dict(batch=2, length=8, dtype="float32")
+
+
+@pytest.fixture
+def tiny(monkeypatch):
+  monkeypatch.setitem(presets.SIZES, "bert_tiny", TINY)
+
+
+def test_the_model_is_the_lm_exactly_when_a_scheme_is_causal_only(monkeypatch):
+  assert [model_steps.model_of(s) for s in ("bert", "none", "rope", "alibi", "cope", "fox")] == [
+      "mlm", "mlm", "mlm", "mlm", "lm", "lm"]
+  assert model_steps.model_of("rope", "cope") == model_steps.model_of("cope", "bert") == "lm"
+  monkeypatch.setattr(SCHEMES["rope"].module, "causal_only", True)  # the class's fact decides
+  assert model_steps.model_of("rope") == "lm"
+
+
+def test_a_causal_only_scheme_builds_the_lm_and_its_train_step_runs(tiny):
+  cfg, train, infer, init = model_steps.model_steps("tiny", "cope", **DIMS)
+  assert cfg.scheme["name"] == "cope" and cfg.segment is None and cfg.d_model == 32
+  params, opt_state = jax.jit(init)()
+  assert "decoder" in params and "bert" not in params  # CausalLM's tree, not BERT's
+  new, _ = jax.jit(train)(params, opt_state)
+  leaves = jax.tree.leaves(new)
+  assert all(np.isfinite(x).all() for x in leaves)  # a finite loss gives finite gradients
+  assert any(not np.array_equal(a, b) for a, b in zip(leaves, jax.tree.leaves(params)))
+  assert infer(new).shape == (2, 8, 64)
+
+
+def test_the_baseline_builds_on_the_lm_too(tiny):
+  """``bert`` (learned APE) has a causal form: the LM rows' baseline is that LM."""
+  cfg, _, infer, init = model_steps.model_steps("tiny", "bert", head="lm", **DIMS)
+  params, _ = jax.eval_shape(init)
+  assert cfg.scheme["name"] == "learned_ape" and "decoder" in params
+  assert jax.eval_shape(infer, params).shape == (2, 8, 64)
+
+
+def fake_compiled(built):
+  """compiled_steps without compiling: the config, and steps that sleep 1 ms."""
+  def compiled(size, scheme, *, head=None, **dims):
+    built.append((scheme, head))
+    cfg = model_steps.model_steps(size, scheme, head=head, **dims)[0]
+    return (lambda: time.sleep(1e-3)), (lambda: time.sleep(1e-3)), cfg, {"train_s": 0.0,
+                                                                         "infer_s": 0.0}
+  return compiled
+
+
+def test_each_row_is_timed_against_the_baseline_on_its_own_model(tiny, monkeypatch, tmp_path,
+                                                                 capsys):
+  built = []
+  monkeypatch.setattr(steps, "compiled_steps", fake_compiled(built))
+  rows = steps.main(["--batch", "2", "--length", "8", "--repeats", "1", "--schemes",
+                     "cope,rope,bert,fox", "--json", str(tmp_path / "rows.json")])
+  assert built == [("bert", "lm"), ("cope", "lm"), ("bert", "mlm"), ("rope", "mlm"),
+                   ("fox", "lm")]  # each (scheme, model) compiled once
+  assert [(r["scheme"], r["model"]) for r in rows] == [("cope", "lm"), ("rope", "mlm"),
+                                                       ("bert", "mlm"), ("fox", "lm")]
+  saved = json.loads((tmp_path / "rows.json").read_text())["rows"]
+  assert [r["model"] for r in saved] == ["lm", "mlm", "mlm", "lm"]
+  table = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()[2:]}
+  assert table["cope"][-1] == "lm" and table["rope"][-1] == "mlm"
+  assert "cope" in steps.DEFAULT_SCHEMES and "fox" in steps.DEFAULT_SCHEMES
+
+
+def test_compare_extrapolation_costs_cope_and_fox_on_the_lm(tiny, monkeypatch):
+  config = get_config("extrapolation")
+  checked = plan.check(config)
+  assert {"cope", "fox"} <= set(checked["schemes"]) and checked["baseline"] == "bert"
+  built = []
+  monkeypatch.setattr(model_steps, "compiled_steps", fake_compiled(built))
+  monkeypatch.setattr(cost, "peak_bytes", lambda size, scheme, *, head, **dims: {
+      "mlm": 100, "lm": 200}[head] + (50 if scheme == "fox" else 0))
+  config.cost.update(dict(batch=2, length=8, repeats=1))
+  out = cost.measure("bert_tiny", ["bert", "rope", "cope", "fox"], "bert", config.cost)
+  assert built == [("bert", "mlm"), ("rope", "mlm"), ("bert", "lm"), ("cope", "lm"),
+                   ("fox", "lm")]
+  rows = out["rows"]
+  assert [rows[s]["model"] for s in ("bert", "rope", "cope", "fox")] == ["mlm", "mlm", "lm", "lm"]
+  assert rows["cope"]["memory_ratio"] == 1.0 and rows["fox"]["memory_ratio"] == 1.25
+  assert "causal LM for cope, fox" in out["note"]
+
+
+def test_peak_bytes_of_the_lm_train_step(tiny):
+  assert cost.peak_bytes("tiny", "fox", **DIMS) > 0
