@@ -362,12 +362,14 @@ first layer's logits with `analysis.positional_attention`:
 Three kinds of registered schemes are left out: the **segment** schemes (`segment_input`,
 `segment_per_head`), which encode token types rather than positions, those that need
 Linformer attention (`diet_abs_lin`, whose key side has `k` projected rows instead of
-`L` positions), and CoPE (`cope`), whose positions are counted from the content. Each panel shows head 0 of layer 0 with its own colour scale.'''),
+`L` positions), and those for causal attention only, CoPE (`cope`) and the forgetting gates
+(`fox`), which have no encoder form and whose terms are computed from the content. Each panel
+shows head 0 of layer 0 with its own colour scale.'''),
     ("code", '''\
 from posenc_jax import analysis
 from posenc_jax.models import ModelConfigError
 from posenc_jax.presets import preset_config
-from posenc_jax.schemes import Cope, SegmentInput, SegmentPerHead
+from posenc_jax.schemes import SegmentInput, SegmentPerHead
 from posenc_jax.schemes.registry import SCHEMES
 
 models, skipped = {}, {}
@@ -375,8 +377,8 @@ for name, spec in SCHEMES.items():
   if issubclass(spec.module, (SegmentInput, SegmentPerHead)):
     skipped[name] = "a segment (token type) scheme, not a positional one"
     continue
-  if issubclass(spec.module, Cope):
-    skipped[name] = "positions counted from the content (q . k gates): no content-free term"
+  if spec.module.causal_only:
+    skipped[name] = "causal attention only (no encoder form), computed from the content"
     continue
   config = preset_config(SIZE)
   config.model.scheme = {"name": name}
@@ -537,22 +539,29 @@ print(format_diet6(diet6_rows()))
     ("markdown", '''\
 And every scheme preset side by side: the parameters the scheme itself owns (`bert/position`:
 tables, biases, projections) and the total of the BERT-base MLM model. The Linformer rows also
-count Linformer's `E`/`F` projections in the total.'''),
+count Linformer's `E`/`F` projections in the total. Schemes for causal attention only (CoPE,
+the forgetting gates) have no encoder form: their rows (`lm`) count a BERT-base-sized causal
+LM (`configs/lm.py`: no pooler, no token types), the model the benchmarks time them on.'''),
     ("code", '''\
 from posenc_jax import presets
+from posenc_jax.benchmarks.model_steps import model_of
+from posenc_jax.configs import lm
 
 print(f"{'preset':<22}{'scheme config':<52}{'position params':>16}{'total (M)':>11}")
 for name, preset in presets.SCHEME_PRESETS.items():
   if "scheme" not in preset:  # modifiers: segment_per_head, pre_ln, ...
     continue
-  counts = model_counts(preset_config(f"bert_base,{name}"))
-  own = counts["modules"].get("bert/position", 0)
+  causal = model_of(name) == "lm"  # a causal-only scheme: counted in the causal LM
+  config = lm.get_config(f"bert_base,{name}") if causal else preset_config(f"bert_base,{name}")
+  counts = model_counts(config)
+  own = counts["modules"].get("decoder/position" if causal else "bert/position", 0)
   scheme = dict(preset["scheme"])
   options = [f"{k}={v}" for k, v in scheme.items() if k != "name"]
   if "attention" in preset:
     options += [f"attention={preset['attention']}", f"linformer_k={preset['linformer_k']}"]
   described = scheme["name"] + (f" ({', '.join(options)})" if options else "")
-  print(f"{name:<22}{described:<52}{own:>16,}{counts['total'] / 1e6:>11.1f}")
+  print(f"{name:<22}{described:<52}{own:>16,}{counts['total'] / 1e6:>11.1f}"
+        + ("  lm" if causal else ""))
 '''),
 ]
 
