@@ -34,6 +34,22 @@ def _release_compiled_programs():
   gc.collect()
 
 
+# The files that run end-to-end jobs (trainings, subprocesses, notebooks, interpret-mode
+# kernels at several hundred positions): the largest totals of `pytest --durations`. xdist
+# hands each worker one file at a time in collection order (--dist loadfile), so these start
+# first and the two workers end together instead of one waiting on the last long file.
+LONGEST_FIRST = ("test_training.py", "test_relative_flash.py", "test_notebooks.py",
+                 "test_position_ids.py", "test_finetune.py", "test_data_scale.py",
+                 "test_attention.py", "test_bert.py")
+
+
+def pytest_collection_modifyitems(config, items):
+  """Moves :data:`LONGEST_FIRST`'s files to the front (each file's tests keep their order)."""
+  del config
+  rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+  items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
 DIMS = dict(num_layers=2, num_heads=4, head_dim=8, d_model=32, max_len=16)
 BATCH, LENGTH = 2, 10
 
