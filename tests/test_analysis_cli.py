@@ -218,6 +218,13 @@ def test_errors_are_one_line(workdir, tmp_path):
     main(["analysis", "rank", "--config=configs/pretrain.py:bert_tiny,bert", f"--workdir={path}"])
   with pytest.raises(SystemExit, match="out_dir"):
     main(["analysis", "plots", "--config=configs/model.py:bert_tiny,bert"])
+  for foreign in ("[1, 2, 3]", "null", '{"model": 3}', '{"seed": 0'):  # the trainer's one line
+    bad = tmp_path / f"foreign_{len(foreign)}"
+    bad.mkdir()
+    (bad / "config.json").write_text(foreign)
+    with pytest.raises(SystemExit, match=r"^analysis rank: workdir: .*config\.json") as e:
+      main(["analysis", "rank", f"--workdir={bad}"])
+    assert "\n" not in str(e.value)
 
 
 def test_the_default_length_is_the_runs(workdir, capsys):

@@ -209,12 +209,17 @@ def run_config(workdir: str, config: Any = None) -> Any:
   when given, which must then describe the same model (its ``ARCHITECTURE`` fields).
 
   Raises:
-    AnalysisError: ``config`` is another model, or neither it nor ``config.json`` is there.
+    AnalysisError: ``config`` is another model, neither it nor ``config.json`` is there, or
+      ``config.json`` is not one a run writes (a torn or foreign file: the trainer's line).
   """
-  from posenc_jax.training.workdir import (architecture_differences,  # noqa: PLC0415
-                                           resolved_model, saved_config)
+  from posenc_jax.training.workdir import (WorkdirError,  # noqa: PLC0415
+                                           architecture_differences, resolved_model,
+                                           saved_config)
 
-  saved = saved_config(workdir)
+  try:
+    saved = saved_config(workdir)
+  except WorkdirError as e:
+    raise AnalysisError(str(e)) from None
   if saved is None:
     if config is None:
       raise AnalysisError(f"config: required; the workdir {workdir!r} has no config.json "
