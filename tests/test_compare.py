@@ -227,6 +227,21 @@ def test_collect_of_a_folder_that_holds_no_workdir_names_it(tmp_path):
     collect.collect([str(tmp_path / "missing")])
 
 
+def test_collect_reads_metrics_and_config_as_the_trainer_does(tmp_path):
+  """The best score from metrics.jsonl leaves a torn last line out (a run killed mid-write);
+  a foreign metrics line or config.json is the trainer's one line, as a CollectError."""
+  run_dir = epath.Path(tmp_path)
+  (run_dir / "metrics.jsonl").write_text('{"step": 2, "acc": 0.5}\n{"step": 4, "acc": 0.7}\n'
+                                         '{"step": 6, "ac')
+  assert collect.best_score(run_dir, "acc") == {"step": 4, "metric": "acc", "score": 0.7}
+  (run_dir / "metrics.jsonl").write_text('{"step": 2, "acc": 0.5}\n[1, 2]\n')
+  with pytest.raises(collect.CollectError, match=r"^collect: workdir: .*metrics\.jsonl.* line 2"):
+    collect.best_score(run_dir, "acc")
+  (run_dir / "config.json").write_text("[1, 2, 3]")
+  with pytest.raises(collect.CollectError, match=r"^collect: workdir: .*config\.json"):
+    collect.read_run(run_dir)
+
+
 @pytest.mark.parametrize("args, expected", [
     (["--config=configs/compare.py:extrapolaton"],
      "compare: config argument: experiment 'extrapolaton' is unknown; did you mean "

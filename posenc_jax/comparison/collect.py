@@ -17,7 +17,7 @@ from typing import Any
 from etils import epath
 
 from posenc_jax.presets import POSITION_PRESETS, SCHEME_PRESETS, SIZES
-from posenc_jax.training.workdir import CONFIG_FILE, saved_config
+from posenc_jax.training.workdir import CONFIG_FILE, WorkdirError, read_metrics, saved_config
 
 # Folders a run writes that hold no other run.
 RUN_PARTS = ("checkpoints", "best", "tensorboard", "eval")
@@ -59,11 +59,13 @@ def best_score(workdir: epath.Path, metric: str | None) -> dict[str, Any] | None
   """``{"step", "metric", "score"}`` of the run's best evaluation, or None without one."""
   if (workdir / "best.json").exists():
     return _json(workdir / "best.json")
-  metrics = workdir / "metrics.jsonl"
-  if not metric or not metrics.exists():
+  if not metric:
     return None
-  rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-  rows = [r for r in rows if metric in r]
+  try:  # the trainer's reader: a torn last line (a run killed mid-write) is left out
+    records, _ = read_metrics(workdir / "metrics.jsonl")
+  except WorkdirError as e:
+    raise CollectError(f"collect: {e}") from None
+  rows = [r for r in (json.loads(line) for _, line in records) if metric in r]
   if not rows:
     return None
   top = max(rows, key=lambda r: r[metric])
@@ -73,7 +75,10 @@ def best_score(workdir: epath.Path, metric: str | None) -> dict[str, Any] | None
 def read_run(workdir: str | epath.Path) -> dict[str, Any]:
   """The record of the run in ``workdir`` (which has a ``config.json``)."""
   folder = epath.Path(workdir)
-  config = saved_config(str(folder))
+  try:
+    config = saved_config(str(folder))
+  except WorkdirError as e:
+    raise CollectError(f"collect: {e}") from None
   if config is None:
     raise CollectError(f"collect: {folder} is no train.py workdir (no {CONFIG_FILE})")
   model = config.get("model") or {}
