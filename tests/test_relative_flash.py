@@ -81,11 +81,14 @@ def _check(q, k, v, cot, param, bias_fn, *, zero_first=False, dropout=None, **kw
     return attend(q, k, v, (Bias(bias),), mask=mask, causal=kw.get("causal", False),
                   route="reference", dropout_rate=rate, dropout_rng=rng)[..., :dv]
 
-  np.testing.assert_allclose(kernel(q, k, v, param), reference(q, k, v, param), atol=TOL,
-                             rtol=TOL)
-  grads = [jax.grad(lambda *a, f=f: jnp.sum(f(*a) * cot), argnums=(0, 1, 2, 3))(q, k, v, param)
-           for f in (kernel, reference)]
-  for name, got, want in zip("q k v param".split(), *grads):
+  @jax.jit
+  def values_and_grads(q, k, v, param):  # one program each: outputs and (q, k, v, param) vjps
+    return [(out, vjp(cot)) for out, vjp in (jax.vjp(f, q, k, v, param)
+                                             for f in (kernel, reference))]
+
+  (got, got_grads), (want, want_grads) = values_and_grads(q, k, v, param)
+  np.testing.assert_allclose(got, want, atol=TOL, rtol=TOL)
+  for name, got, want in zip("q k v param".split(), got_grads, want_grads):
     np.testing.assert_allclose(got, want, atol=TOL, rtol=TOL, err_msg=f"d{name}")
 
 
@@ -502,7 +505,7 @@ def test_band_tiles_equal_gather_tiles_with_32_row_blocks():
       out = relative_flash_attention(q, k, v, _diet(table, offsets(70, 70), 40), tiles=tiles,
                                      block_q=32, block_k=32)
       return jnp.sum(out * cot)
-    return jax.value_and_grad(f, argnums=(0, 1, 2, 3))(q, k, v, table)
+    return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3)))(q, k, v, table)
 
   (band_loss, band_grads), (gather_loss, gather_grads) = run("band"), run("gather")
   np.testing.assert_allclose(band_loss, gather_loss, rtol=1e-6)
