@@ -127,8 +127,12 @@ def test_extraction_is_byte_reproducible(tmp_path):
 
 
 def test_import_posenc_jax_loads_no_tensorflow():
+  """Nor does the trainer's loop (a run on given batches, ``train(..., data=...)``, never
+  loads it; a seqio task's pipeline does, when the run reads it)."""
   code = ("import sys, posenc_jax; "
-          "assert 'tensorflow' not in sys.modules and 'posenc_jax.data' not in sys.modules")
+          "assert 'tensorflow' not in sys.modules and 'posenc_jax.data' not in sys.modules; "
+          "import posenc_jax.training.loop; "
+          "assert 'tensorflow' not in sys.modules and 'seqio' not in sys.modules")
   subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
 
 

@@ -29,3 +29,8 @@ load TensorFlow/seqio when they are imported (``tasks``, ``preprocessors``) or c
 
 ``import posenc_jax.tasks`` registers every family.
 """
+
+# Sequences per shuffled block of the pre-training pipelines (``preprocessors.mlm_dataset``,
+# ``causal_lm.lm_dataset``): their default, and the host buffer the trainer's memory
+# estimate counts (:func:`posenc_jax.training.memory.input_buffers`).
+SHUFFLE_BLOCK = 16_384

@@ -36,7 +36,7 @@ from collections.abc import Mapping
 import seqio
 import tensorflow as tf
 
-from posenc_jax.data import preprocessors
+from posenc_jax.data import SHUFFLE_BLOCK, preprocessors
 from posenc_jax.data import tasks as tasks_lib
 from posenc_jax.data.vocab import EOS_ID
 
@@ -93,8 +93,9 @@ def _epoch_length(*args) -> int:
 
 def lm_dataset(task_name: str, split: str, seq_len: int, batch_size: int, seed: int,
                shard_id: int = 0, num_shards: int = 1, repeat: bool = True,
-               shuffle: bool | None = None, start_step: int = 0, shuffle_block: int = 16_384,
-               drop_remainder: bool = True, cache: bool | str = True,
+               shuffle: bool | None = None, start_step: int = 0,
+               shuffle_block: int = SHUFFLE_BLOCK, drop_remainder: bool = True,
+               cache: bool | str = True,
                sharding: str = "stream") -> tf.data.Dataset:
   """Batches of a causal-LM task: ``{"targets": int32 [batch_size, L]}``.
 

@@ -82,6 +82,7 @@ from collections.abc import Callable
 import seqio
 import tensorflow as tf
 
+from posenc_jax.data import SHUFFLE_BLOCK
 from posenc_jax.data import tasks as _tasks  # registers the tasks; source sizes
 from posenc_jax.data.vocab import CLS_ID, MASK_ID, NUM_RESERVED, SEP_ID
 
@@ -306,8 +307,9 @@ def root_seed(seed: int, shard_id: int = 0, num_shards: int = 1,
 
 def packed_stream(packed: tf.data.Dataset, epoch_size: Callable[[], int], batch_size: int,
                   seed: int, *, shard_id: int = 0, num_shards: int = 1, repeat: bool = True,
-                  shuffle: bool | None = None, start_step: int = 0, shuffle_block: int = 16_384,
-                  cache: bool = True, sharding: str = "stream") -> tf.data.Dataset:
+                  shuffle: bool | None = None, start_step: int = 0,
+                  shuffle_block: int = SHUFFLE_BLOCK, cache: bool = True,
+                  sharding: str = "stream") -> tf.data.Dataset:
   """Steps 3-5 of the module docstring: this host's share of the stream of epochs.
 
   Args:
@@ -357,7 +359,7 @@ def packed_stream(packed: tf.data.Dataset, epoch_size: Callable[[], int], batch_
 def mlm_dataset(task_name: str, split: str, seq_len: int, batch_size: int, seed: int,
                 shard_id: int = 0, num_shards: int = 1, repeat: bool = True,
                 shuffle: bool | None = None, start_step: int = 0, feature: str = "text",
-                shuffle_block: int = 16_384, drop_remainder: bool = True,
+                shuffle_block: int = SHUFFLE_BLOCK, drop_remainder: bool = True,
                 cache: bool | str = True, mask_rate: float = 0.15,
                 sharding: str = "stream", segments: bool = False) -> tf.data.Dataset:
   """Batches of masked-LM examples of a seqio task (module docstring: order, seeds, resume).

@@ -14,15 +14,13 @@ the model itself (``model``) when not even 8 positions fit.
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import jax
 import ml_collections
 
 from posenc_jax import memory
-from posenc_jax.data import probes
-from posenc_jax.data.preprocessors import mlm_dataset
+from posenc_jax.data import SHUFFLE_BLOCK, probes
 from posenc_jax.models.build import abstract_params, build_model
 from posenc_jax.models.config import ModelConfig, causal_variant, scheme_dims
 from posenc_jax.training.config import TrainConfigError, max_predictions
@@ -33,7 +31,6 @@ from posenc_jax.training.optim import make_optimizer
 BATCH_FEATURES = 6
 # Batches the input pipeline holds besides the shuffle block (tf.data's prefetch).
 PREFETCHED_BATCHES = 2
-SHUFFLE_BLOCK = inspect.signature(mlm_dataset).parameters["shuffle_block"].default
 
 
 def input_buffers(config: ml_collections.ConfigDict, rows: int, length: int) -> int:
