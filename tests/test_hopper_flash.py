@@ -149,7 +149,7 @@ def test_gradients_through_the_triton_backward():
       out = relative_flash_attention(q, k, v, _diet(table, offsets(length, length), 7),
                                      mask=mask, block_q=64, block_k=64, forward=forward)
       return jnp.sum(out.astype(jnp.float32) * cot)
-    return jax.grad(f, argnums=(0, 1, 2, 3))(q, k, v, table)
+    return jax.jit(jax.grad(f, argnums=(0, 1, 2, 3)))(q, k, v, table)
 
   for name, got, want in zip("q k v table".split(), loss("hopper"), loss("tiles")):
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
@@ -307,7 +307,7 @@ def test_hopper_backward_matches_the_triton_backward(name):
       ob = None if bias_fn is None else bias_fn(table, offsets(length, length))
       out = relative_flash_attention(q, k, v, ob, backward=backward, **call)
       return jnp.sum(out.astype(jnp.float32) * cot)
-    return jax.grad(f, argnums=(0, 1, 2, 3))(q, k, v, table)
+    return jax.jit(jax.grad(f, argnums=(0, 1, 2, 3)))(q, k, v, table)
 
   hopper = grads("hopper")
   for n, got, want in zip("q k v table".split(), hopper, grads("tiles")):
