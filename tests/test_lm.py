@@ -63,16 +63,18 @@ def token_ids(seed=0, batch=BATCH, length=LENGTH):
 
 
 def cached_logits(model, params, ids):
-  """Logits ``[B, L, V]`` from one cached step per position (eager: cheaper than compiling
-  at these sizes)."""
+  """Logits ``[B, L, V]`` from one cached step per position (one jitted step, compiled once
+  per model)."""
   dummy = jnp.zeros(ids.shape, jnp.int32)
   _, variables = jax.eval_shape(lambda: model.apply({"params": params}, dummy, decode=True,
                                                     method=model.decode, mutable=["cache"]))
   cache = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), variables["cache"])
+  decode = jax.jit(lambda params, cache, token: model.apply(
+      {"params": params, "cache": cache}, token, decode=True, method=model.decode,
+      mutable=["cache"]))
   steps = []
   for t in range(ids.shape[1]):
-    logits, variables = model.apply({"params": params, "cache": cache}, ids[:, t:t + 1],
-                                    decode=True, method=model.decode, mutable=["cache"])
+    logits, variables = decode(params, cache, ids[:, t:t + 1])
     cache = variables["cache"]
     steps.append(logits[:, 0])
   return jnp.stack(steps, axis=1)
