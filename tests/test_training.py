@@ -22,6 +22,7 @@ from posenc_jax.training.mesh import MeshConfigError, mesh_shape
 from posenc_jax.training.objectives import weighted_cross_entropy
 from posenc_jax.training.optim import decay_mask, make_optimizer
 from posenc_jax.training.signals import StopSignals
+from tests import forked_cli
 
 ROOT = pathlib.Path(__file__).parent.parent
 DRIVER = str(ROOT / "tests" / "drivers" / "train_driver.py")
@@ -258,7 +259,8 @@ def _train_cli(tmp_path, *overrides, timeout=600):
     (["--config.task=glue_nope"], "task: 'glue_nope' is not a registered seqio task"),
 ])
 def test_bad_config_fails_before_compiling_with_one_line(tmp_path, overrides, message):
-  proc = _train_cli(tmp_path, *overrides)
+  proc = forked_cli.run(["train.py", "--config=configs/pretrain.py",
+                         f"--workdir={tmp_path / 'run'}", *overrides], cwd=str(ROOT), timeout=120)
   assert proc.returncode != 0
   last = proc.stderr.strip().splitlines()[-1]
   assert last.startswith("train.py: ") and message in last, proc.stderr[-2000:]

@@ -23,6 +23,7 @@ from posenc_jax.training.config import TrainConfigError, base_train_config
 from posenc_jax.training.loop import BestKeeper, train
 from posenc_jax.training.metrics import MetricWriter
 from posenc_jax.training.workdir import WorkdirError, read_metrics, saved_config, saved_model
+from tests import forked_cli
 
 ROOT = pathlib.Path(__file__).parent.parent
 VOCAB, LENGTH, BATCH = 64, 8, 2
@@ -299,11 +300,18 @@ def _drop_root_override() -> list[str]:
 
 
 def _cli(tmp_path, *args, prefix=(), code=None):
-  cmd = [*prefix, sys.executable, "train.py", "--config=configs/pretrain.py",
-         f"--workdir={tmp_path / 'run'}", *args]
+  """The last stderr line of train.py (``code``: a script that runs it) with ``args``, which
+  must exit 1 without a traceback: forked from tests/forked_cli.py's server, or under
+  ``prefix`` (the user's capabilities changed) a process of its own."""
+  argv = ["train.py", "--config=configs/pretrain.py", f"--workdir={tmp_path / 'run'}", *args]
   if code is not None:
-    cmd = [*prefix, sys.executable, "-c", code, *cmd[len(prefix) + 2:]]
-  proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    argv[0] = str(tmp_path / "train_script.py")
+    pathlib.Path(argv[0]).write_text(code)
+  if prefix:
+    proc = subprocess.run([*prefix, sys.executable, *argv], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+  else:
+    proc = forked_cli.run(argv, cwd=str(ROOT), timeout=300)
   assert proc.returncode == 1, proc.stderr[-3000:]
   assert "Traceback" not in proc.stderr + proc.stdout, proc.stderr[-3000:]
   return proc.stderr.strip().splitlines()[-1]
