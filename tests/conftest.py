@@ -61,9 +61,9 @@ def _release_compiled_programs():
 # kernels at several hundred positions): the largest totals of `pytest --durations`. xdist
 # hands each worker one file at a time in collection order (--dist loadfile), so these start
 # first and the two workers end together instead of one waiting on the last long file.
-LONGEST_FIRST = ("test_training.py", "test_relative_flash.py", "test_notebooks.py",
-                 "test_position_ids.py", "test_finetune.py", "test_data_scale.py",
-                 "test_attention.py", "test_bert.py")
+LONGEST_FIRST = ("test_training.py", "test_notebooks.py", "test_finetune.py",
+                 "test_data_scale.py", "test_bert.py", "test_attention.py",
+                 "test_position_ids.py", "test_scan.py", "test_relative_flash.py")
 
 
 def pytest_collection_modifyitems(config, items):
