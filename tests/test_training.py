@@ -242,10 +242,14 @@ def test_a_failed_background_save_stops_the_run_with_one_line(tmp_path):
   assert (moved / "2").is_dir()
 
 
+def _train_argv(tmp_path, *overrides):
+  return ["train.py", "--config=configs/pretrain.py", f"--workdir={tmp_path / 'run'}",
+          *overrides]
+
+
 def _train_cli(tmp_path, *overrides, timeout=600):
-  cmd = [sys.executable, "train.py", "--config=configs/pretrain.py",
-         f"--workdir={tmp_path / 'run'}", *overrides]
-  return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+  return subprocess.run([sys.executable, *_train_argv(tmp_path, *overrides)], cwd=ROOT,
+                        capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.mark.parametrize("overrides,message", [
@@ -259,8 +263,7 @@ def _train_cli(tmp_path, *overrides, timeout=600):
     (["--config.task=glue_nope"], "task: 'glue_nope' is not a registered seqio task"),
 ])
 def test_bad_config_fails_before_compiling_with_one_line(tmp_path, overrides, message):
-  proc = forked_cli.run(["train.py", "--config=configs/pretrain.py",
-                         f"--workdir={tmp_path / 'run'}", *overrides], cwd=str(ROOT), timeout=120)
+  proc = forked_cli.run(_train_argv(tmp_path, *overrides), cwd=str(ROOT), timeout=120)
   assert proc.returncode != 0
   last = proc.stderr.strip().splitlines()[-1]
   assert last.startswith("train.py: ") and message in last, proc.stderr[-2000:]
