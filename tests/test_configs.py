@@ -36,12 +36,15 @@ def get_config(name, arg):
                                    total_steps=500)),
     ("lm", "bert_small,rope,pre_ln", dict(objective="lm", seq_len=64)),
     ("lm", "bert_tiny,t5", dict(head="lm")),
+    ("lm", "bert_tiny,rope,stdlib", dict(task="python_stdlib_lm", objective="lm")),
 ])
 def test_config_files_validate(name, arg, expect):
   config = get_config(name, arg)
   validate_train_config(config)
   for key, value in expect.items():
     assert config[key] == value, key
+  if arg.endswith("stdlib"):
+    assert config.model.vocab_size == 259 and config.model.scheme.name == "rope"
   if config.objective == "mlm" and "diet" in arg:
     assert config.optimizer.name == ("lamb" if "diet_protocol" in arg else "adamw")
 
