@@ -63,10 +63,53 @@ def _base(experiment: str, protocol: str, schemes: str, seeds: str) -> config_di
   return config
 
 
+# Press et al.'s four schemes (their Figure 1): the default extrapolation grid.
+PRESS_SCHEMES = "sinusoidal,rope,t5,alibi"
+# Every scheme a causal LM compares today (issue: learned APE, sinusoidal, RoPE, T5, ALiBi,
+# KERPLE, FIRE, xPos, FoX, CoPE, DIET-REL and NoPE): the `all` variant.
+CAUSAL_SCHEMES = "bert,sinusoidal,rope,t5,alibi,kerple_log,fire,xpos,fox,cope,diet_rel,none"
+# Variants, after the experiment's name: configs/compare.py:<experiment>[,<variant>].
+VARIANTS = ("quick", "all", "gpu")
+
+
+def _extrapolation(variant: str | None) -> config_dict.ConfigDict:
+  """Press et al.'s protocol on the bundled long documents (module docstring)."""
+  config = _base("extrapolation", "extrapolation", PRESS_SCHEMES, "0,1,2")
+  config.train_config = "configs/lm.py:{size},{scheme},stdlib"
+  config.train.update(dict(total_steps=300, seq_len=128, batch_size=32, log_every=100,
+                           eval_every=300, checkpoint_every=300,
+                           optimizer=dict(learning_rate=3e-3, warmup_steps=50)))
+  config.lengths = "128,256,512,1024,2048"  # 1x to 16x
+  config.evaluate.tokens = 65_536
+  config.cost.length = 128
+  if variant == "quick":  # a smoke run: two schemes, one seed, 200 steps, 1x and 4x
+    config.schemes, config.seeds, config.lengths = "rope,alibi", "0", "128,512"
+    config.train.update(dict(total_steps=200, eval_every=200, checkpoint_every=200))
+    config.evaluate.tokens = 8192
+    config.cost.enabled = False
+  elif variant == "all":
+    config.schemes = CAUSAL_SCHEMES
+  elif variant == "gpu":  # about one GPU-hour per grid of 4 schemes x 3 seeds
+    config.sizes = "bert_small"
+    config.train.update(dict(total_steps=5000, seq_len=512, batch_size=64, log_every=500,
+                             eval_every=1000, checkpoint_every=1000,
+                             optimizer=dict(learning_rate=1e-3, warmup_steps=500)))
+    config.train.model = config_dict.ConfigDict(dict(max_len=512))
+    config.lengths = "512,1024,2048,4096,8192"
+    config.evaluate.tokens = 262_144
+    config.cost.length = 512
+  return config
+
+
 def get_config(arg="extrapolation"):
-  if arg not in EXPERIMENTS:
-    raise ValueError(f"config argument: experiment {arg!r} is unknown{nearest(arg, EXPERIMENTS)} "
-                     f"allowed: {', '.join(EXPERIMENTS)}")
+  experiment, _, variant = arg.partition(",")
+  if experiment not in EXPERIMENTS:
+    raise ValueError(f"config argument: experiment {experiment!r} is unknown"
+                     f"{nearest(experiment, EXPERIMENTS)} allowed: {', '.join(EXPERIMENTS)}")
+  if variant and variant not in VARIANTS:
+    raise ValueError(f"config argument: variant {variant!r} is unknown{nearest(variant, VARIANTS)}"
+                     f" allowed: {', '.join(VARIANTS)}")
+  arg = experiment
   short = dict(total_steps=100, log_every=50, eval_every=50, checkpoint_every=50,
                optimizer=dict(warmup_steps=10))
   if arg == "glue_table":
@@ -80,15 +123,7 @@ def get_config(arg="extrapolation"):
     config.finetune.update({k: v for k, v in short.items() if k != "optimizer"})
     return config
   if arg == "extrapolation":
-    config = _base(arg, "extrapolation",
-                   "bert,sinusoidal,rope,alibi,t5,diet_rel,kerple_log,fire,xpos,cope,fox", "0")
-    config.train_config = "configs/lm.py:{size},{scheme}"
-    config.train.update(short | dict(total_steps=300, log_every=100, eval_every=100,
-                                     checkpoint_every=100, seq_len=32))
-    config.lengths = "32,64,128,256"
-    config.evaluate.tokens = 4096
-    config.cost.length = 32
-    return config
+    return _extrapolation(variant or None)
   config = _base(arg, "probes", "bert,rope,alibi", "0")
   config.train_config = PROBE_CONFIG  # its own schedule: copy is learnt in about 500 steps
   config.tasks = "copy"
