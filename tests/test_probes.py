@@ -60,6 +60,25 @@ def test_copy_and_reverse_decode(length, reverse):
     assert set(weights) <= {0.0, 1.0}
 
 
+def test_copy_with_min_symbols_trains_on_every_instance_length_and_scores_the_longest():
+  spec = probes.Copy(alphabet=5, reverse=True, min_symbols=2)
+  counts = []
+  for index in range(200):
+    row = probes.example(spec, 21, seed=0, index=index)
+    n = int(np.flatnonzero(row["targets"] == SEPARATOR)[0])
+    source = list(row["targets"][:n])
+    assert list(row["targets"][n + 1:2 * n + 1]) == source[::-1]
+    assert list(row["targets"][2 * n + 1:]) == [0] * (21 - 2 * n - 1)
+    assert list(np.flatnonzero(row["loss_weights"])) == list(range(n + 1, 2 * n + 1))
+    counts.append(n)
+  assert set(counts) == set(range(2, 11))  # uniform over [min_symbols, (L - 1) // 2]
+  assert spec.min_length() == 5
+  assert spec.scored() == probes.Copy(alphabet=5, reverse=True)
+  assert probes.probe(probes.describe(spec)) == spec
+  with pytest.raises(ProbeError, match="probe.min_symbols: got 0"):
+    probes.Copy(min_symbols=0)
+
+
 @pytest.mark.parametrize("length", [14, 20, 64])
 def test_mqar_values_follow_their_keys(length):
   spec = probes.MQAR(pairs=4, queries=3, keys=6, values=5)
@@ -110,7 +129,7 @@ def test_descriptions_round_trip_through_json():
     text = json.dumps(probes.describe(spec))
     assert probes.probe(json.loads(text)) == spec
   assert probes.describe(probes.probe("reverse")) == {"name": "copy", "alphabet": 32,
-                                                      "reverse": True}
+                                                      "reverse": True, "min_symbols": None}
   assert probes.probe({"name": "mqar", "pairs": 2}, {"queries": 1}) == probes.MQAR(2, 1)
 
 
@@ -156,6 +175,9 @@ def test_score_counts_whole_answers_and_depth_bins():
   right = probes.score(_Oracle(copy), {}, "copy", length, examples=10, seed=0, batch_size=4)
   assert (right["accuracy"], right["token_accuracy"], right["examples"]) == (1.0, 1.0, 10)
   assert right["probe"] == probes.describe(probes.Copy()) and right["length"] == length
+  longest = probes.score(_Oracle(copy), {}, probes.Copy(min_symbols=1), length, examples=10,
+                         seed=0, batch_size=4)  # scored at the longest instance, n = 10
+  assert longest == right
   wrong = probes.score(_Oracle(lambda ids: copy(ids, True)), {}, "copy", length, examples=6,
                        seed=0, batch_size=4)
   assert wrong["accuracy"] == 0.0 and wrong["token_accuracy"] == pytest.approx((n - 1) / n)

@@ -7,7 +7,7 @@
 The argument is ``<size>[,<scheme>...][,<probe>]`` (sizes and schemes as in
 ``configs/lm.py``; the probe one of ``copy``, ``reverse``, ``mqar``, ``passkey``, default
 ``copy``). It sets ``task = "probe:<name>"`` and ``probe``, the probe's parameters
-(:mod:`posenc_jax.data.probes`: ``alphabet``, ``reverse``; ``pairs``, ``queries``, ``keys``,
+(:mod:`posenc_jax.data.probes`: ``alphabet``, ``reverse``, ``min_symbols``; ``pairs``, ``queries``, ``keys``,
 ``values``; ``digits``, ``filler_words``, ``depth_bins``), each overridable with
 ``--config.probe.<parameter>=...``. The default trains a ``bert_tiny``-sized RoPE model
 (vocabulary 128) on copy at ``seq_len`` 32 for 1000 steps of 32 examples, with
@@ -36,7 +36,11 @@ def get_config(arg="bert_tiny,rope,copy"):
   config.task = TASK_PREFIX + chosen[-1]
   params = describe(probe(chosen[-1]))
   del params["name"]
-  config.probe = ml_collections.ConfigDict(params)
+  # An unset optional parameter (copy's min_symbols) is a typed placeholder, so that
+  # --config.probe.<parameter>=N parses; the probes' optional parameters are integers.
+  config.probe = ml_collections.ConfigDict(
+      {k: ml_collections.config_dict.placeholder(int) if v is None else v
+       for k, v in params.items()})
   config.update(SETTINGS)
   config.model.vocab_size = 128  # the probes' ids are far fewer; a small softmax is faster
   return config

@@ -10,8 +10,11 @@ example, and the weights are 1 exactly on the answer tokens. Ids (all far below 
 vocabulary, :meth:`Probe.vocab_size`): 0 padding, :data:`SEPARATOR`, :data:`KEY_MARKER`,
 :data:`FILLER`, then each probe's alphabet from :data:`FIRST_SYMBOL`::
 
-    copy     x_1 .. x_n SEP x_1 .. x_n [0]    n = (L - 1) // 2 symbols of ``alphabet``;
-             (reverse=True: the answer is x_n .. x_1); answer: the n tokens after SEP
+    copy     x_1 .. x_n SEP x_1 .. x_n [0]    n = (L - 1) // 2 symbols of ``alphabet``, or
+             with ``min_symbols`` set, n drawn uniformly in [min_symbols, (L - 1) // 2] per
+             example, the rest padding (training on every instance length up to L, as
+             Kazemnejad et al. 2023); (reverse=True: the answer is x_n .. x_1); answer: the
+             n tokens after SEP
     mqar     k_1 v_1 .. k_P v_P, then Q queries "k v" (distinct keys of the P pairs) at random
              places in FILLER tokens up to L (Zoology's layout); keys and values from
              disjoint alphabets; answer: the value after each query key
@@ -79,6 +82,11 @@ class Probe(abc.ABC):
     """Writes example ``index`` into the zeroed rows ``targets`` and ``weights`` ``[L]``
     (``depth``: the passkey's, None to draw it)."""
 
+  def scored(self) -> Probe:
+    """The probe as :func:`score` runs it at a length: each row the longest instance that
+    the length holds (a probe trained on shorter instances too is scored at the longest)."""
+    return self
+
   def check_length(self, length: int, field: str = "length") -> None:
     if not (isinstance(length, int) and length >= self.min_length()):
       raise ProbeError(f"{field}: got {length!r}; allowed: an integer >= {self.min_length()} "
@@ -87,19 +95,26 @@ class Probe(abc.ABC):
 
 @dataclasses.dataclass(frozen=True)
 class Copy(Probe):
-  """``alphabet`` symbols; ``reverse``: answer the sequence backwards."""
+  """``alphabet`` symbols; ``reverse``: answer the sequence backwards; ``min_symbols``: None
+  (every row ``(L - 1) // 2`` symbols) or the fewest symbols a row draws."""
 
   name: ClassVar[str] = "copy"
   alphabet: int = 32
   reverse: bool = False
+  min_symbols: int | None = None
 
   def __post_init__(self):
     _positive(self, "alphabet")
     if not isinstance(self.reverse, bool):
       raise ProbeError(f"probe.reverse: got {self.reverse!r}; allowed: true or false")
+    if self.min_symbols is not None:
+      _positive(self, "min_symbols")
+
+  def scored(self) -> Probe:
+    return dataclasses.replace(self, min_symbols=None)
 
   def min_length(self) -> int:
-    return 3
+    return 2 * (self.min_symbols or 1) + 1
 
   def vocab_size(self) -> int:
     return FIRST_SYMBOL + self.alphabet
@@ -107,6 +122,8 @@ class Copy(Probe):
   def fill(self, targets, weights, rng, index, depth):
     del index, depth
     n = (len(targets) - 1) // 2
+    if self.min_symbols is not None:
+      n = int(rng.integers(self.min_symbols, n + 1))
     symbols = FIRST_SYMBOL + rng.integers(0, self.alphabet, n)
     targets[:n] = symbols
     targets[n] = SEPARATOR
@@ -300,7 +317,7 @@ def score(model, params, name_or_spec: str | Probe | Mapping[str, Any], length: 
 
   from posenc_jax.models.transformer import shift_right  # noqa: PLC0415
 
-  spec = probe(name_or_spec)
+  spec = probe(name_or_spec).scored()
   spec.check_length(length)
   for field, value in (("examples", examples), ("batch_size", batch_size)):
     if not (isinstance(value, int) and value > 0):
