@@ -1,0 +1,67 @@
+"""The shipped experiments of ``configs/compare.py``: their variants validate and plan, and
+``--dry_run`` prints each variant's command lines (the GPU variant included) without running.
+The experiments themselves are measured (docs/results/), never run here."""
+
+import pathlib
+
+import pytest
+
+from posenc_jax.comparison import plan
+from posenc_jax.configs.compare import EXPERIMENTS, VARIANTS, get_config
+from posenc_jax.configs.lm import get_config as lm_config
+from posenc_jax.training.config import validate_train_config
+from tests import forked_cli
+
+
+def _train_config(config, cell: plan.Cell):
+  """The train.py config a cell's first step asks for: its spec with the experiment's
+  ``train`` fields (which the step passes as ``--config.<field>=`` overrides)."""
+  spec = next(a for a in cell.steps[0].argv if a.startswith("--config="))
+  assert spec.startswith("--config=configs/lm.py:")
+  train = lm_config(spec.partition(":")[2])
+  train.update(config.train.to_dict())
+  assert f"--config.seq_len={train.seq_len}" in cell.steps[0].argv
+  return train
+
+
+@pytest.mark.parametrize("variant", ["", *VARIANTS])
+def test_extrapolation_variants_plan_and_their_train_configs_validate(variant):
+  config = get_config("extrapolation" + (f",{variant}" if variant else ""))
+  cells = plan.cells(config, "/root")
+  checked = plan.check(config)
+  assert len(cells) == len(checked["schemes"]) * len(checked["seeds"])
+  lengths = checked["lengths"]
+  train = _train_config(config, cells[0])
+  validate_train_config(train)
+  assert train.task == "python_stdlib_lm" and train.model.vocab_size == 259
+  assert lengths[0] == train.seq_len  # the first column is 1x
+  if variant in ("", "all", "gpu"):
+    assert len(checked["seeds"]) >= 3 and lengths[-1] == 16 * train.seq_len
+  if variant == "all":
+    assert set(checked["schemes"]) >= {"bert", "sinusoidal", "rope", "t5", "alibi", "kerple_log",
+                                       "fire", "xpos", "fox", "cope", "diet_rel", "none"}
+  if variant == "gpu":
+    assert train.model.max_len >= train.seq_len == 512 and cells[0].size == "bert_small"
+
+
+def test_an_unknown_experiment_or_variant_is_one_line():
+  with pytest.raises(ValueError, match=r"^config argument: variant 'quik' is unknown; did you "
+                     r"mean 'quick'\?"):
+    get_config("extrapolation,quik")
+  with pytest.raises(ValueError, match=r"^config argument: experiment 'extrapolaton'"):
+    get_config("extrapolaton,quick")
+  assert set(EXPERIMENTS) == {"glue_table", "extrapolation", "synthetic"}
+
+
+def test_the_gpu_variant_dry_runs_without_running(tmp_path):
+  out = forked_cli.run(["-m", "posenc_jax.compare", "--config=configs/compare.py:extrapolation,gpu",
+                        f"--workdir={tmp_path}/root", "--dry_run"],
+                       cwd=str(pathlib.Path(__file__).resolve().parents[1]), timeout=60)
+  assert out.returncode == 0, out.stderr
+  lines = out.stdout.splitlines()
+  assert lines[0] == "# sinusoidal/seed0"
+  assert sum(line.startswith("#") for line in lines) == 12
+  assert any("configs/lm.py:bert_small,alibi,stdlib" in line and "--config.seq_len=512" in line
+             for line in lines)
+  assert any("--lengths=512,1024,2048,4096,8192" in line for line in lines)
+  assert not (tmp_path / "root").exists()
