@@ -124,3 +124,27 @@ def test_the_task_packs_the_documents_as_bytes_with_eos():
                                 np.frombuffer(second[:64], np.uint8) + 3)
   tokens = sum(len(d.text.encode()) + 1 for d in corpus.documents("validation"))
   assert causal_lm.epoch_length(corpus.TASK, "validation", 1024) == -(-tokens // 1024)
+
+
+@pytest.mark.parametrize("task, key", [("pg19_lm", "book_text"), ("c4_en_lm", "text")])
+def test_tfds_corpora_pack_whole_documents_as_bytes(task, key):
+  """PG-19 and C4 as causal-LM tasks, under ``tfds.testing.mock_data`` (offline)."""
+  import seqio
+  import tensorflow as tf
+
+  from posenc_jax.data import causal_lm
+  from tests import tfds_mock
+
+  texts = ["first book, long enough", "second"]
+
+  def documents(builder, split, *args, **kwargs):
+    return tf.data.Dataset.from_tensor_slices({key: texts})
+
+  with tfds_mock.mock_tfds(2, documents):
+    packed = list(causal_lm.packed_epoch(task, "validation", 16).as_numpy_iterator())
+  stream = np.concatenate([e["targets"] for e in packed])
+  expected = np.concatenate([np.frombuffer(texts[0].encode(), np.uint8) + 3, [1],
+                             np.frombuffer(texts[1].encode(), np.uint8) + 3, [1]])
+  np.testing.assert_array_equal(stream[:len(expected)], expected)
+  assert not stream[len(expected):].any()  # the last example's padding
+  assert seqio.get_mixture_or_task(task).output_features["targets"].vocabulary.vocab_size == 259

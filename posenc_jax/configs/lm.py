@@ -13,7 +13,8 @@ MLM demo's text and SentencePiece vocabulary), with the MLM demo's schedule; min
 laptop CPU. The corpus ``stdlib`` trains on the bundled long documents instead (task
 ``python_stdlib_lm``: the Python standard library's source, one token per byte, with the
 model's ``vocab_size`` set to the 259 byte ids; :mod:`posenc_jax.data.stdlib_corpus`), e.g.
-``configs/lm.py:bert_tiny,rope,stdlib``. A preset that sets a segment scheme (``segment_per_head``) is refused: the
+``configs/lm.py:bert_tiny,rope,stdlib``; ``pg19`` and ``c4`` name the same experiment at scale
+(tasks ``pg19_lm``, ``c4_en_lm``: TFDS corpora in bytes, prepared first). A preset that sets a segment scheme (``segment_per_head``) is refused: the
 language model has none. ``posenc_jax.models.generate`` continues prompts with a trained model.
 """
 
@@ -24,8 +25,10 @@ from posenc_jax.presets import SCHEME_PRESETS, preset_config
 from posenc_jax.training.config import base_train_config
 
 
-# Corpora by name: the task and the vocabulary size the model needs for it.
-CORPORA = {"stdlib": dict(task=stdlib_corpus.TASK, vocab_size=stdlib_corpus.VOCAB_SIZE)}
+# Corpora by name: the task and the vocabulary size the model needs for it (all in bytes).
+CORPORA = {"stdlib": dict(task=stdlib_corpus.TASK, vocab_size=stdlib_corpus.VOCAB_SIZE),
+           "pg19": dict(task="pg19_lm", vocab_size=stdlib_corpus.VOCAB_SIZE),
+           "c4": dict(task="c4_en_lm", vocab_size=stdlib_corpus.VOCAB_SIZE)}
 
 
 def get_config(arg="bert_tiny,alibi"):

@@ -13,6 +13,10 @@ Importing this module registers (again: no error)::
                         token per UTF-8 byte (``seqio.ByteVocabulary``, 259 ids), packed the
                         same way ``doc_1 EOS doc_2 EOS ...``. Splits ``train`` (258 files, 7.3M
                         tokens) and ``validation`` (17, 575k); the corpus's hash is checked on reading.
+    pg19_lm, c4_en_lm   whole documents of TFDS ``pg19:0.1.1`` (Project Gutenberg books before
+                        1919, Rae et al. 2020) and ``c4/en:3.1.0``, one token per byte, packed
+                        the same way: the extrapolation experiments at scale (prepared with
+                        TFDS first; PG-19 is a download of about 11 GB, C4 needs Beam).
 
     ds = seqio.get_mixture_or_task("wordnet_glosses_lm").get_dataset(
         {"targets": 128}, split="train", shuffle=False)
@@ -74,6 +78,28 @@ def register_causal_lm(name: str, split_to_files: Mapping[str, str | os.PathLike
 register_causal_lm(
     "wordnet_glosses_lm", tasks_lib.WORDNET_GLOSSES_FILES,
     seqio.get_mixture_or_task("wordnet_glosses").output_features["text"].vocabulary)
+
+
+def register_tfds_lm(name: str, tfds_name: str, splits: Mapping[str, str],
+                     text_key: str = "text",
+                     vocabulary: seqio.Vocabulary | None = None) -> seqio.Task:
+  """Registers a causal-LM task over a TFDS text corpus: each example's ``text_key`` string is
+  one document, tokenised by ``vocabulary`` (default: bytes) and packed as the others."""
+  return tasks_lib.register(
+      name,
+      source=seqio.TfdsDataSource(tfds_name=tfds_name, splits=dict(splits)),
+      preprocessors=[functools.partial(seqio.preprocessors.rekey, key_map={FEATURE: text_key}),
+                     seqio.preprocessors.tokenize, pack_targets],
+      output_features={FEATURE: seqio.Feature(vocabulary or seqio.ByteVocabulary(),
+                                              add_eos=True, dtype=tf.int32)},
+      metric_fns=[],
+      shuffle_buffer_size=10_000,
+  )
+
+
+register_tfds_lm("pg19_lm", "pg19:0.1.1", {"train": "train", "validation": "validation"},
+                 "book_text")
+register_tfds_lm("c4_en_lm", "c4/en:3.1.0", {"train": "train", "validation": "validation"})
 
 
 def _stdlib_documents(split: str, shuffle_files: bool = False,
