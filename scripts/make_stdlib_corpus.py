@@ -78,7 +78,7 @@ def main() -> None:
     sizes = [len(r["text"].encode()) for r in records if r["split"] == split]
     rows.append(f"| {split} | {len(sizes):,} | {sum(sizes):,} | {statistics.median(sizes):,.0f} "
                 f"| {min(sizes):,} | {max(sizes):,} |")
-  (out / "README.md").write_text(f"""# The Python {PYTHON} standard library: the bundled long-document corpus
+  (out / "README.md").write_text(f"""# The Python {PYTHON} standard library, the bundled long documents
 
 Every `.py` file of at least {MIN_BYTES:,} bytes in CPython {PYTHON}'s `Lib/`, outside
 `test*` and {', '.join(f'`{s}`' for s in SKIP)}: source code with its docstrings and comments,

@@ -4,18 +4,18 @@
   python train.py --config=configs/lm.py:bert_tiny,rope --workdir=/tmp/posenc_lm_rope
 
 The argument is ``<size>[,<scheme>...][,<corpus>]`` (sizes and schemes as in
-``configs/model.py``; a
-size's ``num_layers`` are the model's layers, and the encoder-decoder sizes, which have
-``num_decoder_layers``, do not apply). The scheme runs in its causal form (T5
-unidirectional, ALiBi causal, the others as they are). The default is the bundled demo: a
-``bert_tiny``-sized ALiBi model on the WordNet glosses (task ``wordnet_glosses_lm``, the
-MLM demo's text and SentencePiece vocabulary), with the MLM demo's schedule; minutes on a
-laptop CPU. The corpus ``stdlib`` trains on the bundled long documents instead (task
+``configs/model.py``; a size's ``num_layers`` are the model's layers, and the encoder-decoder
+sizes, which have ``num_decoder_layers``, do not apply). The scheme runs in its causal form
+(T5 unidirectional, ALiBi causal, the others as they are). The default is the bundled demo:
+a ``bert_tiny``-sized ALiBi model on the WordNet glosses (task ``wordnet_glosses_lm``, the MLM
+demo's text and SentencePiece vocabulary), with the MLM demo's schedule; minutes on a laptop
+CPU. The corpus ``stdlib`` trains on the bundled long documents instead (task
 ``python_stdlib_lm``: the Python standard library's source, one token per byte, with the
 model's ``vocab_size`` set to the 259 byte ids; :mod:`posenc_jax.data.stdlib_corpus`), e.g.
-``configs/lm.py:bert_tiny,rope,stdlib``; ``pg19`` and ``c4`` name the same experiment at scale
-(tasks ``pg19_lm``, ``c4_en_lm``: TFDS corpora in bytes, prepared first). A preset that sets a segment scheme (``segment_per_head``) is refused: the
-language model has none. ``posenc_jax.models.generate`` continues prompts with a trained model.
+``configs/lm.py:bert_tiny,rope,stdlib``; ``pg19`` and ``c4`` name the same experiment at
+scale (tasks ``pg19_lm``, ``c4_en_lm``: TFDS corpora in bytes, prepared first). A preset that
+sets a segment scheme (``segment_per_head``) is refused: the language model has none.
+``posenc_jax.models.generate`` continues prompts with a trained model.
 """
 
 from posenc_jax.configs.pretrain import DEMO

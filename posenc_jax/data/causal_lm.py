@@ -11,8 +11,9 @@ Importing this module registers (again: no error)::
     python_stdlib_lm    the bundled long documents (:mod:`posenc_jax.data.stdlib_corpus`: the
                         Python 3.13.0 standard library's source files, median 16 kB), one
                         token per UTF-8 byte (``seqio.ByteVocabulary``, 259 ids), packed the
-                        same way ``doc_1 EOS doc_2 EOS ...``. Splits ``train`` (258 files, 7.3M
-                        tokens) and ``validation`` (17, 575k); the corpus's hash is checked on reading.
+                        same way ``doc_1 EOS doc_2 EOS ...``. Splits ``train`` (258 files,
+                        7.3M tokens) and ``validation`` (17, 575k); the corpus's hash is
+                        checked on reading.
     pg19_lm, c4_en_lm   whole documents of TFDS ``pg19:0.1.1`` (Project Gutenberg books before
                         1919, Rae et al. 2020) and ``c4/en:3.1.0``, one token per byte, packed
                         the same way: the extrapolation experiments at scale (prepared with
