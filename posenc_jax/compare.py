@@ -15,7 +15,10 @@ killed compare is restarted with the same command; a failed cell is reported and
 go on (exit status 1 at the end). Then ``ROOT/results.json`` (every run's numbers and the
 tables), ``ROOT/results.md`` (median (min-max) over seeds per scheme and task or length,
 cost beside it) and PNG curves are written. ``--collect [DIR...]`` builds the same from
-workdirs made elsewhere (a cluster; ``gs://`` works), written into ``--workdir``.
+workdirs made elsewhere (a cluster; ``gs://`` works), written into ``--workdir``; without
+``--config`` it keeps the experiment (title, row order, evaluation settings) of the
+``results.json`` already there. A table holds the runs evaluated with one set of settings
+(the experiment's, given one): runs that differ are one error line and nothing is written.
 A compare ROOT's ``cost.json`` (in ``--workdir`` or a folder given) is shown beside them.
 ``--dry_run`` prints each cell's commands, to submit to a scheduler, and writes nothing.
 """
@@ -36,17 +39,27 @@ _COLLECT = flags.DEFINE_bool("collect", False, "build the tables from the workdi
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "print each cell's command lines, run nothing")
 PROG = "compare"
 COST_FILE = "cost.json"
+RESULTS_FILE = "results.json"
 
 
 def summarise(records, failed, config=None, cost=None):
-  """``results.json``'s document: the runs' records, the failed cells, the tables."""
+  """``results.json``'s document: the runs' records, the failed cells, the tables (of the
+  evaluations with the experiment's settings, given ``config``) and the corpus hash they
+  carry (``corpus_sha256``, or None).
+
+  Raises:
+    CollectError: runs of one table that differ (:func:`posenc_jax.comparison.report.tables`).
+  """
   from posenc_jax.comparison import plan, report  # noqa: PLC0415
 
   checked = plan.check(config) if config is not None else {"schemes": [], "tasks": []}
+  tables = report.tables(records, checked["schemes"], checked["tasks"],
+                         config.protocol if config is not None else None,
+                         config.evaluate.to_dict() if config is not None else None)
   return {"experiment": config.experiment if config is not None else None,
           "config": config.to_dict() if config is not None else None,
           "records": records, "failed": failed, "cost": cost,
-          "tables": report.tables(records, checked["schemes"], checked["tasks"])}
+          "corpus_sha256": report.corpus(tables), "tables": tables}
 
 
 def measure_cost(config, root: str, say=None):
@@ -54,7 +67,7 @@ def measure_cost(config, root: str, say=None):
   ``ROOT/cost.json`` for reruns; None when ``config.cost.enabled`` is off."""
   from etils import epath  # noqa: PLC0415
 
-  from posenc_jax.comparison import cost, plan, report, run  # noqa: PLC0415
+  from posenc_jax.comparison import collect, cost, plan, report, run  # noqa: PLC0415
 
   say = say or run.progress
   if not config.cost.enabled:
@@ -62,7 +75,7 @@ def measure_cost(config, root: str, say=None):
   path = epath.Path(root) / COST_FILE
   checked = plan.check(config)
   if path.exists():
-    kept = json.loads(path.read_text())
+    kept = collect.read_cost(path)
     asked = dict(baseline=checked["baseline"], size=checked["sizes"][0], batch=config.cost.batch,
                  length=config.cost.length, dtype=config.cost.dtype)
     if sorted(kept["rows"]) == sorted(checked["schemes"]) and all(
@@ -110,9 +123,11 @@ def main(argv):
   try:
     if _COLLECT.value:
       records = collect.collect(folders or [root])
-      cli.check_output_dir("workdir", root)
+      if config is None:  # a re-collect keeps the experiment of ROOT's results
+        config = collect.kept_experiment(epath.Path(root) / RESULTS_FILE)
       kept = [p for p in (epath.Path(f) / COST_FILE for f in [root, *folders]) if p.exists()]
-      summary = summarise(records, [], config, json.loads(kept[0].read_text()) if kept else None)
+      summary = summarise(records, [], config, collect.read_cost(kept[0]) if kept else None)
+      cli.check_output_dir("workdir", root)  # nothing made before the tables build
       for path in report.write(root, summary):
         print(f"wrote {path}")
     else:

@@ -10,17 +10,21 @@
 evaluation computes them (masked LM: loss and accuracy; causal LM: loss, accuracy and
 perplexity), and for fine-tuned runs the task's own metrics. ``--protocol=extrapolation``:
 perplexity (causal LM) or masked-LM loss at each of ``--lengths`` on the same first
-``--tokens`` tokens of the split (Press et al.'s protocol, :mod:`posenc_jax.evaluation.runs`);
+``--tokens`` tokens of the split (Press et al.'s protocol, :mod:`posenc_jax.evaluation.runs`),
+beside the perplexity of a unigram model of the train split on those tokens (causal LM);
 a length the scheme cannot reach (a learned table of ``max_len`` rows) is ``n/a`` with the
 reason. ``--protocol=probes``: a synthetic-probe run's (``configs/probe.py``) accuracy on its
-probe at each of ``--lengths`` (``--examples`` of the held-out ``--seed``).
+probe at each of ``--lengths`` (``--examples`` of the held-out ``--seed``), beside chance.
 
 The model is built from ``<workdir>/config.json`` and restored from the newest checkpoint
 that restores and verifies (``--checkpoint=latest``), from ``<workdir>/best``
 (``--checkpoint=best``) or from a saved step. It prints a table and writes
-``<out>/<protocol>.json`` (``--out``, default ``<workdir>/eval``) and, for
-``extrapolation``, ``<out>/extrapolation.png`` (with matplotlib). Nothing is written under
-``<workdir>/checkpoints`` or ``<workdir>/best``. Workdirs may be ``gs://`` URIs.
+``<out>/<protocol>-<settings>.json`` (``--out``, default ``<workdir>/eval``), where
+``<settings>`` names the options that change the numbers, defaults included (lengths aside:
+e.g. ``extrapolation-split=validation,windows=non_overlapping,tokens=16384.json``), so an
+evaluation with other settings never replaces it; for ``extrapolation`` and ``probes`` a PNG
+of the same name beside it (with matplotlib). It prints each file it wrote. Nothing is
+written under ``<workdir>/checkpoints`` or ``<workdir>/best``. Workdirs may be ``gs://`` URIs.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ from etils import epath
 from posenc_jax import compare as compare_cli
 from posenc_jax.comparison import collect, plan, report, run
 from posenc_jax.configs.compare import get_config
+from posenc_jax.evaluation import report as evaluation_report
 from posenc_jax.presets import preset_config
 from posenc_jax.training.workdir import resolved_model
 from tests import forked_cli
@@ -31,19 +32,20 @@ SCORES = {("bert", 0): (0.5, 0.8), ("bert", 1): (0.7, 0.9), ("bert", 2): (0.6, 0
 TASKS = ("wordnet_supersense", "wordnet_hypernym")
 
 
-def fake_run(folder, scheme, seed, *, task, objective, best=None, evals=None):
-  """A workdir as train.py / finetune.py / evaluate leave it: config.json, best.json, eval/."""
+def fake_run(folder, scheme, seed, *, task, objective, best=None, evals=()):
+  """A workdir as train.py / finetune.py / evaluate leave it: config.json, best.json,
+  eval/<protocol>-<settings>.json for each document of ``evals``."""
   folder.mkdir(parents=True, exist_ok=True)
   model = resolved_model(preset_config(f"bert_tiny,{scheme}").model)
   config = {"model": model, "seed": seed, "task": task, "objective": objective,
-            "best_metric": "task_accuracy" if best is not None else None}
+            "total_steps": 300, "best_metric": "task_accuracy" if best is not None else None}
   (folder / "config.json").write_text(json.dumps(config))
   if best is not None:
     (folder / "best.json").write_text(json.dumps({"step": 50, "metric": "task_accuracy",
                                                   "score": best}))
-  for protocol, doc in (evals or {}).items():
+  for doc in evals:
     (folder / "eval").mkdir(exist_ok=True)
-    (folder / "eval" / f"{protocol}.json").write_text(json.dumps(doc))
+    (folder / "eval" / f"{evaluation_report.file_stem(doc)}.json").write_text(json.dumps(doc))
 
 
 def fake_glue_cell(cell, log):
@@ -74,6 +76,7 @@ def test_table_has_a_row_per_scheme_a_column_per_task_and_the_average(tmp_path):
   assert [r["label"] for r in table["rows"]] == ["bert", "diet_abs_share"]
   lines = (tmp_path / "results.md").read_text().splitlines()
   assert "| scheme | seeds | wordnet_supersense | wordnet_hypernym | average |" in lines
+  assert "- Fine-tuned 300 steps; model d_model 128, 2 layers, 2 heads; seeds 0, 1, 2." in lines
   assert "| bert | 3 | 0.6000 (0.5000-0.7000) | 0.8500 (0.8000-0.9000) | 0.7250 |" in lines
   assert ("| diet_abs_share | 3 | 0.6000 (0.5500-0.6500) | 0.8000 (0.7000-0.9000) | 0.7000 |"
           in lines)
@@ -82,41 +85,205 @@ def test_table_has_a_row_per_scheme_a_column_per_task_and_the_average(tmp_path):
 
 
 EXTRAPOLATION = {"protocol": "extrapolation", "metric": "perplexity", "train_length": 32,
-                 "rows": [{"length": 32, "value": 20.0}, {"length": 64, "value": 25.0},
+                 "settings": {"split": "validation", "windows": "non_overlapping",
+                              "tokens": 4096},
+                 "split": "validation", "windows": "non_overlapping", "stride": None,
+                 "tokens": 4096, "unigram": 100.0, "unigram_train_tokens": 250_000,
+                 "corpus_sha256": None,
+                 "rows": [{"length": 32, "value": 20.0, "na": None},
+                          {"length": 64, "value": 25.0, "na": None},
                           {"length": 128, "value": None, "na": "exceeds max_len"}]}
 
 
-def test_extrapolation_table_shows_lengths_and_na(tmp_path):
-  for seed, shift in ((0, 0.0), (1, 2.0)):
-    doc = json.loads(json.dumps(EXTRAPOLATION))
-    for row in doc["rows"]:
-      row["value"] = row["value"] and row["value"] + shift
-    fake_run(tmp_path / "bert" / f"seed{seed}" / "train", "bert", seed, task="wordnet_glosses_lm",
-             objective="lm", evals={"extrapolation": doc})
+def extrapolation(values=(20.0, 25.0, None), **fields):
+  """An extrapolation document of EXTRAPOLATION's lengths with ``values`` and ``fields``."""
+  doc = json.loads(json.dumps(EXTRAPOLATION)) | fields
+  for row, value in zip(doc["rows"], values):
+    row["value"] = value
+  if "tokens" in fields:
+    doc["settings"]["tokens"] = fields["tokens"]
+  return doc
+
+
+def lm_runs(root, scheme_values, **fields):
+  """``root/<scheme>/seed<k>/train`` workdirs, one per seed's values of ``scheme_values``."""
+  for scheme, per_seed in scheme_values.items():
+    for seed, values in enumerate(per_seed):
+      fake_run(root / scheme / f"seed{seed}" / "train", scheme, seed,
+               task="wordnet_glosses_lm", objective="lm",
+               evals=[extrapolation(values, **fields)])
+
+
+def test_extrapolation_table_shows_1x_then_ratios_per_seed_and_the_unigram(tmp_path):
+  lm_runs(tmp_path, {"bert": [(20.0, 25.0, None), (22.0, 27.0, None)]})
   summary = compare_cli.summarise(collect.collect([str(tmp_path)]), [])
   text = report.markdown(summary)
-  assert "| scheme | seeds | 32 (1x) | 64 (2x) | 128 (4x) |" in text
-  assert "| bert | 2 | 21.0000 (20.0000-22.0000) | 26.0000 (25.0000-27.0000) | n/a |" in text
+  assert "| scheme | seeds | learned | 32 (1x) | 64 (2x) | 128 (4x) |" in text
+  assert "| unigram (reference) | | | 100.0 | | |" in text
+  # 64: 25/20 = 1.25 and 27/22 = 1.2273 per seed, then their median and range.
+  assert "| bert | 2 | 2/2 | 21.0000 (20.0000-22.0000) | 1.2386 (1.2273-1.2500) | n/a |" in text
   assert "n/a: bert at 128: exceeds max_len" in text
+  (table,) = summary["tables"]
+  assert table["rows"][0]["values"]["64"]["seeds"] == {"0": 25.0, "1": 27.0}  # raw numbers
+  assert table["rows"][0]["values"]["64"]["median"] == 26.0
   written = report.write(str(tmp_path / "out"), summary)
   assert (tmp_path / "out" / "extrapolation.png").stat().st_size > 1000, written
 
 
-def test_probe_tables_are_one_per_probe_with_accuracy_per_length(tmp_path):
+def test_results_md_states_what_each_table_measured(tmp_path):
+  sha = "60056cf508adc28c2fc699b4a6d2b06c32d210c148e5e753e02ed8ec90aaf080"
+  lm_runs(tmp_path, {"rope": [(20.0, 25.0, None)] * 3}, corpus_sha256=sha)
+  summary = compare_cli.summarise(collect.collect([str(tmp_path)]), [])
+  lines = report.markdown(summary).splitlines()
+  assert summary["corpus_sha256"] == sha
+  assert (f"- Task wordnet_glosses_lm (corpus SHA-256 {sha}), split validation: windows "
+          "non_overlapping, the first 4096 tokens scored at every length.") in lines
+  assert ("- Trained 300 steps at length 32; model d_model 128, 2 layers, 2 heads; seeds 0, 1, "
+          "2.") in lines
+  assert ("- Unigram (reference): the perplexity of the same tokens under add-one smoothed "
+          "counts of 250000 tokens of split 'train'.") in lines
+  assert (f"- Learned: perplexity at the training length (32) at most "
+          f"{report.LEARNED_PERPLEXITY} x the unigram's (50.0000); a seed that did not learn is "
+          "left out of its row's median and range.") in lines
+  assert json.loads(json.dumps(summary))["tables"][0]["about"]["corpus_sha256"] == sha
+
+
+def test_a_seed_at_the_unigram_level_did_not_learn(tmp_path):
+  # rope's seed 1 scores the unigram's perplexity at 1x: left out of rope's numbers; no seed
+  # of alibi learned: its row reads so, with its in-distribution median.
+  lm_runs(tmp_path, {"rope": [(20.0, 30.0, None), (100.0, 100.0, None)],
+                     "alibi": [(100.0, 110.0, None), (60.0, 70.0, None)]})
+  config = get_config("extrapolation")
+  config.update(dict(schemes="rope,alibi", seeds="0,1"))
+  config.evaluate.tokens = 4096
+  summary = compare_cli.summarise(collect.collect([str(tmp_path)]), [], config)
+  text = report.markdown(summary)
+  assert "| rope | 2 | 1/2 | 20.0000 | 1.5000 | n/a |" in text
+  assert "| alibi | 2 | 0/2 | did not learn (ppl 80.0000 at 32) | | |" in text
+  assert "n/a: alibi at 128: exceeds max_len" in text  # what it cannot reach, learned or not
+  rope, alibi = summary["tables"][0]["rows"]
+  assert (rope["learned"], alibi["learned"]) == ([0], [])
+  png = report.plot(summary["tables"][0])
+  assert "alibi: did not learn" in [t.get_text() for t in png.legends[0].get_texts()]
+
+
+@pytest.mark.parametrize("fields, why, rows", [
+    (dict(rows=[{"length": 64, "value": 25.0, "na": None}]), "no evaluation at the training "
+     "length", ["| unigram (reference) | | | 100.0 |", "| rope | 1 | - | 25.0000 |"]),
+    (dict(metric="mlm_loss", unigram=None), "no unigram reference",
+     ["| rope | 1 | - | 20.0000 | 25.0000 | n/a |"]),
+])
+def test_a_table_that_cannot_judge_learning_says_so_and_shows_values(tmp_path, fields, why,
+                                                                        rows):
+  lm_runs(tmp_path, {"rope": [(20.0, 25.0, None)]})
+  _rewrite(_eval_file(tmp_path / "rope" / "seed0" / "train"), lambda d: d.update(fields))
+  lines = report.markdown(compare_cli.summarise(collect.collect([str(tmp_path)]), []))
+  lines = lines.splitlines()
+  assert f"- Learned: not judged ({why})." in lines
+  assert any(line.startswith("- Unigram (reference)") for line in lines) == (len(rows) == 2)
+  assert [line for line in lines if line.startswith("| ") and "scheme" not in line] == rows
+  assert any(line.startswith("- Shown: ") and line.endswith("over the seeds.") for line in lines)
+
+
+def test_probe_tables_are_one_per_probe_with_accuracy_per_length_and_chance(tmp_path):
   for scheme, accuracy in (("rope", 0.9), ("alibi", 0.5)):
     for probe in ("copy", "reverse"):
-      doc = {"protocol": "probes", "metric": "accuracy", "train_length": 64,
-             "rows": [{"length": 64, "accuracy": accuracy}, {"length": 128, "accuracy": 0.1}]}
+      doc = {"protocol": "probes", "train_length": 64, "settings": {"examples": 256,
+                                                                   "seed": 1000003},
+             "examples": 256, "seed": 1000003, "probe": {"name": "copy", "alphabet": 32,
+                                                         "reverse": probe == "reverse"},
+             "rows": [{"length": 64, "accuracy": accuracy, "chance": 32.0 ** -31, "na": None},
+                      {"length": 128, "accuracy": 0.1, "chance": 32.0 ** -63, "na": None}]}
       fake_run(tmp_path / scheme / "seed0" / probe, scheme, 0, task=f"probe:{probe}",
-               objective="lm", evals={"probes": doc})
+               objective="lm", evals=[doc])
   config = get_config("synthetic")
   config.tasks = "copy,reverse"
   summary = compare_cli.summarise(collect.collect([str(tmp_path)]), [], config)
   assert [(t["title"], [r["label"] for r in t["rows"]]) for t in summary["tables"]] == [
       ("probe copy", ["rope", "alibi"]), ("probe reverse", ["rope", "alibi"])]
-  assert "| rope | 1 | 0.9000 | 0.1000 |" in report.markdown(summary)
+  text = report.markdown(summary)
+  assert "| chance (reference) | | | ~0 (2.2e-47) | ~0 (1.5e-95) |" in text
+  assert "| rope | 1 | 1/1 | 0.9000 | 0.1000 |" in text
+  assert "| alibi | 1 | 0/1 | did not learn (accuracy 0.5000 at 64) | |" in text
+  assert (f"- Learned: accuracy at the training length (64) at least {report.LEARNED_ACCURACY};"
+          in text)
   assert {p.name for p in map(epath.Path, report.write(str(tmp_path / "out"), summary))} == {
       "results.json", "results.md", "probe_copy.png", "probe_reverse.png"}
+
+
+def test_runs_evaluated_with_different_settings_are_never_mixed(tmp_path):
+  lm_runs(tmp_path / "a", {"rope": [(20.0, 25.0, None)]})
+  lm_runs(tmp_path / "b", {"alibi": [(20.0, 25.0, None)]}, tokens=16384)
+  records = collect.collect([str(tmp_path)])
+  with pytest.raises(collect.CollectError, match=(
+      rf"^collect: runs of one extrapolation table \(wordnet_glosses_lm\) were evaluated with "
+      rf"different settings: {tmp_path}/a/rope/seed0/train has tokens=4096, "
+      rf"{tmp_path}/b/alibi/seed0/train has tokens=16384; ")):
+    compare_cli.summarise(records, [])
+  # The experiment asks for tokens=4096: a run with other settings only is named.
+  config = get_config("extrapolation")
+  config.evaluate.tokens = 4096
+  with pytest.raises(collect.CollectError, match=(
+      rf"^collect: {tmp_path}/b/alibi/seed0/train: no extrapolation evaluation with the "
+      r"experiment's settings split=validation,windows=non_overlapping,tokens=4096 \(it has: "
+      r"split=validation,windows=non_overlapping,tokens=16384\)")):
+    compare_cli.summarise(records, [], config)
+  # Given both, the experiment's are the ones in its table; without it, one table each.
+  lm_runs(tmp_path / "b", {"alibi": [(30.0, 60.0, None)]})
+  lm_runs(tmp_path / "a", {"rope": [(40.0, 40.0, None)]}, tokens=16384)
+  records = collect.collect([str(tmp_path)])
+  (table,) = compare_cli.summarise(records, [], config)["tables"]
+  assert [(r["label"], r["cells"]["64"]["median"]) for r in table["rows"]] == [
+      ("rope", 1.25), ("alibi", 2.0)]
+  assert [t["title"] for t in compare_cli.summarise(records, [])["tables"]] == [
+      "length extrapolation (wordnet_glosses_lm; split validation, windows non_overlapping, "
+      "tokens 16384)", "length extrapolation (wordnet_glosses_lm; split validation, windows "
+      "non_overlapping, tokens 4096)"]
+
+
+def test_a_rerun_reads_finished_cells_from_their_workdirs_again(tmp_path):
+  """A cell evaluated again after it finished (the experiment's settings) counts."""
+  config = get_config("extrapolation")
+  config.update(dict(schemes="rope,alibi", seeds="0"))
+  config.evaluate.tokens = 4096
+  config.cost.enabled = False
+
+  def lm_cell(cell, log):
+    log.write_text("fake\n")
+    fake_run(log.parent / "train", cell.scheme, cell.seed, task="wordnet_glosses_lm",
+             objective="lm", evals=[extrapolation()])
+
+  compare_cli.compare(config, str(tmp_path), lm_cell, say=lambda s: None)
+  fake_run(tmp_path / "rope" / "seed0" / "train", "rope", 0, task="wordnet_glosses_lm",
+           objective="lm", evals=[extrapolation((10.0, 30.0, None))])
+  ran = []
+  summary = compare_cli.compare(config, str(tmp_path), lambda cell, log: ran.append(cell),
+                                say=lambda s: None)
+  assert not ran
+  assert [(r["label"], r["cells"]["64"]["median"]) for r in summary["tables"][0]["rows"]] == [
+      ("rope", 3.0), ("alibi", 1.25)]
+
+
+def test_the_extrapolation_png_tells_a_dozen_schemes_apart(tmp_path):
+  schemes = ["bert", "sinusoidal", "rope", "alibi", "t5", "diet_rel", "kerple_log", "fire",
+             "xpos", "cope", "fox", "nope", "shaw"]
+  schemes = [s for s in schemes if s in plan.POSITION_PRESETS]
+  assert len(schemes) >= 12
+  lm_runs(tmp_path, {s: [(20.0 + i, 25.0, 30.0 + i), (22.0 + i, 26.0, 31.0 + i)]
+                     for i, s in enumerate(schemes)})
+  (table,) = compare_cli.summarise(collect.collect([str(tmp_path)]), [])["tables"]
+  figure = report.plot(table)
+  (ax,) = figure.axes
+  curves = [line for line in ax.get_lines() if line.get_label() in {
+      f"{s} (2/2 seeds)" for s in schemes}]
+  assert len(curves) == len(schemes)
+  assert len({(str(line.get_color()), line.get_marker()) for line in curves}) == len(schemes)
+  assert len(ax.collections) == len(schemes)  # a min-max band per scheme
+  assert figure.legends and not ax.get_legend()  # the legend beside the axes, not on them
+  labels = [t.get_text() for t in figure.legends[0].get_texts()]
+  assert "unigram (train split)" in labels and "training length 32" in labels
+  assert [t.get_text() for t in ax.get_xticklabels()] == ["32", "64", "128"]
+  assert ax.get_xlabel() and ax.get_ylabel().startswith("perplexity")
 
 
 def test_collect_from_copied_workdirs_and_a_gs_bucket_gives_the_same_table(
@@ -219,6 +386,83 @@ def test_bad_experiment_fields_are_one_line_naming_the_field(field, value, expec
     plan.cells(config, "/tmp/unused")
 
 
+def _rewrite(path, change):
+  """``path``'s JSON changed by ``change(data)``."""
+  data = json.loads(path.read_text())
+  change(data)
+  path.write_text(json.dumps(data))
+
+
+def _eval_file(workdir):
+  (path,) = (workdir / "eval").glob("*.json")
+  return path
+
+
+@pytest.mark.parametrize("file, change, expected", [
+    ("best.json", lambda d: d.update(score="high"),
+     "best.json: score: got 'high'; expected a finite number"),
+    ("best.json", lambda d: d.pop("metric"), "best.json: metric: missing; expected a string"),
+    ("eval", lambda d: d.pop("rows"), ".json: rows: missing; expected a list"),
+    ("eval", lambda d: d.pop("settings"), ".json: settings: missing; expected a JSON object"),
+    ("eval", lambda d: d["rows"][1].update(value="25"),
+     ".json: rows[1].value: got '25'; expected a finite number or null"),
+    ("config.json", lambda d: d.update(seed="zero"),
+     "config.json: seed: got 'zero'; expected an integer"),
+])
+def test_bad_foreign_input_is_one_line_naming_the_file_and_field(tmp_path, file, change,
+                                                                 expected):
+  workdir = tmp_path / "run"
+  fake_run(workdir, "rope", 0, task="wordnet_glosses_lm", objective="lm", best=0.5,
+           evals=[EXTRAPOLATION])
+  path = _eval_file(workdir) if file == "eval" else workdir / file
+  _rewrite(path, change)
+  with pytest.raises(collect.CollectError) as error:
+    collect.collect([str(tmp_path)])
+  assert str(error.value).startswith(f"collect: {workdir}/"), error.value
+  assert str(error.value).endswith(expected) and "\n" not in str(error.value)
+
+
+def test_a_foreign_cost_or_results_file_is_one_line_naming_it(tmp_path):
+  cost = tmp_path / "cost.json"
+  cost.write_text(json.dumps({"baseline": "bert", "rows": {"rope": {"train_ratio": "fast"}}}))
+  with pytest.raises(collect.CollectError, match=(
+      rf"^collect: {cost}: rows.rope.train_ratio: got 'fast'; expected a finite number or null$")):
+    collect.read_cost(epath.Path(cost))
+  results = tmp_path / "results.json"
+  config = get_config("extrapolation").to_dict() | {"schemes": "rope,rop"}
+  results.write_text(json.dumps({"config": config}))
+  with pytest.raises(collect.CollectError, match=rf"^collect: {results}: config.schemes: 'rop' "):
+    collect.kept_experiment(epath.Path(results))
+
+
+def test_collect_that_fails_writes_nothing_not_even_the_workdir(tmp_path):
+  lm_runs(tmp_path / "runs", {"rope": [(20.0, 25.0, None)]})
+  lm_runs(tmp_path / "runs" / "more", {"alibi": [(20.0, 25.0, None)]}, tokens=16384)
+  out = forked_cli.run(["-m", "posenc_jax.compare", "--collect", f"--workdir={tmp_path}/out",
+                        str(tmp_path / "runs")], cwd=str(tmp_path), timeout=60)
+  assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+  assert out.stderr.strip().splitlines()[-1].startswith(
+      "compare: collect: runs of one extrapolation table (wordnet_glosses_lm) were evaluated "
+      f"with different settings: {tmp_path}/runs/more/alibi/seed0/train has tokens=16384, ")
+  assert not (tmp_path / "out").exists()
+
+
+def test_a_recollect_without_config_keeps_the_experiment_title_and_row_order(tmp_path):
+  lm_runs(tmp_path, {"rope": [(20.0, 25.0, None)], "alibi": [(20.0, 26.0, None)]})
+  config = get_config("extrapolation")
+  config.update(dict(schemes="rope,alibi", seeds="0"))
+  config.evaluate.tokens = 4096
+  report.write(str(tmp_path), compare_cli.summarise(collect.collect([str(tmp_path)]), [],
+                                                    config))
+  out = forked_cli.run(["-m", "posenc_jax.compare", "--collect", f"--workdir={tmp_path}"],
+                       cwd=str(tmp_path), timeout=60)
+  assert out.returncode == 0, out.stderr
+  text = (tmp_path / "results.md").read_text()
+  assert text.startswith("# extrapolation\n")
+  assert text.index("| rope |") < text.index("| alibi |")
+  assert json.loads((tmp_path / "results.json").read_text())["config"] == config.to_dict()
+
+
 def test_collect_of_a_folder_that_holds_no_workdir_names_it(tmp_path):
   (tmp_path / "empty").mkdir()
   with pytest.raises(collect.CollectError, match=f"^collect: '{tmp_path}/empty' holds no "):
@@ -309,7 +553,7 @@ def test_a_real_grid_of_two_schemes_and_two_seeds_trains_collects_and_costs(tmp_
 def test_without_matplotlib_one_line_says_how_and_the_tables_are_written(tmp_path, monkeypatch,
                                                                          capsys):
   fake_run(tmp_path / "runs" / "bert" / "seed0" / "train", "bert", 0, task="wordnet_glosses_lm",
-           objective="lm", evals={"extrapolation": EXTRAPOLATION})
+           objective="lm", evals=[EXTRAPOLATION])
   summary = compare_cli.summarise(collect.collect([str(tmp_path / "runs")]), [])
   monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
   written = report.write(str(tmp_path / "out"), summary)

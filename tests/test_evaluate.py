@@ -9,6 +9,7 @@ The workdirs are faked: a tiny model's fresh parameters saved through the traine
 
 import json
 import os
+import sys
 
 import flax.linen as nn
 import jax
@@ -22,6 +23,8 @@ from posenc_jax.configs import pretrain as pretrain_config
 from posenc_jax.data.vocab import CLS_ID
 from posenc_jax.evaluation import (EvaluationError, Run, evaluate_workdir, load_run, model_at,
                                    window_arrays, windows)
+from posenc_jax.evaluation import report as evaluation_report
+from posenc_jax.evaluation import runs
 from posenc_jax.evaluation.runs import token_stream, window_batches
 from posenc_jax.models.build import build_model, init_inputs
 from posenc_jax.models.transformer import shift_right
@@ -33,6 +36,14 @@ from tests.test_remote_workdir import bucket  # noqa: F401 - the fake gs:// fixt
 
 TRAIN_LEN, TOKENS = 16, 300
 TINY = dict(d_model=32, num_layers=1, num_heads=2, mlp_dim=64, max_len=TRAIN_LEN)
+TRAIN_COUNTS = runs.train_counts  # the real one: test_the_unigram_of_the_bundled_corpus
+
+
+@pytest.fixture(autouse=True)
+def uniform_train_counts(monkeypatch):
+  """Every id seen once in the train split (the unigram's perplexity is then the vocabulary
+  size): reading a real train split costs seconds to a minute; one test reads one."""
+  monkeypatch.setattr(runs, "train_counts", lambda task, size: np.ones(size, np.int64))
 
 
 # ------------------------------------------------------------------------------- windows
@@ -164,7 +175,9 @@ def test_lm_perplexity_equals_numpy_on_the_same_windows(lm_run, tmp_path):
       np.testing.assert_allclose(row["value"], np.exp(loss / weight), rtol=2e-5)
       assert row["accuracy"] == correct / weight
   assert sliding["rows"][0]["loss"] != doc["rows"][0]["loss"]  # more context, another score
-  saved = json.loads((tmp_path / "eval" / "extrapolation.json").read_text())
+  assert doc["unigram"] == pytest.approx(load_run(workdir).config.model.vocab_size)
+  saved = json.loads((tmp_path / "eval" / "extrapolation-split=validation,windows=non_overlapping,"
+                      f"tokens={TOKENS}.json").read_text())
   assert saved == json.loads(json.dumps(doc))
 
 
@@ -173,6 +186,9 @@ def test_mlm_loss_equals_numpy_at_the_training_length_and_past_it(mlm_run):
   lengths = [TRAIN_LEN, 2 * TRAIN_LEN]
   doc = evaluate_workdir(workdir, "extrapolation", lengths=lengths, tokens=TOKENS)
   assert (doc["objective"], doc["metric"], doc["mask_seed"]) == ("mlm", "mlm_loss", 0)
+  assert doc["settings"] == {"split": "validation", "windows": "non_overlapping",
+                             "tokens": TOKENS, "mask_seed": 0}
+  assert doc["unigram"] is None and doc["scheme"] == "bert"
   stream = token_stream(load_run(workdir).config, "validation", TOKENS)
   masked = stream["mlm_weights"]
   assert 0.1 < masked.mean() < 0.2 and len(masked) == TOKENS
@@ -195,7 +211,8 @@ def test_loss_protocol_is_the_trainers_evaluation_and_extrapolation_agrees(lm_ru
   same = evaluate_workdir(workdir, "extrapolation", lengths=[TRAIN_LEN],
                           tokens=2 * 4 * TRAIN_LEN)
   np.testing.assert_allclose(same["rows"][0]["loss"], loss["metrics"]["eval_loss"], rtol=1e-6)
-  assert json.loads((tmp_path / "loss.json").read_text())["metrics"] == loss["metrics"]
+  saved = tmp_path / "loss-split=validation,eval_steps=2.json"  # the run's eval_steps
+  assert json.loads(saved.read_text())["metrics"] == loss["metrics"]
 
 
 # --------------------------------------------------------------------------- extrapolation
@@ -272,7 +289,8 @@ def test_best_and_a_step_restore_and_nothing_is_written_under_checkpoints(lm_run
   assert best["rows"] == step["rows"]  # the same parameters were saved in both
   after = {name: _listing(os.path.join(workdir, name)) for name in ("checkpoints", "best")}
   assert after == before
-  assert sorted(os.listdir(os.path.join(workdir, "eval")))[0] == "extrapolation.json"
+  assert sorted(os.listdir(os.path.join(workdir, "eval")))[0] == (
+      "extrapolation-split=validation,windows=non_overlapping,tokens=64.json")
 
 
 def test_a_gs_workdir_is_read_and_written_through_epath(bucket, tmp_path):  # noqa: F811
@@ -281,7 +299,8 @@ def test_a_gs_workdir_is_read_and_written_through_epath(bucket, tmp_path):  # no
   doc = evaluate_workdir("gs://bucket/run", "extrapolation", lengths=[TRAIN_LEN, 32],
                          tokens=64, out="gs://bucket/run/eval")
   assert doc["workdir"] == "gs://bucket/run"
-  saved = json.loads((root / "run" / "eval" / "extrapolation.json").read_text())
+  saved = json.loads((root / "run" / "eval" / f"{evaluation_report.file_stem(doc)}.json")
+                     .read_text())
   assert [r["length"] for r in saved["rows"]] == [TRAIN_LEN, 32]
 
 
@@ -302,7 +321,78 @@ def test_cli_runs_and_prints_the_protocol(lm_run, tmp_path, capsys):
   out = capsys.readouterr().out
   assert "windows sliding, stride 8, the first 64 tokens at every length" in out
   assert f"extrapolation: length {2 * TRAIN_LEN} (2/2)" in out
-  assert json.loads((tmp_path / "extrapolation.json").read_text())["rows"] == doc["rows"]
+  path = tmp_path / "extrapolation-split=validation,windows=sliding,stride=8,tokens=64.json"
+  assert f"wrote {path}\n" in out and f"wrote {path.with_suffix('.png')}\n" in out
+  assert ("unigram perplexity of these tokens (add-one smoothed, counted on 8192 tokens of "
+          "split 'train'): 8192.0000") in out
+  assert json.loads(path.read_text())["rows"] == doc["rows"]
+
+
+def test_evaluations_with_other_settings_sit_beside_each_other(lm_run, tmp_path, capsys):
+  """The defaults (16384 tokens) no longer replace the file of an experiment's 64 tokens."""
+  workdir, _, _ = lm_run
+  asked = evaluate_cli.main([f"--workdir={workdir}", "--protocol=extrapolation",
+                             f"--lengths={TRAIN_LEN}", "--tokens=64", f"--out={tmp_path}"])
+  kept = (tmp_path / f"{evaluation_report.file_stem(asked)}.json").read_text()
+  default = evaluate_cli.main([f"--workdir={workdir}", "--protocol=extrapolation",
+                               f"--lengths={TRAIN_LEN}", f"--out={tmp_path}"])
+  assert default["settings"] == {"split": "validation", "windows": "non_overlapping",
+                                 "tokens": 16384}
+  assert (tmp_path / f"{evaluation_report.file_stem(asked)}.json").read_text() == kept
+  assert sorted(p.name for p in tmp_path.glob("*.json")) == [
+      "extrapolation-split=validation,windows=non_overlapping,tokens=16384.json",
+      "extrapolation-split=validation,windows=non_overlapping,tokens=64.json"]
+  assert "wrote " in capsys.readouterr().out
+
+
+def test_settings_name_the_options_that_change_the_numbers_with_their_defaults():
+  lm, mlm = {"objective": "lm", "eval_steps": 5}, {"objective": "mlm", "eval_steps": 5}
+  assert runs.protocol_settings("extrapolation", lm, tokens=4096, lengths=[8, 16],
+                                batch_size=3) == {"split": "validation",
+                                                  "windows": "non_overlapping", "tokens": 4096}
+  assert runs.protocol_settings("extrapolation", mlm, windows="sliding", stride=4) == {
+      "split": "validation", "windows": "sliding", "stride": 4, "tokens": 16384, "mask_seed": 0}
+  assert runs.protocol_settings("probes", lm) == {"examples": 256, "seed": 1_000_003}
+  assert runs.protocol_settings("loss", lm, split="train") == {"split": "train",
+                                                               "eval_steps": 5}
+  assert evaluation_report.settings_key({"split": "train[:10%]", "tokens": 64}) == (
+      "split=train__10__,tokens=64")
+
+
+def test_the_unigram_is_add_one_smoothed_over_the_vocabulary():
+  # p = (3 + 1, 1 + 1, 0 + 1, 0 + 1) / (4 + 4): tokens 0, 1, 2 have 1/2, 1/4, 1/8: ppl 4.
+  assert runs.unigram_perplexity(np.array([3, 1, 0, 0]), np.array([0, 1, 2])) == (
+      pytest.approx(4.0))
+
+
+def test_the_unigram_of_the_bundled_corpus_counts_its_train_split(tmp_path, monkeypatch):
+  """The real train split (3 s: the stdlib corpus), and the corpus hash in the document."""
+  from posenc_jax.data import stdlib_corpus  # noqa: PLC0415
+  monkeypatch.setattr(runs, "train_counts", TRAIN_COUNTS)
+  config = _config(lm_config, "alibi")
+  config.task, config.model.vocab_size = stdlib_corpus.TASK, stdlib_corpus.VOCAB_SIZE
+  _fake_workdir(tmp_path, config)
+  doc = evaluate_workdir(str(tmp_path), "extrapolation", lengths=[TRAIN_LEN], tokens=TOKENS)
+  counts = runs.train_counts(stdlib_corpus.TASK, stdlib_corpus.VOCAB_SIZE)
+  train_bytes = sum(len(d.text.encode()) + 1 for d in stdlib_corpus.documents("train"))
+  assert counts.sum() == train_bytes == doc["unigram_train_tokens"]  # bytes and EOS, once
+  stream = token_stream(load_run(str(tmp_path)).config, "validation", TOKENS)["targets"]
+  assert doc["unigram"] == pytest.approx(runs.unigram_perplexity(counts, stream))
+  assert 2 < doc["unigram"] < 0.5 * stdlib_corpus.VOCAB_SIZE  # far better than uniform
+  assert doc["corpus_sha256"] == stdlib_corpus.CONTENT_SHA256 and doc["task"] == config.task
+  monkeypatch.setattr(runs, "UNIGRAM_TOKENS", 1000)  # a web-scale split: its first tokens
+  first = TRAIN_COUNTS.__wrapped__(stdlib_corpus.TASK, stdlib_corpus.VOCAB_SIZE)
+  assert first.sum() == 1000 and np.all(first <= counts)
+
+
+def test_without_matplotlib_the_written_file_is_still_told(tmp_path, monkeypatch):
+  doc = {"scheme": "rope", "protocol": "probes", "settings": {"examples": 2, "seed": 7},
+         "probe": {"name": "copy"}, "examples": 2, "step": 1, "train_length": 16, "rows": []}
+  monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+  told = []
+  written = evaluation_report.write(doc, str(tmp_path), told.append)
+  assert written == [str(tmp_path / "probes-examples=2,seed=7.json")]
+  assert told == [evaluation_report.PLOT_HINT, f"wrote {written[0]}"]
 
 
 def test_cli_errors_are_one_line_naming_the_field(lm_run, mlm_run, tmp_path, capsys):
@@ -379,7 +469,20 @@ def test_probes_score_the_held_out_examples_at_each_length(tmp_path):
     assert row["na"] is None and row["length"] == length
     assert (row["accuracy"], row["token_accuracy"]) == (direct["accuracy"],
                                                         direct["token_accuracy"])
-  assert json.loads((workdir / "eval" / "probes.json").read_text())["rows"] == doc["rows"]
+    assert row["chance"] == 8.0 ** -((length - 1) // 2)  # (L - 1) // 2 symbols of 8
+  saved = workdir / "eval" / "probes-examples=6,seed=1000003.json"
+  assert json.loads(saved.read_text())["rows"] == doc["rows"]
+  figure = evaluation_report.plot_probes(doc)
+  assert figure.axes[0].get_title().startswith("alibi (step 3): probe copy")
+  assert "chance" in [t.get_text() for t in figure.legends[0].get_texts()]
+
+
+@pytest.mark.parametrize("name, length, expected", [
+    ("copy", 9, 32.0 ** -4), ("reverse", 10, 32.0 ** -4), ("mqar", 64, 32.0 ** -8),
+    ("passkey", 64, 10.0 ** -5)])
+def test_chance_is_guessing_every_answer_token_among_its_symbols(name, length, expected):
+  from posenc_jax.data import probes  # noqa: PLC0415
+  assert probes.probe(name).chance(length) == expected
 
 
 def test_probes_past_a_learned_table_are_na_and_other_runs_are_refused(tmp_path, lm_run):

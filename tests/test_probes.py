@@ -74,6 +74,7 @@ def test_copy_with_min_symbols_trains_on_every_instance_length_and_scores_the_lo
   assert set(counts) == set(range(2, 11))  # uniform over [min_symbols, (L - 1) // 2]
   assert spec.min_length() == 5
   assert spec.scored() == probes.Copy(alphabet=5, reverse=True)
+  assert spec.chance(21) == 5.0 ** -10  # chance at the longest instance, as scored
   assert probes.probe(probes.describe(spec)) == spec
   with pytest.raises(ProbeError, match="probe.min_symbols: got 0"):
     probes.Copy(min_symbols=0)

@@ -36,6 +36,15 @@ def _save(fig, path: str | os.PathLike | None):
   return fig
 
 
+def length_axis(ax, lengths: Sequence[int]) -> None:
+  """``ax``'s x axis for sequence lengths: log2, one plain tick per length and no others."""
+  from matplotlib.ticker import NullLocator  # noqa: PLC0415
+
+  ax.set_xscale("log", base=2)
+  ax.set_xticks(list(lengths), [str(n) for n in lengths])
+  ax.xaxis.set_minor_locator(NullLocator())
+
+
 def _heatmap(fig, ax, matrix: np.ndarray, *, title: str, cbar_label: str, cmap: str,
              xlabel: str = "key position j", ylabel: str = "query position i",
              extent_positions: Sequence[float] | None = None, vmin=None, vmax=None,

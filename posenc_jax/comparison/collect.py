@@ -2,26 +2,37 @@
 folders read as local ones): each train.py or finetune.py workdir found under the folders
 given becomes one record.
 
-A record is ``{"workdir", "size", "scheme", "seed", "task", "objective", "best", "eval"}``:
-``size`` and ``scheme`` are the preset names whose fields the run's ``config.json`` model
-has (:func:`preset_name`), ``best`` the best evaluation (``best.json``, else the highest
-``best_metric`` in ``metrics.jsonl``), ``eval`` the evaluate tool's documents by protocol
-(``eval/<protocol>.json``).
+A record is ``{"workdir", "size", "scheme", "seed", "task", "objective", "steps", "model",
+"best", "eval"}``: ``size`` and ``scheme`` are the preset names whose fields the run's
+``config.json`` model has (:func:`preset_name`), ``steps`` its ``total_steps``, ``model``
+its ``d_model``, ``num_layers`` and ``num_heads``, ``best`` the best evaluation
+(``best.json``, else the highest ``best_metric`` in ``metrics.jsonl``), ``eval`` the evaluate
+tool's documents by file name (``eval/<protocol>-<settings>.json`` without ``.json``).
+
+These files come from elsewhere: a field of the wrong kind (a score that is no number, an
+evaluation without ``settings`` or ``rows``) is one :class:`CollectError` line naming the file
+and the field. :func:`evaluations` groups the documents into tables, one per protocol, task
+and settings, and refuses runs of one table evaluated with different settings.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
+import ml_collections
 from etils import epath
 
+from posenc_jax.comparison import plan
 from posenc_jax.presets import POSITION_PRESETS, SCHEME_PRESETS, SIZES
 from posenc_jax.training.workdir import CONFIG_FILE, WorkdirError, read_metrics, saved_config
 
 # Folders a run writes that hold no other run.
 RUN_PARTS = ("checkpoints", "best", "tensorboard", "eval")
 MAX_DEPTH = 4
+CURVES = ("extrapolation", "probes")  # the evaluate tool's protocols that make tables
+MODEL_FIELDS = ("d_model", "num_layers", "num_heads")  # a record's ``model``
 
 
 class CollectError(ValueError):
@@ -48,6 +59,21 @@ def preset_name(model: dict[str, Any], presets: dict[str, dict], default: str) -
   return max(matches, key=lambda n: fields(presets[n])) if matches else default
 
 
+def scheme_name(model: dict[str, Any]) -> str:
+  """The scheme preset (``rope``, ``bert``, ...) whose fields ``model`` (a resolved model
+  config) has, else the name of its scheme."""
+  return preset_name(model, {n: SCHEME_PRESETS[n] for n in POSITION_PRESETS},
+                     str((model.get("scheme") or {}).get("name")))
+
+
+def size_name(model: dict[str, Any]) -> str:
+  """The size preset (``bert_tiny``, ...) whose dimensions ``model`` has, else
+  ``d<d_model>L<num_layers>``."""
+  presets = {n: {k: p[k] for k in ("d_model", "num_layers", "num_heads", "mlp_dim") if k in p}
+             for n, p in SIZES.items()}
+  return preset_name(model, presets, f"d{model.get('d_model')}L{model.get('num_layers')}")
+
+
 def _json(path: epath.Path) -> Any:
   try:
     return json.loads(path.read_text())
@@ -55,21 +81,93 @@ def _json(path: epath.Path) -> Any:
     raise CollectError(f"collect: {path} does not read as JSON ({e})") from None
 
 
+# What a field may hold: its kind's test and its name in an error.
+KINDS = {
+    "number": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
+               and math.isfinite(v), "a finite number"),
+    "integer": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
+    "string": (lambda v: isinstance(v, str), "a string"),
+    "object": (lambda v: isinstance(v, dict), "a JSON object"),
+    "list": (lambda v: isinstance(v, list), "a list"),
+}
+
+
+def field(path: Any, data: Any, name: str, kind: str, *, null: bool = False,
+          where: str = "") -> Any:
+  """``data[name]`` after checking it is of ``kind`` (a key of :data:`KINDS`; or None with
+  ``null``), else one :class:`CollectError` line naming ``path`` and the field (``where``:
+  its place, e.g. ``rows[2].``)."""
+  test, expected = KINDS[kind]
+  if not isinstance(data, dict):
+    raise CollectError(f"collect: {path}: {where.rstrip('. ') or 'the file'} holds "
+                       f"{type(data).__name__}; expected a JSON object")
+  if name not in data:
+    raise CollectError(f"collect: {path}: {where}{name}: missing; expected {expected}")
+  value = data[name]
+  if not (test(value) or (null and value is None)):
+    raise CollectError(f"collect: {path}: {where}{name}: got {value!r}; expected {expected}"
+                       + (" or null" if null else ""))
+  return value
+
+
 def best_score(workdir: epath.Path, metric: str | None) -> dict[str, Any] | None:
   """``{"step", "metric", "score"}`` of the run's best evaluation, or None without one."""
-  if (workdir / "best.json").exists():
-    return _json(workdir / "best.json")
+  path = workdir / "best.json"
+  if path.exists():
+    best = _json(path)
+    field(path, best, "step", "integer")
+    field(path, best, "metric", "string")
+    field(path, best, "score", "number")
+    return best
   if not metric:
     return None
   try:  # the trainer's reader: a torn last line (a run killed mid-write) is left out
     records, _ = read_metrics(workdir / "metrics.jsonl")
   except WorkdirError as e:
     raise CollectError(f"collect: {e}") from None
-  rows = [r for r in (json.loads(line) for _, line in records) if metric in r]
+  rows = []
+  for step, line in records:  # the reader checked each line holds an integer step
+    row = json.loads(line)
+    if metric in row:
+      field(workdir / "metrics.jsonl", row, metric, "number", where=f"step {step}: ")
+      rows.append(row)
   if not rows:
     return None
   top = max(rows, key=lambda r: r[metric])
   return {"step": top["step"], "metric": metric, "score": top[metric]}
+
+
+def check_evaluation(path: epath.Path, doc: Any) -> dict[str, Any]:
+  """``doc`` (read from ``path``) after checking the fields the tables read: every
+  document's ``protocol`` and ``settings``; an extrapolation or probes document's lengths
+  and values (:mod:`posenc_jax.evaluation.runs`)."""
+  protocol = field(path, doc, "protocol", "string")
+  field(path, doc, "settings", "object")
+  if protocol not in CURVES:
+    return doc
+  field(path, doc, "train_length", "integer")
+  key = "value" if protocol == "extrapolation" else "accuracy"
+  if protocol == "extrapolation":
+    field(path, doc, "metric", "string")
+    for name in ("split", "windows"):
+      field(path, doc, name, "string")
+    field(path, doc, "tokens", "integer")
+    field(path, doc, "stride", "integer", null=True)
+    field(path, doc, "unigram", "number", null=True)
+    field(path, doc, "unigram_train_tokens", "integer", null=True)
+    field(path, doc, "corpus_sha256", "string", null=True)
+  else:
+    field(path, doc, "examples", "integer")
+    field(path, doc, "seed", "integer")
+    field(path, field(path, doc, "probe", "object"), "name", "string", where="probe.")
+  for index, row in enumerate(field(path, doc, "rows", "list")):
+    where = f"rows[{index}]."
+    field(path, row, "length", "integer", where=where)
+    field(path, row, key, "number", null=True, where=where)
+    field(path, row, "na", "string", null=True, where=where)
+    if protocol == "probes":
+      field(path, row, "chance", "number", null=True, where=where)
+  return doc
 
 
 def read_run(workdir: str | epath.Path) -> dict[str, Any]:
@@ -81,22 +179,20 @@ def read_run(workdir: str | epath.Path) -> dict[str, Any]:
     raise CollectError(f"collect: {e}") from None
   if config is None:
     raise CollectError(f"collect: {folder} is no train.py workdir (no {CONFIG_FILE})")
-  model = config.get("model") or {}
-  scheme_presets = {n: SCHEME_PRESETS[n] for n in POSITION_PRESETS}
-  size_presets = {n: {k: p[k] for k in ("d_model", "num_layers", "num_heads", "mlp_dim")
-                      if k in p} for n, p in SIZES.items()}
+  path = folder / CONFIG_FILE
+  model = field(path, config, "model", "object")
   evals = {}
   if (folder / "eval").is_dir():
-    for path in sorted((folder / "eval").iterdir(), key=lambda p: p.name):
-      if path.name.endswith(".json"):
-        evals[path.name[:-len(".json")]] = _json(path)
-  return {"workdir": str(folder),
-          "size": preset_name(model, size_presets, f"d{model.get('d_model')}"
-                              f"L{model.get('num_layers')}"),
-          "scheme": preset_name(model, scheme_presets, str((model.get("scheme") or {})
-                                                            .get("name"))),
-          "seed": config.get("seed"), "task": config.get("task"),
-          "objective": config.get("objective"),
+    for item in sorted((folder / "eval").iterdir(), key=lambda p: p.name):
+      if item.name.endswith(".json"):
+        evals[item.name[:-len(".json")]] = check_evaluation(item, _json(item))
+  return {"workdir": str(folder), "size": size_name(model), "scheme": scheme_name(model),
+          "seed": field(path, config, "seed", "integer"),
+          "task": field(path, config, "task", "string"),
+          "objective": field(path, config, "objective", "string"),
+          "steps": field(path, config, "total_steps", "integer", null=True),
+          "model": {k: field(path, model, k, "integer", null=True, where="model.")
+                    for k in MODEL_FIELDS},
           "best": best_score(folder, config.get("best_metric")), "eval": evals}
 
 
@@ -118,7 +214,8 @@ def collect(folders: list[str]) -> list[dict[str, Any]]:
   """The records of every run at or under each of ``folders``.
 
   Raises:
-    CollectError: a folder that does not exist or holds no workdir, named.
+    CollectError: a folder that does not exist or holds no workdir, named; a file of a run
+      that does not read, named with its field.
   """
   records = []
   for folder in folders:
@@ -130,3 +227,101 @@ def collect(folders: list[str]) -> list[dict[str, Any]]:
                          f"{CONFIG_FILE} in it or in its subfolders)")
     records += [read_run(run) for run in runs]
   return records
+
+
+def read_cost(path: epath.Path) -> dict[str, Any]:
+  """A compare ROOT's ``cost.json`` (:func:`posenc_jax.comparison.cost.measure`), its rows
+  checked."""
+  cost = _json(path)
+  field(path, cost, "baseline", "string", null=True)
+  for scheme, row in field(path, cost, "rows", "object").items():
+    where = f"rows.{scheme}."
+    if isinstance(row, dict) and "na" in row:
+      field(path, row, "na", "string", where=where)
+      continue
+    for name in ("train_ratio", "memory_ratio"):
+      field(path, row, name, "number", null=True, where=where)
+  return cost
+
+
+def kept_experiment(path: epath.Path) -> ml_collections.ConfigDict | None:
+  """The experiment config of an earlier ``results.json`` at ``path`` (None without the file
+  or an experiment in it), checked as :func:`posenc_jax.comparison.plan.check` does."""
+  if not path.exists():
+    return None
+  config = field(path, _json(path), "config", "object", null=True)
+  if config is None:
+    return None
+  field(path, config, "experiment", "string", where="config.")
+  field(path, config, "evaluate", "object", where="config.")
+  config = ml_collections.ConfigDict(config)
+  try:
+    plan.check(config)
+  except plan.PlanError as e:
+    raise CollectError(f"collect: {path}: config.{e}") from None
+  return config
+
+
+def _differing(a: dict[str, Any], b: dict[str, Any]) -> tuple[str, str]:
+  """The settings where ``a`` and ``b`` differ, as ``name=value,...`` of each."""
+  names = [n for n in dict.fromkeys([*a, *b]) if a.get(n) != b.get(n)]
+  return tuple(",".join(f"{n}={s.get(n)}" for n in names) for s in (a, b))
+
+
+def evaluations(records: list[dict[str, Any]], protocol: str | None = None,
+                evaluate: dict[str, Any] | None = None
+                ) -> dict[tuple[str, str, str], list[tuple[dict, dict]]]:
+  """The records' extrapolation and probes documents by table: ``{(protocol, task, settings
+  key): [(record, document), ...]}`` (records in order, one document each).
+
+  Without an experiment (``protocol`` None) a table is every settings that all the runs of a
+  protocol and task were evaluated with. With one (its ``protocol`` and its ``evaluate``
+  options), each run's document of the settings the experiment asks for
+  (:func:`~posenc_jax.evaluation.runs.protocol_settings`), and every run must have one.
+
+  Raises:
+    CollectError: runs of one protocol and task evaluated with different settings (one line
+      naming two workdirs and the setting), or a run without the experiment's.
+  """
+  from posenc_jax.evaluation.report import settings_key  # noqa: PLC0415
+  from posenc_jax.evaluation.runs import SETTINGS, protocol_settings  # noqa: PLC0415
+
+  members = {}  # (protocol, task) -> [(record, {settings key: document})]
+  for record in records:
+    mine = {}
+    for doc in record["eval"].values():
+      if doc["protocol"] in CURVES:
+        mine.setdefault(doc["protocol"], {})[settings_key(doc["settings"])] = doc
+    if protocol in CURVES and protocol not in mine:
+      mine[protocol] = {}
+    for name, docs in mine.items():
+      members.setdefault((name, record["task"]), []).append((record, docs))
+  groups = {}
+  for (name, task), runs in sorted(members.items()):
+    if protocol is not None:
+      for record, docs in runs:
+        want = protocol_settings(name, {"objective": record["objective"]}, **{
+            k: (evaluate or {}).get(k) for k in SETTINGS[name]})
+        key = settings_key(want)
+        if key not in docs:
+          have = "; ".join(docs) or "none"
+          raise CollectError(f"collect: {record['workdir']}: no {name} evaluation with the "
+                             f"experiment's settings {key} (it has: {have}); run the evaluate "
+                             "tool with them")
+        groups.setdefault((name, task, key), []).append((record, docs[key]))
+      continue
+    first = runs[0]
+    for run in runs[1:]:
+      # Settings the first run has and this one lacks, else the other way round.
+      alone = sorted(set(first[1]) - set(run[1])) or sorted(set(run[1]) - set(first[1]))
+      if alone:
+        (one, ones), (other, others) = (first, run) if alone[0] in first[1] else (run, first)
+        mine, theirs = _differing(ones[alone[0]]["settings"],
+                                  next(iter(others.values()))["settings"])
+        raise CollectError(f"collect: runs of one {name} table ({task}) were evaluated with "
+                           f"different settings: {one['workdir']} has {mine}, "
+                           f"{other['workdir']} has {theirs}; evaluate every run alike or "
+                           "pass the experiment's --config")
+    for key in sorted(first[1]):
+      groups[(name, task, key)] = [(record, docs[key]) for record, docs in runs]
+  return groups

@@ -3,11 +3,20 @@
 
 * Best dev score (DIET Tables 2-9, TUPE Table 2): per task, the median over seeds of each
   run's best evaluation over checkpoints (``best.json``), and the average of the medians.
-* Length extrapolation (Press et al.): per evaluation length, the median over seeds of the
-  evaluate tool's value (perplexity); ``n/a`` where a scheme cannot reach the length.
-* Probes: per probe and length, the median accuracy.
+* Length extrapolation (Press et al.): the perplexity at the training length (1x), then at
+  each longer length the ratio ppl(kL)/ppl(L) of each seed, median over seeds; ``n/a`` where
+  a scheme cannot reach the length; a unigram row as the reference. A masked LM's loss, or a
+  table without the training length, is shown as measured.
+* Probes: per probe and length, the median accuracy; a chance row as the reference.
 * Cost (DIET Table 1), beside the first table: step time and peak memory relative to the
   baseline scheme (:mod:`~posenc_jax.comparison.cost`).
+
+One table per protocol, task and evaluation settings (:func:`posenc_jax.comparison.collect
+.evaluations`): runs evaluated differently are never mixed. A seed that did not learn
+(:data:`LEARNED_PERPLEXITY`, :data:`LEARNED_ACCURACY`, judged at the training length) is left
+out of its row's median and range; a row none of whose seeds learned reads "did not learn".
+``results.md`` states above each table what it measured: task, settings, training steps,
+model, seeds and the criterion.
 """
 
 from __future__ import annotations
@@ -15,14 +24,24 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import statistics
 from collections.abc import Sequence
 from typing import Any
 
 from etils import epath
 
+from posenc_jax.comparison.collect import CURVES, CollectError, evaluations
+
 FINETUNE_OBJECTIVES = ("classification", "regression", "span")
 NO_PLOTS = 'no plots (matplotlib missing): pip install "posenc-jax[analysis]"'
+# A seed that did not learn, judged at the training length (the table's 1x column): a causal
+# LM whose perplexity there is above this fraction of the unigram's, a probe run whose
+# accuracy there is below this.
+LEARNED_PERPLEXITY = 0.5
+LEARNED_ACCURACY = 0.9
+NEAR_ZERO = 1e-4  # a chance accuracy below this reads "~0 (<the number>)"
+MARKERS = "osD^vP*Xh<>p"  # with tab20's colours: a distinct pair for up to 60 schemes
 
 
 def spread(values: Sequence[float]) -> dict[str, float]:
@@ -35,10 +54,12 @@ def _label(record: dict[str, Any], sizes: set[str]) -> str:
   return record["scheme"] if len(sizes) == 1 else f"{record['size']},{record['scheme']}"
 
 
-def _cell(values: dict[int, float | None], reasons: list[str]) -> dict[str, Any] | None:
-  """A table cell: the spread of the seeds' numbers, the numbers by seed, and where no seed
-  has one, the reason (``na``); None where no run reported it."""
-  numbers = [v for v in values.values() if v is not None]
+def _cell(values: dict[int, float | None], reasons: list[str],
+          counted: Sequence[int] | None = None) -> dict[str, Any] | None:
+  """A table cell: the spread of the numbers of the seeds of ``counted`` (default every
+  seed), every seed's number (``seeds``), and where none counted has one, the reason
+  (``na``); None where no run reported it."""
+  numbers = [v for s, v in values.items() if v is not None and (counted is None or s in counted)]
   if not values:
     return None
   cell = spread(numbers) if numbers else {"na": reasons[0] if reasons else "no value"}
@@ -66,10 +87,115 @@ def _ordered(names: set[str], first: Sequence[str]) -> list[str]:
   return [n for n in first if n in names] + sorted(names - set(first))
 
 
+def _agreed(values: list[tuple[str, Any]], what: str, table: str) -> Any:
+  """The one value of ``values`` (``[(workdir, value)]``), else one :class:`CollectError` line
+  naming two workdirs that differ."""
+  workdir, first = values[0]
+  for other, value in values[1:]:
+    if value != first:
+      raise CollectError(f"collect: runs of one table ({table}) differ in {what}: {workdir} "
+                         f"has {first!r}, {other} has {value!r}")
+  return first
+
+
+def _runs(records: list[dict[str, Any]]) -> dict[str, list]:
+  """What a table's runs were: their distinct ``steps``, ``model`` dimensions and seeds."""
+  models = {json.dumps(r["model"], sort_keys=True): r["model"] for r in records}
+  return {"steps": sorted({r["steps"] for r in records if r["steps"] is not None}),
+          "model": [models[k] for k in sorted(models)],
+          "seeds": sorted({r["seed"] for r in records})}
+
+
+def _learned(protocol: str, value: float | None, limit: float) -> bool:
+  """Whether a seed's value at the training length shows it learned: a perplexity at most
+  ``limit`` (:data:`LEARNED_PERPLEXITY` x the unigram's), a probe's accuracy at least
+  ``limit`` (:data:`LEARNED_ACCURACY`)."""
+  return value is not None and (value >= limit if protocol == "probes" else value <= limit)
+
+
+def _curve(protocol: str, task: str, settings: dict[str, Any],
+           members: list[tuple[dict, dict]], order: list[str], sizes: set[str]) -> dict[str, Any]:
+  """The table of one protocol, task and settings from its ``(record, document)`` pairs."""
+  name = f"{protocol} of {task}"
+  runs = [(r["workdir"], d) for r, d in members]
+  train = _agreed([(w, d["train_length"]) for w, d in runs], "train_length", name)
+  key = "value" if protocol == "extrapolation" else "accuracy"
+  metric = _agreed([(w, d["metric"]) for w, d in runs], "metric", name) if (
+      protocol == "extrapolation") else "accuracy"
+  entries, reasons, references = {}, {}, {}
+  for record, doc in members:
+    label = _label(record, sizes)
+    for row in doc["rows"]:
+      column = str(row["length"])
+      entries.setdefault(label, {}).setdefault(column, {})[record["seed"]] = row[key]
+      if row["na"]:
+        reasons.setdefault((label, column), []).append(row["na"])
+      if protocol == "probes":
+        references.setdefault(column, []).append((record["workdir"], row["chance"]))
+  columns = [str(n) for n in sorted({int(c) for cells in entries.values() for c in cells})]
+  base = str(train) if str(train) in columns else None
+  about = {"task": task, **settings}
+  if protocol == "extrapolation":
+    unigram = _agreed([(w, d["unigram"]) for w, d in runs], "unigram", name)
+    about |= {k: _agreed([(w, d[k]) for w, d in runs], k, name)
+              for k in ("tokens", "corpus_sha256", "unigram_train_tokens")}
+    reference = {"label": "unigram", "values": {c: unigram for c in columns}} if (
+        unigram is not None) else None
+    limit = LEARNED_PERPLEXITY * unigram if metric == "perplexity" and unigram is not None else (
+        None)
+    criterion = (f"perplexity at the training length ({base}) at most {LEARNED_PERPLEXITY} x "
+                 f"the unigram's ({_number(limit)})") if limit is not None else None
+  else:
+    about["probe"] = _agreed([(w, d["probe"]) for w, d in runs], "probe", name)
+    reference = {"label": "chance", "values": {
+        c: _agreed(references[c], f"chance at {c}", name) for c in columns}}
+    limit = LEARNED_ACCURACY
+    criterion = f"accuracy at the training length ({base}) at least {LEARNED_ACCURACY}"
+  if base is None:
+    limit = criterion = None
+  ratios = protocol == "extrapolation" and metric == "perplexity" and base is not None
+  rows = []
+  for label in [lb for lb in order if lb in entries]:
+    by_column = entries[label]
+    seeds = sorted({s for values in by_column.values() for s in values})
+    at_base = by_column.get(base, {}) if base else {}
+    learned = seeds if limit is None else [s for s in seeds
+                                           if _learned(protocol, at_base.get(s), limit)]
+    values = {c: _cell(by_column.get(c, {}), reasons.get((label, c), []), learned)
+              for c in columns}
+    cells = dict(values)
+    if ratios:
+      for c in columns:
+        if c != base and by_column.get(c):
+          cells[c] = _cell({s: v / at_base[s] if v is not None and at_base.get(s) else None
+                            for s, v in by_column[c].items()}, reasons.get((label, c), []),
+                           learned)
+    unreached = {c: reasons[(label, c)][0] for c in columns if (label, c) in reasons
+                 and all(v is None for v in by_column.get(c, {}).values())}
+    rows.append({"label": label, "seeds": seeds, "learned": learned, "cells": cells,
+                 "values": values, "in_distribution": _cell(at_base, []) if base else None,
+                 "na": unreached})
+  title = ("length extrapolation" if protocol == "extrapolation"
+           else f"probe {task.rpartition(':')[2]}")
+  return {"title": title, "protocol": protocol, "task": task, "settings": settings,
+          "metric": metric, "columns": columns, "train_length": train, "base": base,
+          "ratios": ratios, "criterion": criterion, "reference": reference,
+          "about": about | _runs([r for r, _ in members]), "rows": rows}
+
+
 def tables(records: list[dict[str, Any]], schemes: Sequence[str] = (),
-           tasks: Sequence[str] = ()) -> list[dict[str, Any]]:
+           tasks: Sequence[str] = (), protocol: str | None = None,
+           evaluate: dict[str, Any] | None = None) -> list[dict[str, Any]]:
   """The tables the records hold: best dev scores of fine-tuning runs, extrapolation and
-  probe curves. Rows follow ``schemes`` and task columns ``tasks`` (then any others, sorted)."""
+  probe curves, one per protocol, task and evaluation settings (an experiment's
+  ``protocol`` and ``evaluate`` options: the settings it asks for;
+  :func:`~posenc_jax.comparison.collect.evaluations`). Rows follow ``schemes`` and task
+  columns ``tasks`` (then any others, sorted).
+
+  Raises:
+    CollectError: runs of one table evaluated with different settings, or differing in
+      what the table states (training length, unigram, chance, corpus), named.
+  """
   sizes = {r["size"] for r in records}
   labels = sorted({_label(r, sizes) for r in records})
   order = [lb for s in schemes for lb in labels if lb.rsplit(",", 1)[-1] == s]
@@ -83,33 +209,33 @@ def tables(records: list[dict[str, Any]], schemes: Sequence[str] = (),
           r["best"]["score"])
     metrics = sorted({r["best"]["metric"] for r in dev})
     columns = _ordered({r["task"] for r in dev}, tasks)
-    out.append(_table("best dev score", "/".join(metrics), columns, entries, order, {}, True))
-  curves = {}  # (protocol, task) -> records
-  for r in records:
-    for protocol in ("extrapolation", "probes"):
-      if protocol in r["eval"]:
-        task = r["task"] if protocol == "probes" else ""
-        curves.setdefault((protocol, task), []).append(r)
-  for (protocol, task), group in sorted(curves.items()):
-    entries, reasons, lengths, metric = {}, {}, set(), "accuracy"
-    for r in group:
-      doc = r["eval"][protocol]
-      metric = doc.get("metric", metric)
-      key = "accuracy" if protocol == "probes" else "value"
-      for row in doc["rows"]:
-        column = str(row["length"])
-        lengths.add(row["length"])
-        entries.setdefault(_label(r, sizes), {}).setdefault(column, {})[r["seed"]] = row[key]
-        if row.get("na"):
-          reasons.setdefault((_label(r, sizes), column), []).append(row["na"])
-    title = ("length extrapolation" if protocol == "extrapolation"
-             else f"probe {task.rpartition(':')[2]}")
-    train = sorted({r["eval"][protocol].get("train_length") for r in group} - {None})
-    table = _table(title, metric, [str(n) for n in sorted(lengths)], entries, order, reasons,
-                   False)
-    table["train_length"] = train[0] if len(train) == 1 else None
-    out.append(table)
-  return out
+    table = _table("best dev score", "/".join(metrics), columns, entries, order, {}, True)
+    out.append(table | {"protocol": "finetune", "about": _runs(dev)})
+  curves = [_curve(name, task, members[0][1]["settings"], members, order, sizes)
+            for (name, task, _), members in evaluations(records, protocol, evaluate).items()]
+  titles = [t["title"] for t in curves]
+  for table in curves:  # several tables of one probe or protocol: told apart in the title
+    if titles.count(table["title"]) > 1:
+      table["title"] += f" ({table['task']}; {_settings_text(table['settings'])})"
+  return out + curves
+
+
+def corpus(tables_: list[dict[str, Any]]) -> str | None:
+  """The corpus SHA-256 the tables' evaluations carry (None without one).
+
+  Raises:
+    CollectError: tables scored on different corpora, named.
+  """
+  hashes = {t["about"]["corpus_sha256"]: t["title"] for t in tables_
+            if t["about"].get("corpus_sha256")}
+  if len(hashes) > 1:
+    raise CollectError("collect: the tables were scored on different corpora: " + ", ".join(
+        f"{title} on {sha}" for sha, title in hashes.items()))
+  return next(iter(hashes), None)
+
+
+def _settings_text(settings: dict[str, Any]) -> str:
+  return ", ".join(f"{k} {v}" for k, v in settings.items())
 
 
 def _number(value: float) -> str:
@@ -126,31 +252,130 @@ def _text(cell: dict[str, Any] | None) -> str:
   return f"{_number(cell['median'])} ({_number(cell['min'])}-{_number(cell['max'])})"
 
 
+def _reference_text(value: float | None, chance: bool) -> str:
+  if value is None:
+    return ""
+  return f"~0 ({value:.1e})" if chance and value < NEAR_ZERO else _number(value)
+
+
+def _count(number: int | None, noun: str) -> str:
+  return f"{number} {noun}" + ("" if number == 1 else "s")
+
+
+def _about(table: dict[str, Any]) -> list[str]:
+  """The lines above a table that say what it measured."""
+  about, lines = table["about"], []
+  curve = table["protocol"] in CURVES
+  if curve:
+    what = f"- Task {about['task']}"
+    if about.get("corpus_sha256"):
+      what += f" (corpus SHA-256 {about['corpus_sha256']})"
+    if table["protocol"] == "extrapolation":
+      stride = f", stride {about['stride']}" if "stride" in about else ""
+      masks = f", masking seed {about['mask_seed']}" if "mask_seed" in about else ""
+      what += (f", split {about['split']}: windows {about['windows']}{stride}, the first "
+               f"{about['tokens']} tokens scored at every length{masks}")
+    else:
+      probe = ", ".join(f"{k}={v}" for k, v in about["probe"].items() if k != "name")
+      what += (f" ({probe}): {about['examples']} examples of seed {about['seed']} at every "
+               "length")
+    lines.append(what + ".")
+  model = "; ".join(f"d_model {m['d_model']}, {_count(m['num_layers'], 'layer')}, "
+                    f"{_count(m['num_heads'], 'head')}" for m in about["model"])
+  steps = ", ".join(map(str, about["steps"])) or "an unknown number of"
+  trained = f"Trained {steps} steps at length {table['train_length']}" if curve else (
+      f"Fine-tuned {steps} steps")
+  lines.append(f"- {trained}; model {model}; seeds {', '.join(map(str, about['seeds']))}.")
+  if not curve:
+    return lines
+  if table["reference"] and about.get("unigram_train_tokens"):
+    lines.append("- Unigram (reference): the perplexity of the same tokens under add-one "
+                 f"smoothed counts of {about['unigram_train_tokens']} tokens of split 'train'.")
+  if table["criterion"]:
+    lines.append(f"- Learned: {table['criterion']}; a seed that did not learn is left out of "
+                 "its row's median and range.")
+  else:
+    lines.append("- Learned: not judged (" + ("no evaluation at the training length"
+                                              if table["base"] is None else
+                                              "no unigram reference") + ").")
+  over = "median (min-max) over the seeds" + (" that learned" if table["criterion"] else "")
+  if table["ratios"]:
+    lines.append(f"- Shown: {table['metric']} at {table['base']} (1x), then at each longer "
+                 f"length ppl(kL)/ppl(L), computed per seed; {over}. The perplexities "
+                 "themselves are in results.json.")
+  else:
+    lines.append(f"- Shown: {table['metric']}, {over}" + (
+        "; chance: each answer token guessed among the symbols answers are made of."
+        if table["protocol"] == "probes" else "."))
+  return lines
+
+
+def _reference_row(table: dict[str, Any]) -> list[str]:
+  """The texts of a curve table's reference row under its length columns ([] without one)."""
+  reference = table["reference"]
+  if not reference:
+    return []
+  chance = table["protocol"] == "probes"
+  return [_reference_text(reference["values"][c], chance)
+          if not table["ratios"] or c == table["base"] else "" for c in table["columns"]]
+
+
+def _line(cells: list[str]) -> str:
+  """A markdown table line of ``cells`` (an empty one as ``| |``)."""
+  return "|" + "|".join(f" {cell} " if cell else " " for cell in cells) + "|"
+
+
+def _row(table: dict[str, Any], row: dict[str, Any]) -> tuple[list[str], list[str]]:
+  """``(texts under the seed columns, texts under the length or task columns)`` of a row."""
+  if table["protocol"] not in CURVES:
+    seeds = max((c["n"] for c in row["cells"].values() if c and "n" in c), default=0)
+    texts = [_text(row["cells"][c]) for c in table["columns"]]
+    if "average" in row:
+      texts.append("-" if row["average"] is None else _number(row["average"]))
+    return [str(seeds)], texts
+  counts = [str(len(row["seeds"]))]
+  if not table["criterion"]:
+    return counts + ["-"], [_text(row["cells"][c]) for c in table["columns"]]
+  counts.append(f"{len(row['learned'])}/{len(row['seeds'])}")
+  if row["learned"]:
+    return counts, [_text(row["cells"][c]) for c in table["columns"]]
+  median = (row["in_distribution"] or {}).get("median")
+  short = "ppl" if table["metric"] == "perplexity" else table["metric"]
+  said = f"{short} {_number(median)}" if median is not None else f"no {short}"
+  return counts, [f"did not learn ({said} at {table['base']})"] + [""] * (
+      len(table["columns"]) - 1)
+
+
 def markdown(summary: dict[str, Any]) -> str:
-  """``results.md``: each table with one row per scheme, cost columns beside the first."""
+  """``results.md``: each table with one row per scheme (and a curve's reference row), what
+  it measured above it, cost columns beside the first."""
   cost = summary.get("cost") or {}
   base = cost.get("baseline")
   lines = [f"# {summary.get('experiment') or 'comparison'}", ""]
   for index, table in enumerate(summary["tables"]):
     with_cost = index == 0 and cost.get("rows")
+    curve = table["protocol"] in CURVES
     train = table.get("train_length")
     heads = [f"{c} ({int(c) / train:g}x)" if train else c for c in table["columns"]]
     heads += ["average"] if table["rows"] and "average" in table["rows"][0] else []
     heads += [f"step time (x {base})", f"peak memory (x {base})"] if with_cost else []
-    lines += [f"## {table['title']}: {table['metric']}, median (min-max) over seeds", "",
-              "| scheme | seeds | " + " | ".join(heads) + " |", "|---|---|" + "---|" * len(heads)]
+    seeds = ["seeds", "learned"] if curve else ["seeds"]
+    what = table["metric"] if curve else f"{table['metric']}, median (min-max) over seeds"
+    lines += [f"## {table['title']}: {what}", "", *_about(table), "",
+              _line(["scheme", *seeds, *heads]), "|---|" + "---|" * (len(heads) + len(seeds))]
+    reference = _reference_row(table) if curve else []
+    if reference:
+      lines.append(_line([f"{table['reference']['label']} (reference)", "", "", *reference]
+                         + [""] * (len(heads) - len(reference))))
     for row in table["rows"]:
-      seeds = max((c["n"] for c in row["cells"].values() if c and "n" in c), default=0)
-      texts = [_text(row["cells"][c]) for c in table["columns"]]
-      if "average" in row:
-        texts.append("-" if row["average"] is None else _number(row["average"]))
+      counts, texts = _row(table, row)
       if with_cost:
         mine = cost["rows"].get(row["label"].rsplit(",", 1)[-1], {})
         texts += [f"{mine[k]:.2f}" if mine.get(k) is not None else "n/a"
                   for k in ("train_ratio", "memory_ratio")]
-      lines.append(f"| {row['label']} | {seeds} | " + " | ".join(texts) + " |")
-    notes = sorted({f"{row['label']} at {c}: {row['cells'][c]['na']}" for row in table["rows"]
-                    for c in table["columns"] if row["cells"][c] and "na" in row["cells"][c]})
+      lines.append(_line([row["label"], *counts, *texts]))
+    notes = sorted({f"{row['label']} at {c}: {reason}" for row in table["rows"] if curve
+                    for c, reason in row["na"].items()})
     lines += [""] + [f"n/a: {n}" for n in notes] + ([""] if notes else [])
   if cost.get("note"):
     lines += [cost["note"], ""]
@@ -171,39 +396,76 @@ def write_atomic(path: epath.Path, data: str | bytes) -> None:
   tmp.replace(path)
 
 
-def plot(table: dict[str, Any]):
-  """The table's curves (one line per scheme: median over seeds per length) as a Figure."""
-  from posenc_jax.analysis.plots import _figure  # noqa: PLC0415 - matplotlib, optional
+def styles(count: int) -> list[tuple[Any, str]]:
+  """``count`` (colour, marker) pairs, all distinct up to 60: tab20's colours (the dark ones
+  first) with :data:`MARKERS`."""
+  from matplotlib import colormaps  # noqa: PLC0415
 
-  fig = _figure(6, 4)
+  colours = colormaps["tab20"].colors
+  colours = colours[0::2] + colours[1::2]
+  return [(colours[i % len(colours)], MARKERS[i % len(MARKERS)]) for i in range(count)]
+
+
+def plot(table: dict[str, Any]):
+  """A curve table as a Figure: per scheme the median over the seeds that learned at each
+  length, their min-max range shaded, a colour and marker of its own; the reference (unigram
+  or chance) dashed, the training length dotted, the legend beside the axes."""
+  from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter  # noqa: PLC0415
+
+  from posenc_jax.analysis.plots import _figure, length_axis  # noqa: PLC0415 - matplotlib
+
+  fig = _figure(7.5, 4.2)
   ax = fig.add_subplot()
-  for row in table["rows"]:
-    points = [(int(c), row["cells"][c]["median"]) for c in table["columns"]
-              if row["cells"][c] and "median" in row["cells"][c]]
+  for row, (colour, marker) in zip(table["rows"], styles(len(table["rows"]))):
+    if table["criterion"] and not row["learned"]:
+      ax.plot([], [], " ", label=f"{row['label']}: did not learn")
+      continue
+    points = [(int(c), row["values"][c]) for c in table["columns"]
+              if row["values"][c] and "median" in row["values"][c]]
     if points:
-      ax.plot(*zip(*points), marker="o", label=row["label"])
-  ax.set_xscale("log", base=2)
-  ax.set_xticks([int(c) for c in table["columns"]], table["columns"])
+      x = [n for n, _ in points]
+      ax.plot(x, [c["median"] for _, c in points], color=colour, marker=marker,
+              label=f"{row['label']} ({len(row['learned'])}/{len(row['seeds'])} seeds)")
+      ax.fill_between(x, [c["min"] for _, c in points], [c["max"] for _, c in points],
+                      color=colour, alpha=0.15, linewidth=0)
+  reference = table["reference"]
+  if reference:
+    points = [(int(c), v) for c, v in reference["values"].items() if v is not None]
+    ax.plot(*zip(*points), color="black", linestyle="--", linewidth=1,
+            label="unigram (train split)" if reference["label"] == "unigram" else "chance")
+  ax.axvline(table["train_length"], color="grey", linestyle=":",
+             label=f"training length {table['train_length']}")
+  length_axis(ax, [int(c) for c in table["columns"]])
   if table["metric"] == "perplexity":
     ax.set_yscale("log")
-  if table.get("train_length"):
-    ax.axvline(table["train_length"], color="grey", linestyle=":", label="training length")
+    ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
+  elif table["metric"] == "accuracy":
+    ax.set_ylim(-0.02, 1.02)
   ax.set_xlabel("evaluation length (tokens)")
-  ax.set_ylabel(f"{table['metric']} (median over seeds)")
-  ax.set_title(table["title"])
-  ax.legend(fontsize=8)
+  ax.set_ylabel(f"{table['metric']}\n(median over the seeds that learned; band: min-max)",
+                fontsize=9)
+  ax.set_title(table["title"] + (f": {table['task']}" if table["protocol"] == "extrapolation"
+                                 else ""), fontsize=10)
+  fig.legend(loc="outside right upper", fontsize=8)
   return fig
+
+
+def _png_name(title: str) -> str:
+  return re.sub(r"[^A-Za-z0-9._=,-]+", "_", title.removeprefix("length ")).strip("_") + ".png"
 
 
 def write(root: str, summary: dict[str, Any]) -> list[str]:
   """Writes ``results.json``, ``results.md`` and a PNG per curve table into ``root``;
   returns the paths written (without matplotlib, the PNGs are skipped with one line)."""
+  text = markdown(summary)
   folder = epath.Path(root)
   folder.mkdir(parents=True, exist_ok=True)
   write_atomic(folder / "results.json", json.dumps(summary, indent=2, sort_keys=True))
-  write_atomic(folder / "results.md", markdown(summary))
+  write_atomic(folder / "results.md", text)
   written = [str(folder / "results.json"), str(folder / "results.md")]
-  curves = [t for t in summary["tables"] if t["title"] != "best dev score"]
+  curves = [t for t in summary["tables"] if t["protocol"] in CURVES]
   try:
     import matplotlib  # noqa: F401, PLC0415
   except ImportError:
@@ -213,7 +475,7 @@ def write(root: str, summary: dict[str, Any]) -> list[str]:
   for table in curves:
     buffer = io.BytesIO()
     plot(table).savefig(buffer, format="png")
-    path = folder / (table["title"].removeprefix("length ").replace(" ", "_") + ".png")
+    path = folder / _png_name(table["title"])
     write_atomic(path, buffer.getvalue())
     written.append(str(path))
   return written

@@ -3,8 +3,9 @@ posenc_jax.train``, ``posenc_jax.finetune``, ``posenc_jax.evaluate``) whose outp
 ``<cell>/log.txt``, so that a crashing cell is reported and the others go on.
 
 A cell that completes gets ``<cell>/cell.json`` (written atomically: its records, read from
-its workdirs by :mod:`~posenc_jax.comparison.collect`); a rerun skips it. An unfinished
-cell runs again: train.py and finetune.py resume from their checkpoints.
+its workdirs by :mod:`~posenc_jax.comparison.collect`); a rerun skips it and reads its
+records from its workdirs again (an evaluation added since counts). An unfinished cell runs
+again: train.py and finetune.py resume from their checkpoints.
 """
 
 from __future__ import annotations
@@ -69,14 +70,18 @@ def run_grid(cells: list[Cell], run_cell: Callable[[Cell, epath.Path], None] = r
              say: Callable[[str], None] = progress) -> tuple[list[dict[str, Any]], list[dict]]:
   """Runs every cell without a ``cell.json`` through ``run_cell(cell, log_path)``, one
   progress line each; returns the records of all finished cells and the failed cells
-  (``{"cell", "reason", "log"}``)."""
+  (``{"cell", "reason", "log"}``).
+
+  Raises:
+    CollectError: a cell finished before whose workdirs no longer read.
+  """
   records, failed = [], []
   for index, cell in enumerate(cells, 1):
     folder = epath.Path(cell.folder)
     marker, log = folder / MARKER, folder / LOG
     prefix = f"[{index}/{len(cells)}] {cell.name}"
     if marker.exists():
-      records += json.loads(marker.read_text())["records"]
+      records += cell_records(cell)
       say(f"{prefix}: finished before ({marker}), not rerun")
       continue
     folder.mkdir(parents=True, exist_ok=True)

@@ -82,6 +82,20 @@ class Probe(abc.ABC):
     """Writes example ``index`` into the zeroed rows ``targets`` and ``weights`` ``[L]``
     (``depth``: the passkey's, None to draw it)."""
 
+  @abc.abstractmethod
+  def answer_symbols(self) -> int:
+    """``k``: the symbols each answer token is drawn from, uniformly."""
+
+  def chance(self, length: int) -> float:
+    """The whole-answer accuracy at ``length`` (as :func:`score` runs it) of a guess that knows
+    the answer's symbols and length but not the row: ``k ** -n`` for its ``n`` answer tokens.
+
+    Raises:
+      ProbeError: ``length`` too short for the probe.
+    """
+    answer = int(example(self.scored(), length, 0, 0)["loss_weights"].sum())
+    return float(self.answer_symbols()) ** -answer
+
   def scored(self) -> Probe:
     """The probe as :func:`score` runs it at a length: each row the longest instance that
     the length holds (a probe trained on shorter instances too is scored at the longest)."""
@@ -118,6 +132,9 @@ class Copy(Probe):
 
   def vocab_size(self) -> int:
     return FIRST_SYMBOL + self.alphabet
+
+  def answer_symbols(self) -> int:
+    return self.alphabet
 
   def fill(self, targets, weights, rng, index, depth):
     del index, depth
@@ -157,6 +174,9 @@ class MQAR(Probe):
   def vocab_size(self) -> int:
     return FIRST_SYMBOL + self.keys + self.values
 
+  def answer_symbols(self) -> int:
+    return self.values
+
   def fill(self, targets, weights, rng, index, depth):
     del index, depth
     length, context = len(targets), 2 * self.pairs
@@ -192,6 +212,9 @@ class Passkey(Probe):
 
   def vocab_size(self) -> int:
     return FIRST_SYMBOL + 10 + self.filler_words
+
+  def answer_symbols(self) -> int:
+    return 10  # digits
 
   def filler(self, length: int) -> int:
     """The filler tokens of a row of ``length``."""

@@ -1,6 +1,10 @@
-"""What an evaluation leaves behind: ``<out>/<protocol>.json``, a console table, and for
-``extrapolation`` a PNG of the curve (matplotlib, the ``analysis`` extra; without it the plot
-is skipped with one line); ``probes`` likewise. Files go through ``etils.epath``, so ``gs://`` folders work.
+"""What an evaluation leaves behind: ``<out>/<protocol>-<settings>.json`` (the settings
+key, :func:`settings_key`: e.g. ``extrapolation-split=validation,windows=non_overlapping,
+tokens=4096.json``), a console table, and for ``extrapolation`` and ``probes`` a PNG of the
+curve beside it, titled by the run's scheme (matplotlib, the ``analysis`` extra; without it
+the plot is skipped with one line). Evaluations with other settings sit beside each other;
+one with the same settings replaces the file. Files go through ``etils.epath``, so ``gs://``
+folders work.
 """
 
 from __future__ import annotations
@@ -8,7 +12,8 @@ from __future__ import annotations
 import io
 import json
 import os
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from etils import epath
@@ -32,6 +37,18 @@ def check_out(out: str, workdir: str) -> str:
   return check_output_dir("out", out)
 
 
+def settings_key(settings: Mapping[str, Any]) -> str:
+  """``name=value,...`` of ``settings`` in their order, each value's characters other than
+  letters, digits and ``._-`` as ``_``: the file name's part that tells evaluations apart."""
+  return ",".join(f"{name}={re.sub(r'[^A-Za-z0-9._-]', '_', str(value))}"
+                  for name, value in settings.items())
+
+
+def file_stem(document: Mapping[str, Any]) -> str:
+  """``<protocol>-<settings key>``: the name of the document's files without the suffix."""
+  return f"{document['protocol']}-{settings_key(document['settings'])}"
+
+
 def table(document: dict[str, Any]) -> str:
   """The document as console lines: a header stating the protocol, then one row per
   metric (``loss``) or per length (``extrapolation``, ``probes``)."""
@@ -46,13 +63,19 @@ def table(document: dict[str, Any]) -> str:
     return _length_table([
         f"{head}, probe {document['probe']['name']} ({probe})",
         f"  {document['examples']} examples of seed {document['seed']} at every length, "
-        f"trained at length {document['train_length']}"], document["rows"], [
-        ("accuracy", "accuracy", 8, ".4f"), ("token accuracy", "token_accuracy", 14, ".4f")])
+        f"trained at length {document['train_length']}; chance: the accuracy of guessing "
+        "each answer token among the answers' symbols"], document["rows"], [
+        ("accuracy", "accuracy", 8, ".4f"), ("token accuracy", "token_accuracy", 14, ".4f"),
+        ("chance", "chance", 9, ".3g")])
   stride = f", stride {document['stride']}" if document["stride"] is not None else ""
+  unigram = ([f"  unigram perplexity of these tokens (add-one smoothed, counted on "
+              f"{document['unigram_train_tokens']} tokens of split 'train'): "
+              f"{document['unigram']:.4f}"] if document["unigram"] is not None else [])
   return _length_table([
       f"{head}, split {document['split']}",
       f"  windows {document['windows']}{stride}, the first {document['tokens']} tokens "
-      f"at every length, trained at length {document['train_length']}"], document["rows"], [
+      f"at every length, trained at length {document['train_length']}", *unigram],
+      document["rows"], [
       (document["metric"], "value", 10, ".4f"), ("loss", "loss", 8, ".4f"),
       ("accuracy", "accuracy", 8, ".4f"), ("scored", "scored_tokens", 7, "d")])
 
@@ -73,39 +96,45 @@ def _length_table(heading: list[str], rows: list[dict[str, Any]],
   return "\n".join(lines)
 
 
-def _length_plot(document: dict[str, Any], key: str, ylabel: str, title: str):
-  """``row[key]`` against the evaluation length (log2 axis), the training length marked:
-  a matplotlib ``Figure`` (Agg canvas; pyplot untouched)."""
-  from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: PLC0415
-  from matplotlib.figure import Figure  # noqa: PLC0415
+def _length_plot(document: dict[str, Any], key: str, ylabel: str, title: str,
+                 reference: tuple[str, list[float | None]]):
+  """``row[key]`` against the evaluation length (log2 axis, a tick at each length), the
+  training length marked and ``reference`` (its label and a value per row) drawn dashed:
+  a matplotlib ``Figure`` titled by the run's scheme."""
+  from posenc_jax.analysis.plots import _figure, length_axis  # noqa: PLC0415 - matplotlib
 
-  fig = Figure(figsize=(5, 3.5), dpi=110, layout="constrained")
-  FigureCanvasAgg(fig)
+  fig = _figure(5.5, 3.5)
   ax = fig.add_subplot()
   rows = [r for r in document["rows"] if r[key] is not None]
-  ax.plot([r["length"] for r in rows], [r[key] for r in rows], marker="o")
-  ax.axvline(document["train_length"], color="grey", linestyle="--", linewidth=1,
+  ax.plot([r["length"] for r in rows], [r[key] for r in rows], marker="o",
+          label=document["scheme"])
+  label, values = reference
+  points = [(r["length"], v) for r, v in zip(document["rows"], values) if v is not None]
+  if points:
+    ax.plot(*zip(*points), color="black", linestyle="--", linewidth=1, label=label)
+  ax.axvline(document["train_length"], color="grey", linestyle=":", linewidth=1,
              label=f"training length {document['train_length']}")
-  ax.set_xscale("log", base=2)
+  length_axis(ax, [r["length"] for r in document["rows"]])
   ax.set_xlabel("evaluation length (tokens)")
   ax.set_ylabel(ylabel)
-  ax.set_title(f"{os.path.basename(str(document['workdir']).rstrip('/'))} step "
-               f"{document['step']}: {title}", fontsize=8)
-  ax.legend(fontsize=7)
+  ax.set_title(f"{document['scheme']} (step {document['step']}): {title}", fontsize=9)
+  fig.legend(loc="outside right upper", fontsize=7)
   return fig
 
 
 def plot_extrapolation(document: dict[str, Any]):
-  """The metric against the evaluation length: a matplotlib ``Figure``."""
+  """The metric against the evaluation length, the unigram's level dashed: a Figure."""
   stride = f", stride {document['stride']}" if document["stride"] is not None else ""
   return _length_plot(document, "value", document["metric"],
-                      f"{document['windows']}{stride}, {document['tokens']} tokens")
+                      f"{document['windows']}{stride}, {document['tokens']} tokens",
+                      ("unigram (train split)", [document["unigram"]] * len(document["rows"])))
 
 
 def plot_probes(document: dict[str, Any]):
-  """The probe's accuracy against the evaluation length: a matplotlib ``Figure``."""
+  """The probe's accuracy against the evaluation length, chance dashed: a Figure."""
   return _length_plot(document, "accuracy", "accuracy (whole answers)",
-                      f"probe {document['probe']['name']}, {document['examples']} examples")
+                      f"probe {document['probe']['name']}, {document['examples']} examples",
+                      ("chance", [r["chance"] for r in document["rows"]]))
 
 
 PLOTS: dict[str, Callable[[dict[str, Any]], Any]] = {"extrapolation": plot_extrapolation,
@@ -114,22 +143,24 @@ PLOTS: dict[str, Callable[[dict[str, Any]], Any]] = {"extrapolation": plot_extra
 
 def write(document: dict[str, Any], out: str,
           progress: Callable[[str], None] = lambda message: None) -> list[str]:
-  """Writes ``<out>/<protocol>.json`` and, for a protocol of :data:`PLOTS` with
-  matplotlib installed, ``<out>/<protocol>.png``; returns the paths written."""
+  """Writes ``<out>/<protocol>-<settings>.json`` (:func:`file_stem`) and, for a protocol of
+  :data:`PLOTS` with matplotlib installed, the PNG of the same name; returns the paths
+  written, each told to ``progress``."""
   folder = epath.Path(out)
   folder.mkdir(parents=True, exist_ok=True)
-  path = folder / f"{document['protocol']}.json"
+  path = folder / f"{file_stem(document)}.json"
   path.write_text(json.dumps(document, indent=2) + "\n")
   written = [os.fspath(path)]
+  figure = None
   if document["protocol"] in PLOTS:
     try:
       figure = PLOTS[document["protocol"]](document)
     except ImportError:
       progress(PLOT_HINT)
-      return written
+  if figure is not None:
     png = io.BytesIO()
     figure.savefig(png, format="png")
-    picture = folder / f"{document['protocol']}.png"
+    picture = folder / f"{file_stem(document)}.png"
     picture.write_bytes(png.getvalue())
     written.append(os.fspath(picture))
   for item in written:

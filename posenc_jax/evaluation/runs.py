@@ -20,8 +20,18 @@ entry of :data:`PROTOCOLS`):
   packs them, corrupted once as a whole by :func:`~posenc_jax.data.preprocessors.bert_mask`
   with a fixed seed, and each window is [CLS] and ``L - 1`` stream tokens. A length the model
   cannot reach is a row with ``value`` None and the reason in ``na``.
+  A causal LM's document also holds ``unigram``: the perplexity, on the same tokens, of the
+  add-one smoothed unigram model of the task's ``train`` split (a reference no scheme should
+  need a position for), and ``corpus_sha256`` for the bundled corpus
+  (:mod:`posenc_jax.data.stdlib_corpus`).
 * ``probes``: a synthetic-probe run's (:mod:`posenc_jax.data.probes`) accuracy on its probe at
-  several lengths, the same held-out examples for every run.
+  several lengths, the same held-out examples for every run, and at each length the
+  accuracy of chance (:meth:`~posenc_jax.data.probes.Probe.chance`).
+
+Every document holds ``settings``: the options that change its numbers (:data:`SETTINGS`,
+defaults filled in by :func:`protocol_settings`); lengths are not among them. Its file is
+``<out>/<protocol>-<settings>.json`` (:func:`posenc_jax.evaluation.report.settings_key`), so
+that evaluations with other settings sit beside it instead of replacing it.
 
 A length past ``model.max_len`` runs the trained model when it accepts that length (a
 relative table clipped at a distance, T5 buckets, ALiBi); else the model rebuilt with
@@ -38,7 +48,7 @@ import inspect
 import itertools
 import math
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -48,6 +58,7 @@ import numpy as np
 from etils import epath
 
 from posenc_jax.cli import absolute
+from posenc_jax.data import probes
 from posenc_jax.evaluation import windows as windows_lib
 from posenc_jax.messages import first_line
 from posenc_jax.models.build import abstract_params, build_model
@@ -60,6 +71,7 @@ PRETRAINING = ("lm", "mlm")
 CHUNK = 1024  # tokens per packed example read while collecting a stream
 MASK_SEED = 0  # the masked-LM stream's masking seed: the same masks for every run
 DEFAULT_TOKENS = 16_384
+UNIGRAM_TOKENS = 50_000_000  # the unigram reference counts at most this many train tokens
 
 
 class EvaluationError(ValueError):
@@ -177,8 +189,8 @@ def loss_protocol(run: Run, *, split: str = "validation", eval_steps: int | None
                                         task_evaluation)
 
   config = ml_collections.ConfigDict(run.config.to_dict())
-  if eval_steps is not None:
-    config.eval_steps = eval_steps
+  settings = protocol_settings("loss", config, split=split, eval_steps=eval_steps)
+  config.eval_steps = settings["eval_steps"]
   config.eval_split = split
   check_data_config(config)
   device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
@@ -201,8 +213,8 @@ def loss_protocol(run: Run, *, split: str = "validation", eval_steps: int | None
   progress("loss: task metrics" if config.objective not in PRETRAINING else "loss: done")
   metrics |= task_evaluation(config, run.model, run.params, make_batches)
   return {"protocol": "loss", "workdir": run.workdir, "step": run.step,
-          "checkpoint": run.checkpoint, "objective": config.objective, "split": split,
-          "metrics": {k: float(v) for k, v in metrics.items()}}
+          "checkpoint": run.checkpoint, "objective": config.objective, "settings": settings,
+          "split": split, "metrics": {k: float(v) for k, v in metrics.items()}}
 
 
 # --------------------------------------------------------------------- extrapolation protocol
@@ -260,6 +272,29 @@ def _token_stream(objective_name: str, task: str, split: str, tokens: int, mask_
   for array in arrays.values():
     array.flags.writeable = False
   return arrays
+
+
+@functools.lru_cache(maxsize=4)
+def train_counts(task: str, vocab_size: int) -> np.ndarray:
+  """``[vocab_size]`` int64: how often each id occurs in the causal-LM task's ``train`` split,
+  packed as the trainer reads it: the whole split, or its first :data:`UNIGRAM_TOKENS` tokens
+  (a web-scale corpus). Read once per process; read-only."""
+  counts, left = np.zeros(vocab_size, np.int64), UNIGRAM_TOKENS
+  for piece in _packed_examples("lm", task, "train"):
+    counts += np.bincount(piece[:left], minlength=vocab_size)[:vocab_size]
+    left -= len(piece[:left])
+    if not left:
+      break
+  counts.flags.writeable = False
+  return counts
+
+
+def unigram_perplexity(counts: np.ndarray, tokens: np.ndarray) -> float:
+  """The perplexity of ``tokens`` ``[N]`` under the unigram model of ``counts`` ``[V]``
+  smoothed by adding one to every id of the vocabulary: ``exp(-mean log p(token))``, ``p(i) =
+  (counts[i] + 1) / (sum(counts) + V)``."""
+  log_p = np.log(counts + 1.0) - np.log(counts.sum() + float(len(counts)))
+  return float(np.exp(-log_p[tokens].mean()))
 
 
 def window_batches(stream: dict[str, np.ndarray], objective_name: str, length: int,
@@ -355,8 +390,13 @@ def extrapolation_protocol(run: Run, *, split: str = "validation",
   times the training length) over the first ``tokens`` tokens of ``split``, cut into
   ``windows`` (``non_overlapping``, or ``sliding`` with ``stride``, causal LM only);
   ``batch_size`` windows per step (default: the training batch's tokens per step);
-  ``mask_seed`` (masked LM only) the stream's masking seed (default :data:`MASK_SEED`)."""
+  ``mask_seed`` (masked LM only) the stream's masking seed (default :data:`MASK_SEED`).
+  A causal LM's document has ``unigram``: the perplexity of those tokens under the add-one
+  smoothed unigram of the ``train`` split (:func:`train_counts`), and the train tokens it
+  counted (``unigram_train_tokens``); a masked LM's None."""
   config = run.config
+  settings = protocol_settings("extrapolation", config, split=split, windows=windows,
+                               stride=stride, tokens=tokens, mask_seed=mask_seed)
   name = config.objective
   if name not in PRETRAINING:
     raise EvaluationError(f"protocol: 'extrapolation' needs a pre-training run (objective "
@@ -376,9 +416,14 @@ def extrapolation_protocol(run: Run, *, split: str = "validation",
     raise EvaluationError(f"batch_size: got {batch_size!r}; allowed: a positive integer")
   progress(f"extrapolation: reading the first {tokens} tokens of split {split!r} of "
            f"{config.task!r}")
-  stream = token_stream(config, split, tokens,
-                        MASK_SEED if mask_seed is None else mask_seed)
+  stream = token_stream(config, split, tokens, settings.get("mask_seed", MASK_SEED))
   tokens = len(next(iter(stream.values())))
+  unigram = counted = None
+  if name == "lm":
+    progress(f"extrapolation: counting the tokens of split 'train' of {config.task!r} (the "
+             "unigram reference)")
+    counts = train_counts(config.task, model_config(config.model).vocab_size)
+    unigram, counted = unigram_perplexity(counts, stream["targets"]), int(counts.sum())
   rows = []
   for index, length in enumerate(lengths, 1):
     start = time.perf_counter()
@@ -399,28 +444,30 @@ def extrapolation_protocol(run: Run, *, split: str = "validation",
     value = "n/a" if row["value"] is None else f"{row['value']:.4g}"
     progress(f"extrapolation: length {length} ({index}/{len(lengths)}): {value} "
              f"({time.perf_counter() - start:.1f} s)")
+  from posenc_jax.data import stdlib_corpus  # noqa: PLC0415
   return {"protocol": "extrapolation", "workdir": run.workdir, "step": run.step,
-          "checkpoint": run.checkpoint, "objective": name,
-          "metric": "perplexity" if name == "lm" else "mlm_loss", "split": split,
+          "checkpoint": run.checkpoint, "objective": name, "settings": settings,
+          "metric": "perplexity" if name == "lm" else "mlm_loss", "task": config.task,
+          "corpus_sha256": stdlib_corpus.content_sha256()
+          if config.task == stdlib_corpus.TASK else None, "split": split,
           "train_length": train_length, "windows": windows, "stride": stride,
-          "tokens": tokens, "mask_seed": (MASK_SEED if mask_seed is None else mask_seed)
-          if name == "mlm" else None, "rows": rows}
+          "tokens": tokens, "mask_seed": settings.get("mask_seed"), "unigram": unigram,
+          "unigram_train_tokens": counted, "rows": rows}
 
 
 # --------------------------------------------------------------------------- probes protocol
 
 
 def probes_protocol(run: Run, *, lengths: Sequence[int] | None = None, examples: int = 256,
-                    seed: int | None = None, batch_size: int | None = None,
+                    seed: int = probes.HELD_OUT_SEED, batch_size: int | None = None,
                     progress: Callable[[str], None] = _quiet) -> dict[str, Any]:
   """Accuracy of a synthetic-probe run on its own probe at each of ``lengths`` (default 1,
   2, 4 and 8 times the training length). The run's task is ``probe:<name>``
-  (:mod:`posenc_jax.data.probes`); the examples are ``0 .. examples - 1`` of ``seed`` (default the held-out seed the trainer
-  evaluates on), the same examples for every run; ``batch_size`` examples per step
-  (default: the training batch's tokens per step). A length the scheme cannot reach, or
-  too short for the probe, is ``n/a`` with the reason."""
-  from posenc_jax.data import probes  # noqa: PLC0415
-
+  (:mod:`posenc_jax.data.probes`); the examples are ``0 .. examples - 1`` of ``seed``
+  (default the held-out seed the trainer evaluates on), the same examples for every run;
+  ``batch_size`` examples per step (default: the training batch's tokens per step). A length
+  the scheme cannot reach, or too short for the probe, is ``n/a`` with the reason. Each row
+  has ``chance``: the accuracy of guessing (:meth:`~posenc_jax.data.probes.Probe.chance`)."""
   config = run.config
   if not str(config.task).startswith(probes.TASK_PREFIX):
     raise EvaluationError(f"protocol: 'probes' needs a probe run (task "
@@ -429,17 +476,17 @@ def probes_protocol(run: Run, *, lengths: Sequence[int] | None = None, examples:
   spec = probes.config_probe(config)
   train_length = config.seq_len
   lengths = check_lengths(lengths or [train_length * k for k in (1, 2, 4, 8)])
-  seed = probes.HELD_OUT_SEED if seed is None else seed
+  settings = protocol_settings("probes", config, examples=examples, seed=seed)
   rows = []
   for index, length in enumerate(lengths, 1):
     start = time.perf_counter()
     model, reason = model_at(run, length)
-    row = {"length": length, "accuracy": None, "token_accuracy": None, "na": reason}
-    if model is not None:
-      try:
-        spec.check_length(length)
-      except probes.ProbeError as e:
-        model, row["na"] = None, first_line(e)
+    row = {"length": length, "accuracy": None, "token_accuracy": None, "chance": None,
+           "na": reason}
+    try:
+      row["chance"] = spec.chance(length)
+    except probes.ProbeError as e:
+      model, row["na"] = None, row["na"] or first_line(e)
     if model is not None:
       result = probes.score(model, run.params, spec, length, examples=examples, seed=seed,
                             batch_size=batch_size or max(
@@ -451,8 +498,8 @@ def probes_protocol(run: Run, *, lengths: Sequence[int] | None = None, examples:
     progress(f"probes: length {length} ({index}/{len(lengths)}): accuracy {value} "
              f"({time.perf_counter() - start:.1f} s)")
   return {"protocol": "probes", "workdir": run.workdir, "step": run.step,
-          "checkpoint": run.checkpoint, "objective": config.objective,
-          "probe": probes.describe(spec), "train_length": train_length,
+          "checkpoint": run.checkpoint, "objective": config.objective, "settings": settings,
+          "task": config.task, "probe": probes.describe(spec), "train_length": train_length,
           "examples": examples, "seed": seed, "rows": rows}
 
 
@@ -488,6 +535,33 @@ PROTOCOLS: dict[str, Callable[..., dict[str, Any]]] = {
 }
 
 
+# The options of each protocol that change its numbers: its documents' ``settings``.
+SETTINGS: dict[str, tuple[str, ...]] = {
+    "loss": ("split", "eval_steps"),
+    "extrapolation": ("split", "windows", "stride", "tokens", "mask_seed"),
+    "probes": ("examples", "seed"),
+}
+
+
+def protocol_settings(protocol: str, config: Mapping[str, Any], **options) -> dict[str, Any]:
+  """The :data:`SETTINGS` of ``protocol`` for a run of train config ``config`` asked for
+  ``options`` (its keywords; others are ignored): an option not given (or None) is the
+  protocol's default, ``eval_steps`` the run's and ``mask_seed`` a masked LM's
+  :data:`MASK_SEED`; one that does not apply (``stride`` of non-overlapping windows,
+  ``mask_seed`` of a causal LM) is left out. In :data:`SETTINGS` order."""
+  params = inspect.signature(PROTOCOLS[protocol]).parameters
+  fallback = {"eval_steps": config.get("eval_steps"),
+              "mask_seed": MASK_SEED if config.get("objective") == "mlm" else None}
+  chosen = {}
+  for name in SETTINGS[protocol]:
+    value = options.get(name)
+    value = params[name].default if value is None else value
+    value = fallback.get(name) if value is None else value
+    if value is not None:
+      chosen[name] = value
+  return chosen
+
+
 def protocol_options(protocol: str) -> list[str]:
   """The keyword options of ``protocol`` (its function's, ``progress`` aside)."""
   params = inspect.signature(PROTOCOLS[protocol]).parameters
@@ -513,8 +587,10 @@ def evaluate_workdir(workdir: str, protocol: str = "loss", *, checkpoint: str | 
                      out: str | None = None, progress: Callable[[str], None] | None = None,
                      **options) -> dict[str, Any]:
   """Runs ``protocol`` on ``workdir``'s model and returns its document (module docstring);
-  given ``out`` (e.g. ``<workdir>/eval``), also writes ``<out>/<protocol>.json`` and, where
-  it makes sense, ``<out>/<protocol>.png`` (:func:`posenc_jax.evaluation.report.write`).
+  given ``out`` (e.g. ``<workdir>/eval``), also writes ``<out>/<protocol>-<settings>.json``
+  and, where it makes sense, the PNG beside it (:func:`posenc_jax.evaluation.report.write`).
+  The document's ``scheme`` names the run's scheme preset
+  (:func:`posenc_jax.comparison.collect.scheme_name`).
 
   Args:
     workdir: a train.py or finetune.py workdir (local or a URI such as ``gs://...``).
@@ -528,13 +604,15 @@ def evaluate_workdir(workdir: str, protocol: str = "loss", *, checkpoint: str | 
   Raises:
     EvaluationError and the trainer's one-line errors (``USER_ERRORS``).
   """
+  from posenc_jax.comparison.collect import scheme_name  # noqa: PLC0415
   from posenc_jax.evaluation import report  # noqa: PLC0415
 
   check_protocol(protocol, options)
   run = load_run(workdir, checkpoint)
   if out is not None:
     out = report.check_out(out, run.workdir)
-  document = PROTOCOLS[protocol](run, progress=progress or _quiet, **options)
+  document = {"scheme": scheme_name(run.config.model.to_dict()),
+              **PROTOCOLS[protocol](run, progress=progress or _quiet, **options)}
   if out is not None:
     report.write(document, out, progress=progress or _quiet)
   return document
