@@ -55,7 +55,7 @@ def summarise(records, failed, config=None, cost=None):
   checked = plan.check(config) if config is not None else {"schemes": [], "tasks": []}
   tables = report.tables(records, checked["schemes"], checked["tasks"],
                          config.protocol if config is not None else None,
-                         config.evaluate.to_dict() if config is not None else None)
+                         plan.evaluate_options(config) if config is not None else None)
   return {"experiment": config.experiment if config is not None else None,
           "config": config.to_dict() if config is not None else None,
           "records": records, "failed": failed, "cost": cost,

@@ -11,6 +11,7 @@ from posenc_jax.configs.compare import EXPERIMENTS, VARIANTS, get_config
 from posenc_jax.configs.lm import get_config as lm_config
 from posenc_jax.training.config import validate_train_config
 from tests import forked_cli
+from tests.test_compare import fake_run
 
 
 def _train_config(config, cell: plan.Cell):
@@ -65,3 +66,58 @@ def test_the_gpu_variant_dry_runs_without_running(tmp_path):
              for line in lines)
   assert any("--lengths=512,1024,2048,4096,8192" in line for line in lines)
   assert not (tmp_path / "root").exists()
+
+
+def test_each_window_kind_is_one_evaluate_step_and_stride_goes_with_sliding():
+  config = get_config("extrapolation,quick")
+  config.evaluate.update(dict(windows="non_overlapping,sliding", stride=64))
+  (cell, *_) = plan.cells(config, "/root")
+  evaluations = [step.evaluation for step in cell.steps[1:]]
+  assert evaluations == [("extrapolation", {"tokens": 8192, "windows": "non_overlapping"}),
+                         ("extrapolation", {"tokens": 8192, "stride": 64, "windows": "sliding"})]
+  assert {"--tokens=8192", "--stride=64", "--windows=sliding"} <= set(cell.steps[2].argv)
+  assert "--stride=64" not in cell.steps[1].argv
+  config.evaluate.stride = None
+  with pytest.raises(plan.PlanError, match=r"^evaluate.stride: required with evaluate.windows "
+                     "'sliding'"):
+    plan.cells(config, "/root")
+  config.evaluate.windows = "sliding,overlap"
+  with pytest.raises(plan.PlanError, match=r"^evaluate.windows: 'overlap' is unknown"):
+    plan.cells(config, "/root")
+
+
+def test_a_finished_cell_runs_only_the_evaluations_it_lacks(tmp_path, monkeypatch):
+  """A grid rerun with another window kind evaluates the trained runs again, nothing else."""
+  from posenc_jax.comparison import run
+  from posenc_jax.evaluation.report import settings_key
+  from posenc_jax.evaluation.runs import protocol_settings
+
+  config = get_config("extrapolation,quick")
+  config.schemes = "alibi"
+  ran = []
+  monkeypatch.setattr(run, "cell_records", lambda cell: [])  # the tables are not at issue
+
+  def fake(cell, log):  # writes what train.py and each evaluate step would
+    log.write_text("fake\n")
+    for step in cell.steps:
+      ran.append(step.name)
+      workdir = tmp_path / "alibi/seed0/train"
+      if step.evaluation is None:
+        fake_run(workdir, "alibi", 0, task="python_stdlib_lm", objective="lm")
+        continue
+      protocol, options = step.evaluation
+      settings = protocol_settings(protocol, {"objective": "lm"}, **options)
+      (workdir / "eval").mkdir(exist_ok=True)
+      (workdir / "eval" / f"{protocol}-{settings_key(settings)}.json").write_text("{}")
+
+  cells = plan.cells(config, str(tmp_path))
+  run.run_grid(cells, fake, say=lambda line: None)
+  assert ran == ["train", "evaluate extrapolation"]
+  run.run_grid(cells, fake, say=lambda line: None)  # nothing lacks: nothing runs
+  assert ran == ["train", "evaluate extrapolation"]
+  config.evaluate.update(dict(windows="non_overlapping,sliding", stride=128))
+  lines = []
+  run.run_grid(plan.cells(config, str(tmp_path)), fake, say=lines.append)
+  assert ran[2:] == ["evaluate extrapolation (sliding)"]
+  assert lines == [f"[1/1] alibi/seed0: finished before; running its 1 new evaluation(s), output "
+                   f"in {tmp_path}/alibi/seed0/log.txt", "[1/1] alibi/seed0: done in 0 s"]

@@ -269,15 +269,16 @@ def _differing(a: dict[str, Any], b: dict[str, Any]) -> tuple[str, str]:
 
 
 def evaluations(records: list[dict[str, Any]], protocol: str | None = None,
-                evaluate: dict[str, Any] | None = None
+                evaluate: list[dict[str, Any]] | None = None
                 ) -> dict[tuple[str, str, str], list[tuple[dict, dict]]]:
   """The records' extrapolation and probes documents by table: ``{(protocol, task, settings
   key): [(record, document), ...]}`` (records in order, one document each).
 
   Without an experiment (``protocol`` None) a table is every settings that all the runs of a
-  protocol and task were evaluated with. With one (its ``protocol`` and its ``evaluate``
-  options), each run's document of the settings the experiment asks for
-  (:func:`~posenc_jax.evaluation.runs.protocol_settings`), and every run must have one.
+  protocol and task were evaluated with. With one (its ``protocol`` and the options of each
+  of its evaluations, :func:`~posenc_jax.comparison.plan.evaluate_options`), each run's
+  document of the settings each evaluation asks for
+  (:func:`~posenc_jax.evaluation.runs.protocol_settings`), and every run must have them.
 
   Raises:
     CollectError: runs of one protocol and task evaluated with different settings (one line
@@ -300,15 +301,15 @@ def evaluations(records: list[dict[str, Any]], protocol: str | None = None,
   for (name, task), runs in sorted(members.items()):
     if protocol is not None:
       for record, docs in runs:
-        want = protocol_settings(name, {"objective": record["objective"]}, **{
-            k: (evaluate or {}).get(k) for k in SETTINGS[name]})
-        key = settings_key(want)
-        if key not in docs:
-          have = "; ".join(docs) or "none"
-          raise CollectError(f"collect: {record['workdir']}: no {name} evaluation with the "
-                             f"experiment's settings {key} (it has: {have}); run the evaluate "
-                             "tool with them")
-        groups.setdefault((name, task, key), []).append((record, docs[key]))
+        for options in evaluate or [{}]:
+          key = settings_key(protocol_settings(name, {"objective": record["objective"]}, **{
+              k: options.get(k) for k in SETTINGS[name]}))
+          if key not in docs:
+            have = "; ".join(docs) or "none"
+            raise CollectError(f"collect: {record['workdir']}: no {name} evaluation with the "
+                               f"experiment's settings {key} (it has: {have}); run the "
+                               "evaluate tool with them")
+          groups.setdefault((name, task, key), []).append((record, docs[key]))
       continue
     first = runs[0]
     for run in runs[1:]:

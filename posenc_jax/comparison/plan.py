@@ -27,11 +27,13 @@ class PlanError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Step:
-  """One command of a cell: ``argv`` (after ``python -m``) that writes ``workdir``."""
+  """One command of a cell: ``argv`` (after ``python -m``) that writes ``workdir``; an
+  evaluate step also names its ``evaluation``: ``(protocol, the evaluate tool's options)``."""
 
   name: str
   workdir: str
   argv: tuple[str, ...]
+  evaluation: tuple[str, dict[str, Any]] | None = None
 
   def command(self) -> list[str]:
     return [sys.executable, "-m", *self.argv]
@@ -129,10 +131,34 @@ def overrides(values: ml_collections.ConfigDict, prefix: str = "--config.") -> l
   return flags
 
 
-def _evaluate(workdir: str, protocol: str, lengths_: list[int], extra) -> Step:
+def evaluate_options(config: ml_collections.ConfigDict) -> list[dict[str, Any]]:
+  """The evaluate tool's options of each evaluation the experiment makes of a run: its
+  ``evaluate`` fields, once per window kind when ``evaluate.windows`` lists several
+  (``non_overlapping,sliding``; ``stride`` goes with ``sliding`` only)."""
+  from posenc_jax.evaluation.windows import WINDOWS  # noqa: PLC0415 - numpy only
+
+  options = {k: v for k, v in config.evaluate.to_dict().items() if v is not None}
+  kinds = [w.strip() for w in str(options.pop("windows", "") or "").split(",") if w.strip()]
+  for kind in kinds:
+    if kind not in WINDOWS:
+      raise PlanError(f"evaluate.windows: {kind!r} is unknown{nearest(kind, WINDOWS)} allowed: "
+                      f"comma-separated names of {', '.join(WINDOWS)}")
+  if "sliding" in kinds and options.get("stride") is None:
+    raise PlanError("evaluate.stride: required with evaluate.windows 'sliding' (the tokens each "
+                    "window scores)")
+  if len(kinds) <= 1:
+    return [options | ({"windows": kinds[0]} if kinds else {})]
+  return [{k: v for k, v in options.items() if k != "stride" or kind == "sliding"}
+          | {"windows": kind} for kind in kinds]
+
+
+def _evaluate(workdir: str, protocol: str, lengths_: list[int], options: dict[str, Any]
+              ) -> Step:
   argv = ("posenc_jax.evaluate", f"--workdir={workdir}", f"--protocol={protocol}",
-          f"--lengths={','.join(map(str, lengths_))}", *overrides(extra, "--"))
-  return Step(f"evaluate {protocol}", workdir, argv)
+          f"--lengths={','.join(map(str, lengths_))}",
+          *(f"--{k}={v}" for k, v in options.items()))
+  windows = f" ({options['windows']})" if "windows" in options else ""
+  return Step(f"evaluate {protocol}{windows}", workdir, argv, (protocol, dict(options)))
 
 
 def cells(config: ml_collections.ConfigDict, root: str) -> list[Cell]:
@@ -151,16 +177,18 @@ def cells(config: ml_collections.ConfigDict, root: str) -> list[Cell]:
           for task in plan["tasks"]:
             workdir = f"{folder}/{task}"
             spec = config.train_config.format(**fill, task=task)
-            steps += [Step(f"train {task}", workdir, ("posenc_jax.train", f"--config={spec}",
-                                                      f"--workdir={workdir}", *train)),
-                      _evaluate(workdir, "probes", plan["lengths"], config.evaluate)]
+            steps.append(Step(f"train {task}", workdir, ("posenc_jax.train", f"--config={spec}",
+                                                         f"--workdir={workdir}", *train)))
+            steps += [_evaluate(workdir, "probes", plan["lengths"], options)
+                      for options in evaluate_options(config)]
         else:
           workdir = f"{folder}/train"
           spec = config.train_config.format(**fill, task="")
           steps.append(Step("train", workdir, ("posenc_jax.train", f"--config={spec}",
                                                f"--workdir={workdir}", *train)))
         if plan["protocol"] == "extrapolation":
-          steps.append(_evaluate(workdir, "extrapolation", plan["lengths"], config.evaluate))
+          steps += [_evaluate(workdir, "extrapolation", plan["lengths"], options)
+                    for options in evaluate_options(config)]
         if plan["protocol"] == "finetune":
           for task in plan["tasks"]:
             spec = config.finetune_config.format(**fill, task=task)

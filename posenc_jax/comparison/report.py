@@ -185,10 +185,11 @@ def _curve(protocol: str, task: str, settings: dict[str, Any],
 
 def tables(records: list[dict[str, Any]], schemes: Sequence[str] = (),
            tasks: Sequence[str] = (), protocol: str | None = None,
-           evaluate: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+           evaluate: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
   """The tables the records hold: best dev scores of fine-tuning runs, extrapolation and
   probe curves, one per protocol, task and evaluation settings (an experiment's
-  ``protocol`` and ``evaluate`` options: the settings it asks for;
+  ``protocol`` and its evaluations' options,
+  :func:`~posenc_jax.comparison.plan.evaluate_options`: the settings it asks for;
   :func:`~posenc_jax.comparison.collect.evaluations`). Rows follow ``schemes`` and task
   columns ``tasks`` (then any others, sorted).
 

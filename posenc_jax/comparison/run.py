@@ -10,6 +10,7 @@ again: train.py and finetune.py resume from their checkpoints.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import time
@@ -19,7 +20,7 @@ from typing import IO, Any
 from etils import epath
 
 from posenc_jax.comparison.collect import collect
-from posenc_jax.comparison.plan import Cell
+from posenc_jax.comparison.plan import Cell, Step
 from posenc_jax.comparison.report import write_atomic
 
 MARKER = "cell.json"
@@ -60,6 +61,35 @@ def run_steps(cell: Cell, log: epath.Path,
       raise CellFailed(f"{step.name} exited {status}: {lines[-1] if lines else 'no output'}")
 
 
+def evaluation_file(step: Step) -> epath.Path | None:
+  """The file an evaluate step writes (``<workdir>/eval/<protocol>-<settings>.json``, its
+  settings resolved with the run's ``config.json``); None for other steps or an untrained
+  workdir."""
+  from posenc_jax.evaluation.report import settings_key  # noqa: PLC0415
+  from posenc_jax.evaluation.runs import SETTINGS, protocol_settings  # noqa: PLC0415
+  from posenc_jax.training.workdir import saved_config  # noqa: PLC0415
+
+  if step.evaluation is None:
+    return None
+  protocol, options = step.evaluation
+  config = saved_config(step.workdir)
+  if config is None:
+    return None
+  settings = protocol_settings(protocol, config, **{k: options.get(k) for k in
+                                                     SETTINGS[protocol]})
+  return epath.Path(step.workdir) / "eval" / f"{protocol}-{settings_key(settings)}.json"
+
+
+def missing_evaluations(cell: Cell) -> list[Step]:
+  """The evaluate steps of a finished ``cell`` whose file is not there."""
+  missing = []
+  for step in cell.steps:
+    path = evaluation_file(step)
+    if step.evaluation is not None and (path is None or not path.exists()):
+      missing.append(step)
+  return missing
+
+
 def cell_records(cell: Cell) -> list[dict[str, Any]]:
   """The records of ``cell``'s workdirs, labelled with the cell's size, scheme and seed."""
   return [r | {"size": cell.size, "scheme": cell.scheme, "seed": cell.seed}
@@ -68,8 +98,9 @@ def cell_records(cell: Cell) -> list[dict[str, Any]]:
 
 def run_grid(cells: list[Cell], run_cell: Callable[[Cell, epath.Path], None] = run_steps,
              say: Callable[[str], None] = progress) -> tuple[list[dict[str, Any]], list[dict]]:
-  """Runs every cell without a ``cell.json`` through ``run_cell(cell, log_path)``, one
-  progress line each; returns the records of all finished cells and the failed cells
+  """Runs every cell without a ``cell.json`` through ``run_cell(cell, log_path)`` (and, of
+  a finished cell, the evaluations it lacks: :func:`missing_evaluations`), one progress line
+  each; returns the records of all finished cells and the failed cells
   (``{"cell", "reason", "log"}``).
 
   Raises:
@@ -80,21 +111,30 @@ def run_grid(cells: list[Cell], run_cell: Callable[[Cell, epath.Path], None] = r
     folder = epath.Path(cell.folder)
     marker, log = folder / MARKER, folder / LOG
     prefix = f"[{index}/{len(cells)}] {cell.name}"
+    before = 0.0
     if marker.exists():
-      records += cell_records(cell)
-      say(f"{prefix}: finished before ({marker}), not rerun")
-      continue
-    folder.mkdir(parents=True, exist_ok=True)
-    say(f"{prefix}: running {len(cell.steps)} step(s), output in {log}")
+      missing = missing_evaluations(cell)
+      if not missing:
+        records += cell_records(cell)
+        say(f"{prefix}: finished before ({marker}), not rerun")
+        continue
+      before = json.loads(marker.read_text()).get("seconds", 0.0)
+      todo = dataclasses.replace(cell, steps=tuple(missing))
+      say(f"{prefix}: finished before; running its {len(missing)} new evaluation(s), output in "
+          f"{log}")
+    else:
+      todo = cell
+      folder.mkdir(parents=True, exist_ok=True)
+      say(f"{prefix}: running {len(cell.steps)} step(s), output in {log}")
     start = time.perf_counter()
     try:
-      run_cell(cell, log)
+      run_cell(todo, log)
       mine = cell_records(cell)
     except (CellFailed, ValueError) as e:  # ValueError: a run that does not read (collect)
       failed.append({"cell": cell.name, "reason": str(e), "log": str(log)})
       say(f"{prefix}: FAILED: {e} (log: {log})")
       continue
-    seconds = time.perf_counter() - start
+    seconds = before + time.perf_counter() - start
     write_atomic(marker, json.dumps({"cell": cell.name, "seconds": seconds, "records": mine},
                                     indent=2, sort_keys=True))
     records += mine
