@@ -62,29 +62,48 @@ def summarise(records, failed, config=None, cost=None):
           "corpus_sha256": report.corpus(tables), "tables": tables}
 
 
+def cost_lengths(config, checked) -> list[int]:
+  """The lengths the cost is timed at: ``cost.lengths``, else the training length (the
+  experiment's ``train.seq_len``, else 128) and, for a curve experiment, the longest
+  evaluated length."""
+  from posenc_jax.comparison import plan  # noqa: PLC0415
+
+  if config.cost.get("lengths"):
+    return plan.integers(config.cost, "lengths", positive=True)
+  train = int(config.train.get("seq_len") or 128)
+  longest = max(checked["lengths"], default=train)
+  return [train] if longest <= train else [train, longest]
+
+
 def measure_cost(config, root: str, say=None):
   """The cost rows of ``config`` (:func:`posenc_jax.comparison.cost.measure`), kept in
   ``ROOT/cost.json`` for reruns; None when ``config.cost.enabled`` is off."""
   from etils import epath  # noqa: PLC0415
 
   from posenc_jax.comparison import collect, cost, plan, report, run  # noqa: PLC0415
+  from posenc_jax.configs.lm import CORPORA  # noqa: PLC0415
 
   say = say or run.progress
   if not config.cost.enabled:
     return None
   path = epath.Path(root) / COST_FILE
   checked = plan.check(config)
+  lm = checked["protocol"] in ("extrapolation", "probes")
+  spec = str(config.train_config).partition(":")[2].split(",")  # <size>,<scheme>[,<corpus>]
+  corpus = next((name for name in spec if name in CORPORA), None) if lm else None
+  asked = dict(baseline=checked["baseline"], size=checked["sizes"][0], batch=config.cost.batch,
+               lengths=cost_lengths(config, checked), dtype=config.cost.dtype,
+               model="lm" if lm else "auto")
   if path.exists():
     kept = collect.read_cost(path)
-    asked = dict(baseline=checked["baseline"], size=checked["sizes"][0], batch=config.cost.batch,
-                 length=config.cost.length, dtype=config.cost.dtype)
     if sorted(kept["rows"]) == sorted(checked["schemes"]) and all(
         kept.get(k) == v for k, v in asked.items()):
       return kept
-  say(f"cost: timing {', '.join(checked['schemes'])} against {checked['baseline']}")
+  say(f"cost: timing {', '.join(checked['schemes'])} against {checked['baseline']} at "
+      f"{', '.join(map(str, asked['lengths']))}")
   try:
     rows = cost.measure(checked["sizes"][0], checked["schemes"], checked["baseline"],
-                        config.cost)
+                        config.cost, asked["lengths"], lm=lm, corpus=corpus)
   except Exception as e:  # noqa: BLE001 - the tables are written without cost
     return {"baseline": checked["baseline"], "rows": {},
             "note": f"Cost: not measured: {messages.first_line(e)}"}

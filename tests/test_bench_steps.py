@@ -80,22 +80,50 @@ def test_each_row_is_timed_against_the_baseline_on_its_own_model(tiny, monkeypat
   assert "cope" in steps.DEFAULT_SCHEMES and "fox" in steps.DEFAULT_SCHEMES
 
 
-def test_compare_extrapolation_costs_cope_and_fox_on_the_lm(tiny, monkeypatch):
-  config = get_config("extrapolation")
-  checked = plan.check(config)
-  assert {"cope", "fox"} <= set(checked["schemes"]) and checked["baseline"] == "bert"
+def test_cost_times_cope_and_fox_on_the_lm_beside_an_mlm_baseline(tiny, monkeypatch):
+  config = get_config("glue_table")
   built = []
   monkeypatch.setattr(model_steps, "compiled_steps", fake_compiled(built))
   monkeypatch.setattr(cost, "peak_bytes", lambda size, scheme, *, head, **dims: {
       "mlm": 100, "lm": 200}[head] + (50 if scheme == "fox" else 0))
-  config.cost.update(dict(batch=2, length=8, repeats=1))
-  out = cost.measure("bert_tiny", ["bert", "rope", "cope", "fox"], "bert", config.cost)
+  config.cost.update(dict(batch=2, repeats=1))
+  out = cost.measure("bert_tiny", ["bert", "rope", "cope", "fox"], "bert", config.cost, [8])
   assert built == [("bert", "mlm"), ("rope", "mlm"), ("bert", "lm"), ("cope", "lm"),
                    ("fox", "lm")]
   rows = out["rows"]
   assert [rows[s]["model"] for s in ("bert", "rope", "cope", "fox")] == ["mlm", "mlm", "lm", "lm"]
-  assert rows["cope"]["memory_ratio"] == 1.0 and rows["fox"]["memory_ratio"] == 1.25
-  assert "causal LM for cope, fox" in out["note"]
+  assert rows["cope"]["lengths"]["8"]["memory_ratio"] == 1.0
+  assert rows["fox"]["lengths"]["8"]["memory_ratio"] == 1.25
+  assert "causal LM for cope, fox" in out["note"] and set(out["noise"]) == {"8"}
+
+
+def test_an_lm_experiment_costs_the_lm_it_trains_at_both_lengths(tiny, monkeypatch, tmp_path):
+  """Every row on the causal LM with the corpus's vocabulary, at the training length and the
+  longest evaluated one with the same tokens per step, and the baseline against itself."""
+  from posenc_jax import compare  # noqa: PLC0415
+
+  config = get_config("extrapolation")
+  checked = plan.check(config)
+  assert compare.cost_lengths(config, checked) == [128, 2048]
+  built, dims_seen = [], []
+
+  def compiled(size, scheme, *, head=None, **dims):
+    dims_seen.append((dims["batch"], dims["length"], dims["corpus"]))
+    return fake_compiled(built)(size, scheme, head=head, **dims)
+
+  monkeypatch.setattr(model_steps, "compiled_steps", compiled)
+  monkeypatch.setattr(cost, "peak_bytes", lambda size, scheme, **dims: 100)
+  config.cost.update(dict(batch=4, repeats=3, lengths="8,32"))
+  out = compare.measure_cost(config, str(tmp_path), say=lambda line: None)
+  assert built == [("sinusoidal", "lm"), ("rope", "lm"), ("t5", "lm"), ("alibi", "lm")] * 2
+  assert sorted(set(dims_seen)) == [(1, 32, "stdlib"), (4, 8, "stdlib")]
+  row = out["rows"]["rope"]["lengths"]["32"]
+  assert row["memory_ratio"] == 1.0 and set(row["train_ratio"]) == {"median", "min", "max"}
+  assert set(out["noise"]) == {"8", "32"} and out["lengths"] == [8, 32]
+  assert "the causal LM the experiment trains (stdlib)" in out["note"]
+  assert json.loads((tmp_path / "cost.json").read_text()) == out  # kept for reruns
+  assert compare.measure_cost(config, str(tmp_path), say=lambda line: None) == out
+  assert len(built) == 8  # the kept table, not timed again
 
 
 def test_peak_bytes_of_the_lm_train_step(tiny):

@@ -424,9 +424,11 @@ def test_bad_foreign_input_is_one_line_naming_the_file_and_field(tmp_path, file,
 
 def test_a_foreign_cost_or_results_file_is_one_line_naming_it(tmp_path):
   cost = tmp_path / "cost.json"
-  cost.write_text(json.dumps({"baseline": "bert", "rows": {"rope": {"train_ratio": "fast"}}}))
+  cost.write_text(json.dumps({"baseline": "bert", "rows": {"rope": {
+      "model": "lm", "lengths": {"32": {"train_ratio": "fast", "memory_ratio": 1.0}}}}}))
   with pytest.raises(collect.CollectError, match=(
-      rf"^collect: {cost}: rows.rope.train_ratio: got 'fast'; expected a finite number or null$")):
+      rf"^collect: {cost}: rows.rope.lengths.32.train_ratio: got 'fast'; expected a JSON "
+      "object$")):
     collect.read_cost(epath.Path(cost))
   results = tmp_path / "results.json"
   config = get_config("extrapolation").to_dict() | {"schemes": "rope,rop"}
@@ -520,7 +522,7 @@ def test_a_real_grid_of_two_schemes_and_two_seeds_trains_collects_and_costs(tmp_
   config.train.eval_steps = 1
   config.train.model = dict(d_model=32, num_heads=2, mlp_dim=64, num_layers=1)
   config.evaluate.tokens = 64
-  config.cost.update(dict(batch=2, length=16, repeats=1))
+  config.cost.update(dict(batch=2, lengths="16,32", repeats=1))
   evaluates = importlib.util.find_spec("posenc_jax.evaluate") is not None
 
   def forked(command, out):  # the tools' own code, forked from a server that imported JAX
@@ -539,7 +541,9 @@ def test_a_real_grid_of_two_schemes_and_two_seeds_trains_collects_and_costs(tmp_
       ("alibi", 0, "lm"), ("alibi", 1, "lm"), ("rope", 0, "lm"), ("rope", 1, "lm")]
   assert "$ " in (tmp_path / "rope/seed1/log.txt").read_text()
   cost = summary["cost"]["rows"]
-  assert cost["alibi"]["memory_ratio"] == 1.0 and cost["rope"]["train_ratio"] > 0
+  assert cost["alibi"]["lengths"]["16"]["memory_ratio"] == 1.0
+  assert cost["rope"]["lengths"]["32"]["train_ratio"]["median"] > 0
+  assert {"16", "32"} == set(summary["cost"]["noise"])
   collected = collect.collect([str(tmp_path)])
   assert [(r["scheme"], r["seed"]) for r in collected] == [
       (r["scheme"], r["seed"]) for r in summary["records"]]  # labels read from config.json
@@ -573,3 +577,25 @@ def test_help_lists_the_experiments_configs_and_presets(capsys):
   assert exit_info.value.code == 0
   assert f"Experiments (--config=configs/compare.py:<experiment>): {', '.join(EXPERIMENTS)}" in text
   assert "configs/compare.py" in text and "alibi" in text and "configs/pretrain.py" not in text
+
+
+def test_cost_columns_show_each_length_with_the_rounds_range_and_the_noise(tmp_path):
+  lm_runs(tmp_path, {"rope": [(20.0, 25.0, None)] * 3, "alibi": [(21.0, 21.0, None)] * 3})
+  ratio = {"median": 1.1, "min": 1.0, "max": 1.3}
+  cost = {"baseline": "rope", "lengths": [32, 64], "note": "Cost: ...",
+          "noise": {"32": {"median": 1.0, "min": 0.9, "max": 1.2},
+                    "64": {"median": 1.0, "min": 0.95, "max": 1.05}},
+          "rows": {"rope": {"model": "lm", "lengths": {
+                       "32": {"train_ratio": ratio, "memory_ratio": 1.0},
+                       "64": {"train_ratio": ratio, "memory_ratio": 1.0}}},
+                   "alibi": {"na": "at length 64: no"}}}
+  text = report.markdown(compare_cli.summarise(collect.collect([str(tmp_path)]), [], cost=cost))
+  head = next(line for line in text.splitlines() if line.startswith("| scheme |"))
+  assert head.endswith("| step time at 32 (x rope) | step time at 64 (x rope) | peak memory at "
+                       "64 (x rope) |")
+  assert next(line for line in text.splitlines() if line.startswith("| rope |")).endswith(
+      "| 1.10 (1.00-1.30) | 1.10 (1.00-1.30) | 1.00 |")
+  assert next(line for line in text.splitlines() if line.startswith("| alibi |")).endswith(
+      "| n/a | n/a | n/a |")
+  assert ("Timing noise, rope timed against itself: 1.00 (0.90-1.20) at 32, 1.00 (0.95-1.05) "
+          "at 64.") in text

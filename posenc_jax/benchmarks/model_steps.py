@@ -37,9 +37,12 @@ def model_of(*schemes: str) -> str:
 
 
 def model_steps(size: str, scheme: str, *, batch: int, length: int, dtype: str,
-                route: str = "auto", scan_layers: bool = True, head: str | None = None):
+                route: str = "auto", scan_layers: bool = True, head: str | None = None,
+                corpus: str | None = None):
   """The uncompiled steps of the model ``head`` (``mlm`` or ``lm``; None: ``model_of(scheme)``)
-  of ``size`` with ``scheme``: ``(cfg, train, infer, init)``.
+  of ``size`` with ``scheme``: ``(cfg, train, infer, init)``; the causal LM's vocabulary is
+  that of ``corpus`` (a name of ``configs/lm.py``'s ``CORPORA``, e.g. ``stdlib``: bytes) when
+  given.
 
   ``train(params, opt_state)`` is one AdamW step on a fixed random batch ``[batch, length]``
   (the masked LM: the cross-entropy at 15% of the tokens, weighted; the causal LM:
@@ -49,7 +52,8 @@ def model_steps(size: str, scheme: str, *, batch: int, length: int, dtype: str,
   """
   head = head or model_of(scheme)
   arg = f"{BERT_SIZES[size]},{scheme}"
-  cfg = (lm.get_config(arg) if head == "lm" else preset_config(arg)).model
+  cfg = (lm.get_config(arg + (f",{corpus}" if corpus else "")) if head == "lm"
+         else preset_config(arg)).model
   cfg = model_config(cfg, max_len=max(length, cfg.get("max_len", 512)), dtype=dtype,
                      dropout_rate=0.0, attention_dropout_rate=0.0, route=route,
                      scan_layers=scan_layers)
@@ -83,12 +87,12 @@ def model_steps(size: str, scheme: str, *, batch: int, length: int, dtype: str,
 
 
 def compiled_steps(size: str, scheme: str, *, batch: int, length: int, dtype: str,
-                   route: str = "auto", head: str | None = None):
+                   route: str = "auto", head: str | None = None, corpus: str | None = None):
   """Zero-argument (train step, inference) callables of the compiled model (``head`` as in
   :func:`model_steps`), its config, and the seconds of the first train step and inference
   pass (compile, then one run each)."""
   cfg, train, infer, init = model_steps(size, scheme, batch=batch, length=length, dtype=dtype,
-                                        route=route, head=head)
+                                        route=route, head=head, corpus=corpus)
   train, infer = jax.jit(train), jax.jit(infer)
   state = list(jax.jit(init)())
 

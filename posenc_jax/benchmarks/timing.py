@@ -24,3 +24,11 @@ def timed_against(step, baseline, repeats: int) -> tuple[float, float]:
   """Median seconds of ``step`` and of ``baseline``, timed alternately (so load drifts cancel)."""
   step_s, baseline_s = timed((step, baseline), repeats)
   return step_s, baseline_s
+
+
+def ratios(step, baseline, repeats: int) -> tuple[float, float, list[float]]:
+  """Median seconds of ``step`` and of ``baseline``, timed alternately, and each round's ratio
+  ``step / baseline`` (their spread is the timing's noise; ``step`` may be ``baseline``)."""
+  rounds = [(seconds(step), seconds(baseline)) for _ in range(repeats)]
+  step_s, baseline_s = (sorted(times)[len(times) // 2] for times in zip(*rounds))
+  return step_s, baseline_s, [a / b for a, b in rounds]

@@ -239,8 +239,16 @@ def read_cost(path: epath.Path) -> dict[str, Any]:
     if isinstance(row, dict) and "na" in row:
       field(path, row, "na", "string", where=where)
       continue
-    for name in ("train_ratio", "memory_ratio"):
-      field(path, row, name, "number", null=True, where=where)
+    field(path, row, "model", "string", where=where)
+    for length, at in field(path, row, "lengths", "object", where=where).items():
+      field(path, at, "memory_ratio", "number", null=True, where=f"{where}lengths.{length}.")
+      for name in ("median", "min", "max"):
+        field(path, field(path, at, "train_ratio", "object", where=f"{where}lengths.{length}."),
+              name, "number", where=f"{where}lengths.{length}.train_ratio.")
+  noise = field(path, cost, "noise", "object") if "noise" in cost else {}
+  for length, noise in noise.items():
+    for name in ("median", "min", "max"):
+      field(path, noise, name, "number", where=f"noise.{length}.")
   return cost
 
 

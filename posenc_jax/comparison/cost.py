@@ -1,10 +1,14 @@
 """Each scheme's training cost against the baseline's (DIET Table 1), with the functions of
-:mod:`posenc_jax.benchmarks.model_steps`: the masked-LM BERT of the experiment's size, or for a
-causal-only scheme (and its baseline) the causal language model of that size
-(:func:`~posenc_jax.benchmarks.model_steps.model_of`), at ``cost.batch`` x ``cost.length``, its
-train step (forward, backward, AdamW) timed alternately with the baseline's on the same model in
-this process, and the peak memory XLA plans for that step (compiled memory analysis: on every
-backend, and per scheme, unlike a device's running peak).
+:mod:`posenc_jax.benchmarks.model_steps`, on the model the experiment trains: the causal
+language model for an LM experiment (extrapolation, probes; with the corpus's vocabulary),
+else the masked-LM BERT (the causal LM for a causal-only scheme and its baseline,
+:func:`~posenc_jax.benchmarks.model_steps.model_of`). At each of the cost's lengths (by
+default the training length and the longest evaluated one) with the same tokens per step,
+each scheme's train step (forward, backward, AdamW) is timed alternately with the
+baseline's in this process, round by round; the baseline is also timed against itself,
+so that the table shows the timing's own noise beside the ratios. Peak memory is what XLA
+plans for the compiled step (on every backend, and per scheme, unlike a device's running
+peak).
 """
 
 from __future__ import annotations
@@ -32,42 +36,75 @@ def peak_bytes(size: str, scheme: str, **dims) -> int | None:
                   + stats.temp_size_in_bytes - stats.alias_size_in_bytes)
 
 
-def measure(size: str, schemes: list[str], baseline: str,
-            cost: ml_collections.ConfigDict) -> dict[str, Any]:
-  """``{"baseline", "size", "batch", "length", "rows": {scheme: {"model", "train_ms",
-  "train_ratio", "peak_bytes", "memory_ratio"} or {"na": reason}}, "note"}``; ``model`` is
-  the head timed, ``mlm`` or ``lm``, the baseline's too."""
+def spread(ratios: list[float]) -> dict[str, float]:
+  """``{"median", "min", "max"}`` of one scheme's per-round time ratios."""
+  ordered = sorted(ratios)
+  return {"median": ordered[len(ordered) // 2], "min": ordered[0], "max": ordered[-1]}
+
+
+def measure(size: str, schemes: list[str], baseline: str, cost: ml_collections.ConfigDict,
+            lengths: list[int], lm: bool = False, corpus: str | None = None) -> dict[str, Any]:
+  """The cost table: ``{"baseline", "size", "batch", "lengths", "dtype", "note", "noise":
+  {length: spread of the baseline timed against itself}, "rows": {scheme: {"model",
+  "lengths": {length: {"train_ms", "train_ratio": spread, "peak_bytes", "memory_ratio"}}} or
+  {"na": reason}}}``.
+
+  Args:
+    size: the experiment's size preset (``bert_tiny``, ...).
+    schemes, baseline: position presets; every row is timed against ``baseline``.
+    cost: the experiment's ``cost`` fields (``batch``: sequences per step at the first
+      length, the same tokens per step at the others; ``repeats``; ``dtype``).
+    lengths: the sequence lengths timed, increasing.
+    lm: time the causal LM for every scheme (an LM experiment); else ``model_of`` decides.
+    corpus: the causal LM's corpus name (its vocabulary), e.g. ``stdlib``.
+  """
   from posenc_jax.benchmarks import model_steps, timing  # noqa: PLC0415
 
   sizes = {preset: name for name, preset in model_steps.BERT_SIZES.items()}
-  dims = dict(batch=cost.batch, length=cost.length, dtype=cost.dtype)
-  on_lm = [scheme for scheme in schemes if model_steps.model_of(scheme, baseline) == "lm"]
-  models = "BERT MLM" + (f" (causal LM for {', '.join(on_lm)}: causal-only, and {baseline} "
-                         "beside them)" if on_lm else "")
-  note = (f"Cost: {models} train step at {size}, batch {cost.batch}, length {cost.length}, "
-          f"{cost.dtype}; median of {cost.repeats} runs timed alternately with {baseline} on "
-          "the same model; peak memory as XLA plans the compiled step.")
-  out = {"baseline": baseline, "size": size, **dims, "note": note, "rows": {}}
+  tokens = cost.batch * lengths[0]
+  batches = {length: max(1, tokens // length) for length in lengths}
+
+  def head(scheme):
+    return "lm" if lm else model_steps.model_of(scheme, baseline)
+
+  on_lm = [scheme for scheme in schemes if head(scheme) == "lm"]
+  models = ("the causal LM the experiment trains" + (f" ({corpus})" if corpus else "")
+            if lm else "BERT MLM" + (f" (causal LM for {', '.join(on_lm)}: causal-only, and "
+                                     f"{baseline} beside them)" if on_lm else ""))
+  note = (f"Cost: {models} train step at {size}, {tokens} tokens per step "
+          f"({', '.join(f'batch {batches[n]} x {n}' for n in lengths)}), {cost.dtype}; per "
+          f"round against {baseline} on the same model, median (min-max) of {cost.repeats} "
+          f"rounds; noise: {baseline} timed against itself; peak memory as XLA plans the "
+          "compiled step.")
+  out = {"baseline": baseline, "size": size, "batch": cost.batch, "lengths": lengths,
+         "dtype": cost.dtype, "model": "lm" if lm else "auto", "note": note, "noise": {},
+         "rows": {}}
   if size not in sizes:
     return out | {"note": f"Cost: not measured: {size} is no size of posenc_jax.benchmarks "
                           f"({', '.join(sizes)})"}
-  bases = {}  # head -> the baseline's (train step, peak bytes) on that model
-  for scheme in schemes:
-    head = model_steps.model_of(scheme, baseline)
-    if head not in bases:  # a baseline that does not build raises: no ratio without it
-      bases[head] = (model_steps.compiled_steps(sizes[size], baseline, head=head, **dims)[0],
-                     peak_bytes(sizes[size], baseline, head=head, **dims))
-    base_train, base_bytes = bases[head]
-    try:
-      train = base_train if scheme == baseline else model_steps.compiled_steps(
-          sizes[size], scheme, head=head, **dims)[0]
-      train_s, base_s = timing.timed_against(train, base_train, cost.repeats)
-      memory = peak_bytes(sizes[size], scheme, head=head, **dims)
-    except Exception as e:  # noqa: BLE001 - one scheme that does not build is one n/a row
-      out["rows"][scheme] = {"na": first_line(e)}
-      continue
-    out["rows"][scheme] = {"model": head, "train_ms": 1e3 * train_s,
-                           "train_ratio": train_s / base_s, "peak_bytes": memory,
-                           "memory_ratio": memory / base_bytes if memory and base_bytes
-                           else None}
+  for length in lengths:
+    dims = dict(batch=batches[length], length=length, dtype=cost.dtype, corpus=corpus)
+    bases = {}  # head -> the baseline's (train step, peak bytes) on that model
+    for scheme in schemes:
+      model = head(scheme)
+      if model not in bases:  # a baseline that does not build raises: no ratio without it
+        step = model_steps.compiled_steps(sizes[size], baseline, head=model, **dims)[0]
+        bases[model] = (step, peak_bytes(sizes[size], baseline, head=model, **dims))
+        if model == head(baseline):
+          out["noise"][str(length)] = spread(timing.ratios(step, step, cost.repeats)[2])
+      base_train, base_bytes = bases[model]
+      row = out["rows"].setdefault(scheme, {"model": model, "lengths": {}})
+      if "na" in row:
+        continue
+      try:
+        train = base_train if scheme == baseline else model_steps.compiled_steps(
+            sizes[size], scheme, head=model, **dims)[0]
+        train_s, _, ratios = timing.ratios(train, base_train, cost.repeats)
+        memory = peak_bytes(sizes[size], scheme, head=model, **dims)
+      except Exception as e:  # noqa: BLE001 - one scheme that does not build is one n/a row
+        out["rows"][scheme] = {"na": f"at length {length}: {first_line(e)}"}
+        continue
+      row["lengths"][str(length)] = {
+          "train_ms": 1e3 * train_s, "train_ratio": spread(ratios), "peak_bytes": memory,
+          "memory_ratio": memory / base_bytes if memory and base_bytes else None}
   return out

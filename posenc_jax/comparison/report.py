@@ -347,6 +347,19 @@ def _row(table: dict[str, Any], row: dict[str, Any]) -> tuple[list[str], list[st
       len(table["columns"]) - 1)
 
 
+def _ratio_text(ratio: dict[str, float]) -> str:
+  return f"{ratio['median']:.2f} ({ratio['min']:.2f}-{ratio['max']:.2f})"
+
+
+def _cost_texts(row: dict[str, Any], lengths: list[str]) -> list[str]:
+  """A scheme's cost cells: the step-time ratio at each length, the memory ratio at the
+  longest (``n/a`` where not measured)."""
+  at = row.get("lengths") or {}
+  texts = [_ratio_text(at[n]["train_ratio"]) if n in at else "n/a" for n in lengths]
+  memory = (at.get(lengths[-1]) or {}).get("memory_ratio")
+  return texts + [f"{memory:.2f}" if memory is not None else "n/a"]
+
+
 def markdown(summary: dict[str, Any]) -> str:
   """``results.md``: each table with one row per scheme (and a curve's reference row), what
   it measured above it, cost columns beside the first."""
@@ -359,7 +372,9 @@ def markdown(summary: dict[str, Any]) -> str:
     train = table.get("train_length")
     heads = [f"{c} ({int(c) / train:g}x)" if train else c for c in table["columns"]]
     heads += ["average"] if table["rows"] and "average" in table["rows"][0] else []
-    heads += [f"step time (x {base})", f"peak memory (x {base})"] if with_cost else []
+    cost_lengths = [str(n) for n in cost.get("lengths") or []] if with_cost else []
+    heads += [f"step time at {n} (x {base})" for n in cost_lengths]
+    heads += [f"peak memory at {cost_lengths[-1]} (x {base})"] if cost_lengths else []
     seeds = ["seeds", "learned"] if curve else ["seeds"]
     what = table["metric"] if curve else f"{table['metric']}, median (min-max) over seeds"
     lines += [f"## {table['title']}: {what}", "", *_about(table), "",
@@ -370,16 +385,18 @@ def markdown(summary: dict[str, Any]) -> str:
                          + [""] * (len(heads) - len(reference))))
     for row in table["rows"]:
       counts, texts = _row(table, row)
-      if with_cost:
-        mine = cost["rows"].get(row["label"].rsplit(",", 1)[-1], {})
-        texts += [f"{mine[k]:.2f}" if mine.get(k) is not None else "n/a"
-                  for k in ("train_ratio", "memory_ratio")]
+      if cost_lengths:
+        texts += _cost_texts(cost["rows"].get(row["label"].rsplit(",", 1)[-1], {}),
+                             cost_lengths)
       lines.append(_line([row["label"], *counts, *texts]))
     notes = sorted({f"{row['label']} at {c}: {reason}" for row in table["rows"] if curve
                     for c, reason in row["na"].items()})
     lines += [""] + [f"n/a: {n}" for n in notes] + ([""] if notes else [])
   if cost.get("note"):
     lines += [cost["note"], ""]
+  if cost.get("noise"):
+    lines += [f"Timing noise, {base} timed against itself: " + ", ".join(
+        f"{_ratio_text(r)} at {n}" for n, r in cost["noise"].items()) + ".", ""]
   failed = summary.get("failed") or []
   if failed:
     lines += ["Failed cells (not in the tables): " + "; ".join(

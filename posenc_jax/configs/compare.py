@@ -5,7 +5,7 @@ each cell trained and scored through train.py, finetune.py and the evaluate tool
   python -m posenc_jax.compare --config=configs/compare.py:glue_table --workdir=/tmp/glue \
       --config.schemes=bert,diet_abs_share,diet_rel --config.seeds=0,1,2,3,4
 
-The argument is the experiment:
+The argument is the experiment, optionally with a variant: ``<experiment>[,<variant>]``.
 
 * ``glue_table`` (DIET Tables 2-9, TUPE Table 2): pre-train each scheme
   (``train_config``), fine-tune every task from it (``finetune_config``), and
@@ -14,8 +14,16 @@ The argument is the experiment:
   ``--config.train_config=configs/pretrain.py:{size},{scheme},diet_protocol
   --config.finetune_config=configs/finetune_glue.py:{task}
   --config.tasks=glue_cola,glue_sst2,glue_mrpc,glue_stsb,glue_qqp,glue_mnli,glue_qnli,glue_rte``.
-* ``extrapolation`` (Press et al.): a causal LM per scheme at a short length,
-  then perplexity at each of ``lengths`` (1x, 2x, 4x, 8x the training length).
+* ``extrapolation`` (Press et al. 2022): a ``bert_tiny``-sized causal LM per scheme and
+  seed on the bundled long documents (``configs/lm.py:{size},{scheme},stdlib``: the Python
+  standard library's source, one token per byte), 300 steps of 32 x 128 tokens at lr 3e-3,
+  then perplexity at 128 to 2048 (1x-16x) on the first 65,536 validation tokens, 3 seeds of
+  Press et al.'s four schemes (sinusoidal, RoPE, T5, ALiBi). Variants: ``quick`` (a smoke
+  run: RoPE and ALiBi, 1 seed, 200 steps, 1x and 4x, no cost), ``all`` (the 12 causal
+  schemes: learned APE, sinusoidal, RoPE, T5, ALiBi, KERPLE, FIRE, xPos, FoX, CoPE, DIET-REL,
+  NoPE), ``gpu`` (``bert_small`` at 512, 5000 steps of 64, tested to 8192 on 262,144 tokens:
+  about an hour on one GPU for the 12 cells). ``--config.train_config=configs/lm.py:{size},
+  {scheme},pg19`` runs it on PG-19 (``c4``: C4).
 * ``synthetic``: the probes (``tasks``: copy, reverse, mqar, passkey), one
   training run per probe, accuracy per length.
 
@@ -24,10 +32,13 @@ strings. ``train_config``, ``finetune_config`` are config specs where ``{size}``
 ``{scheme}`` and ``{task}`` are filled in per cell; ``train`` and ``finetune`` hold
 ``--config.<field>`` overrides for every run (the budgets; a field not listed there is
 added in a copy of this file); ``evaluate`` holds the evaluate tool's flags (unset: its
-defaults). ``cost`` times each scheme's training step and its peak
-memory against ``baseline`` (default: the first scheme) with ``posenc_jax.benchmarks``: the
-masked-LM BERT's, the causal LM's for a causal-only scheme (cope, fox) and the baseline beside it.
-The defaults run on the bundled data on a laptop CPU in minutes.
+defaults; ``windows`` may list both kinds, ``non_overlapping,sliding``, each then an
+evaluation of its own). ``cost`` times each scheme's training step and its peak memory
+against ``baseline`` (default: the first scheme) with ``posenc_jax.benchmarks``, on the model
+the experiment trains (the causal LM of an LM experiment; else the masked-LM BERT, and the
+causal LM for a causal-only scheme and the baseline beside it), at ``cost.lengths`` (empty:
+the training length and the longest evaluated length), with the baseline timed against
+itself for the noise.
 """
 
 from ml_collections import config_dict
@@ -58,7 +69,8 @@ def _base(experiment: str, protocol: str, schemes: str, seeds: str) -> config_di
   config.evaluate = config_dict.ConfigDict(dict(
       windows=config_dict.placeholder(str), stride=config_dict.placeholder(int),
       tokens=config_dict.placeholder(int), checkpoint=config_dict.placeholder(str)))
-  config.cost = config_dict.ConfigDict(dict(enabled=True, batch=8, length=64, repeats=5,
+  # lengths: comma-separated; empty: the training length and the longest evaluated length.
+  config.cost = config_dict.ConfigDict(dict(enabled=True, batch=8, lengths="", repeats=5,
                                             dtype="float32"))
   return config
 
@@ -81,7 +93,6 @@ def _extrapolation(variant: str | None) -> config_dict.ConfigDict:
                            optimizer=dict(learning_rate=3e-3, warmup_steps=50)))
   config.lengths = "128,256,512,1024,2048"  # 1x to 16x
   config.evaluate.tokens = 65_536
-  config.cost.length = 128
   if variant == "quick":  # a smoke run: two schemes, one seed, 200 steps, 1x and 4x
     config.schemes, config.seeds, config.lengths = "rope,alibi", "0", "128,512"
     config.train.update(dict(total_steps=200, eval_every=200, checkpoint_every=200))
@@ -97,7 +108,6 @@ def _extrapolation(variant: str | None) -> config_dict.ConfigDict:
     config.train.model = config_dict.ConfigDict(dict(max_len=512))
     config.lengths = "512,1024,2048,4096,8192"
     config.evaluate.tokens = 262_144
-    config.cost.length = 512
   return config
 
 
