@@ -169,17 +169,60 @@ def main(argv):
                   + ", ".join(f["cell"] for f in summary["failed"]))
 
 
+# The experiment's fields that --help shows, with the values of the experiment given.
+FIELDS = (
+    ("schemes", "the rows: position presets, comma-separated (add one: --config.schemes=...)"),
+    ("seeds", "seeds per scheme; the tables show the median and the range"),
+    ("sizes", "model size presets"),
+    ("tasks", "fine-tuning tasks or probes"),
+    ("lengths", "evaluation lengths; the first is the training length"),
+    ("train.total_steps", "training steps of every run (raise it for stronger models)"),
+    ("train.seq_len", "training length"),
+    ("train.batch_size", "sequences per step"),
+    ("train.optimizer.learning_rate", "peak learning rate"),
+    ("train_config", "the train.py config of a cell ({size}, {scheme} filled in)"),
+    ("evaluate.windows", "non_overlapping, sliding, or both comma-separated"),
+    ("evaluate.stride", "tokens each sliding window scores"),
+    ("evaluate.tokens", "validation tokens scored at every length"),
+    ("cost.enabled", "time each scheme's train step against the baseline"),
+    ("cost.lengths", "the lengths timed (empty: training and longest evaluated)"),
+)
+STRONGER = """\
+Stronger experiments: raise --config.seeds (5 or more seeds make ranges that can separate),
+--config.train.total_steps and --config.sizes=bert_small (models that use position more),
+--config.evaluate.tokens (a scoring sample the seeds' spread dominates), and add
+--config.evaluate.windows=non_overlapping,sliding --config.evaluate.stride=<L>. A scheme joins
+with --config.schemes=<presets>. On a GPU or TPU (pip install -e ".[train,cuda13]" or
+".[train,tpu]"), run the same command, or the ',gpu' variant; on a cluster, --dry_run prints
+each cell's commands for your scheduler and --collect --config=... --workdir=OUT DIR... builds
+the tables from the workdirs it made."""
+
+
 def usage() -> str:
-  """``--help``'s opening: this module's docstring and the experiments shipped."""
-  from posenc_jax.configs.compare import EXPERIMENTS  # noqa: PLC0415
-  return (f"{__doc__.rstrip()}\n\nExperiments (--config=configs/compare.py:<experiment>): "
-          f"{', '.join(EXPERIMENTS)}")
+  """``--help``'s opening: this module's docstring, the experiments and variants shipped and
+  how to make an experiment stronger."""
+  from posenc_jax.configs.compare import EXPERIMENTS, VARIANTS  # noqa: PLC0415
+  return (f"{__doc__.rstrip()}\n\nExperiments (--config=configs/compare.py:<experiment>"
+          f"[,<variant>]): {', '.join(EXPERIMENTS)}; variants: {', '.join(VARIANTS)} (the "
+          f"experiments and variants: python -c \"import posenc_jax.configs.compare as c; "
+          f"help(c)\", or docs/evaluation.md)\n\n{STRONGER}")
+
+
+def _default_experiment():
+  from posenc_jax.configs.compare import get_config  # noqa: PLC0415
+  return get_config()
+
+
+def helper():
+  """``--help``'s text function (:func:`posenc_jax.usage.helper`): the experiment's fields
+  with the values of the experiment given (default: ``extrapolation``)."""
+  return usage_lib.helper(PROG, usage(), configs=("compare",), fields=FIELDS,
+                          default=_default_experiment)
 
 
 def run() -> None:
   """The command line, ``python -m posenc_jax.compare``."""
-  app.run(main, flags_parser=cli.flags_parser(PROG, help=usage_lib.helper(
-      PROG, usage(), configs=("compare",))))
+  app.run(main, flags_parser=cli.flags_parser(PROG, help=helper()))
 
 
 if __name__ == "__main__":

@@ -65,7 +65,9 @@ def _field(config, path: str):
 
 
 def help_text(prog: str, usage: str, *, configs: Sequence[str] | None = None, config=None,
-              fv: flags.FlagValues | None = None) -> str:
+              fv: flags.FlagValues | None = None,
+              fields: Sequence[tuple[str, str]] = COMMON_FIELDS,
+              default: Callable[[], Any] = base_train_config) -> str:
   """The ``--help`` text of a command-line tool, for absl and ``argparse`` tools alike.
 
   Args:
@@ -74,9 +76,12 @@ def help_text(prog: str, usage: str, *, configs: Sequence[str] | None = None, co
     configs: the names (``pretrain``, ``lm``) of the shipped ``posenc_jax/configs`` files the
       tool takes, listed with their docstrings' first sentences; None lists them all, ``()`` none
       (nor the presets and fields).
-    config: a loaded config (``ConfigDict``) whose values of :data:`COMMON_FIELDS` are shown
-      as the defaults; None: those of ``training.config.base_train_config``.
+    config: a loaded config (``ConfigDict``) whose values of ``fields`` are shown as the
+      defaults; None: those of ``default()``.
     fv: the absl flags whose non-absl flags are listed (``flags.FLAGS``); None lists none.
+    fields: the ``--config.`` fields shown, ``(dotted path, meaning)`` (default
+      :data:`COMMON_FIELDS`, the train config's); those the config lacks are left out.
+    default: the config whose values are shown when ``config`` is None.
 
   Returns:
     ``usage``, the tool's flags, the configs, the presets (model sizes, position schemes,
@@ -108,26 +113,30 @@ def help_text(prog: str, usage: str, *, configs: Sequence[str] | None = None, co
               "", "Position schemes (--config.model.scheme.name=...):",
               *textwrap.wrap(", ".join(SCHEMES), width=96, initial_indent="  ",
                              subsequent_indent="  "), ""]
-    config = base_train_config() if config is None else config
-    fields = []
-    for path, meaning in COMMON_FIELDS:
+    config = default() if config is None else config
+    shown_fields = []
+    for path, meaning in fields:
       try:
         value = _field(config, path)
       except KeyError:
         continue
-      fields.append((f"--config.{path}={dict(value) if hasattr(value, 'keys') else value}",
-                     meaning))
-    width = min(max(len(f) for f, _ in fields), 40)  # a long value does not push the rest
-    lines.append("Common fields (--config.<field>=<value>; the value shown is this config's):")
-    lines += [f"  {f:<{width}}  {meaning}" for f, meaning in fields]
-    lines.append("")
+      shown_fields.append((f"--config.{path}={dict(value) if hasattr(value, 'keys') else value}",
+                           meaning))
+    if shown_fields:
+      width = min(max(len(f) for f, _ in shown_fields), 40)  # a long value does not push on
+      lines.append("Common fields (--config.<field>=<value>; the value shown is this config's):")
+      lines += [f"  {f:<{width}}  {meaning}" for f, meaning in shown_fields]
+      lines.append("")
   if fv is not None and "helpfull" in fv:
     lines.append(f"{prog} --helpfull lists every flag, including absl's.")
   return "\n".join(lines).strip("\n")
 
 
-def helper(prog: str, usage: str, *, configs: Sequence[str] | None = None
+def helper(prog: str, usage: str, *, configs: Sequence[str] | None = None,
+           fields: Sequence[tuple[str, str]] = COMMON_FIELDS,
+           default: Callable[[], Any] = base_train_config
            ) -> Callable[[Any, flags.FlagValues], str]:
   """``cli.flags_parser``'s ``help``: :func:`help_text` of ``prog`` with the config given on
-  its command line (or None) and its flags."""
-  return lambda config, fv: help_text(prog, usage, configs=configs, config=config, fv=fv)
+  its command line (or None: ``default()``), its flags and ``fields``."""
+  return lambda config, fv: help_text(prog, usage, configs=configs, config=config, fv=fv,
+                                      fields=fields, default=default)

@@ -567,15 +567,17 @@ def test_without_matplotlib_one_line_says_how_and_the_tables_are_written(tmp_pat
 
 
 def test_help_lists_the_experiments_configs_and_presets(capsys):
-  from posenc_jax import cli, usage  # noqa: PLC0415
+  from posenc_jax import cli  # noqa: PLC0415
   from posenc_jax.configs.compare import EXPERIMENTS  # noqa: PLC0415
-  parse = cli.flags_parser(compare_cli.PROG, fv=flags.FlagValues(), help=usage.helper(
-      compare_cli.PROG, compare_cli.usage(), configs=("compare",)))
+  parse = cli.flags_parser(compare_cli.PROG, fv=flags.FlagValues(), help=compare_cli.helper())
   with pytest.raises(SystemExit) as exit_info:
     parse(["compare", "--help"])
   text = capsys.readouterr().out
   assert exit_info.value.code == 0
-  assert f"Experiments (--config=configs/compare.py:<experiment>): {', '.join(EXPERIMENTS)}" in text
+  assert (f"Experiments (--config=configs/compare.py:<experiment>[,<variant>]): "
+          f"{', '.join(EXPERIMENTS)}; variants: ") in text
+  assert "--config.schemes=sinusoidal,rope,t5,alibi" in text  # the default experiment's
+  assert "--config.total_steps" not in text  # train.py's fields are not compare's
   assert "configs/compare.py" in text and "alibi" in text and "configs/pretrain.py" not in text
 
 

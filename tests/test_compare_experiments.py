@@ -121,3 +121,23 @@ def test_a_finished_cell_runs_only_the_evaluations_it_lacks(tmp_path, monkeypatc
   assert ran[2:] == ["evaluate extrapolation (sliding)"]
   assert lines == [f"[1/1] alibi/seed0: finished before; running its 1 new evaluation(s), output "
                    f"in {tmp_path}/alibi/seed0/log.txt", "[1/1] alibi/seed0: done in 0 s"]
+
+
+def test_help_shows_the_experiments_own_fields_variants_and_how_to_strengthen_it():
+  repo = str(pathlib.Path(__file__).resolve().parents[1])
+  for spec in ("extrapolation,gpu", "synthetic"):
+    out = forked_cli.run(["-m", "posenc_jax.compare", f"--config=configs/compare.py:{spec}",
+                          "--help"], cwd=repo, timeout=60)
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
+    assert "variants: quick, all, gpu" in out.stdout and "Stronger experiments:" in out.stdout
+    assert "--config.train.total_steps=" in out.stdout and "--config.optimizer" not in out.stdout
+  assert "--config.lengths=512,1024,2048,4096,8192" in forked_cli.run(
+      ["-m", "posenc_jax.compare", "--config=configs/compare.py:extrapolation,gpu", "--help"],
+      cwd=repo, timeout=60).stdout
+
+
+def test_a_probe_budget_is_raised_from_the_command_line():
+  config = get_config("synthetic")
+  config.train.total_steps = 3000  # the field exists: --config.train.total_steps=3000 parses
+  (cell,) = plan.cells(config, "/root")[:1]
+  assert "--config.total_steps=3000" in cell.steps[0].argv

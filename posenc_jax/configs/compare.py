@@ -43,6 +43,7 @@ itself for the noise.
 
 from ml_collections import config_dict
 
+from posenc_jax.configs.probe import SETTINGS as PROBE_SETTINGS
 from posenc_jax.messages import nearest
 
 # The probe runs' config spec (configs/probe.py), filled in per cell.
@@ -136,6 +137,7 @@ def get_config(arg="extrapolation"):
     return _extrapolation(variant or None)
   config = _base(arg, "probes", "bert,rope,alibi", "0")
   config.train_config = PROBE_CONFIG  # its own schedule: copy is learnt in about 500 steps
+  config.train.update({k: PROBE_SETTINGS[k] for k in ("total_steps", "seq_len", "batch_size")})
   config.tasks = "copy"
   config.lengths = "32,64,128"
   return config
