@@ -4,8 +4,10 @@
   doc = evaluation.evaluate_workdir("/tmp/run", "extrapolation", lengths=[64, 128, 256],
                                     out="/tmp/run/eval")
   doc["rows"][-1]["value"]          # perplexity (causal LM) or masked-LM loss at 256
+  doc["unigram"]                    # a unigram model's perplexity on the same tokens
+  # written: /tmp/run/eval/extrapolation-split=validation,windows=non_overlapping,tokens=16384.json
 
-Protocols (:data:`PROTOCOLS`): ``loss`` and ``extrapolation``
+Protocols (:data:`PROTOCOLS`): ``loss``, ``extrapolation`` and ``probes``
 (:mod:`posenc_jax.evaluation.runs`); windows: :mod:`posenc_jax.evaluation.windows`;
 files and tables: :mod:`posenc_jax.evaluation.report`.
 """
