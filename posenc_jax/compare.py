@@ -26,6 +26,7 @@ A compare ROOT's ``cost.json`` (in ``--workdir`` or a folder given) is shown bes
 import json
 import shlex
 import sys
+import time
 
 from absl import app, flags, logging
 
@@ -60,6 +61,48 @@ def summarise(records, failed, config=None, cost=None):
           "config": config.to_dict() if config is not None else None,
           "records": records, "failed": failed, "cost": cost,
           "corpus_sha256": report.corpus(tables), "tables": tables}
+
+
+def machine() -> str:
+  """This machine in words: its CPU (model and cores) and JAX's devices."""
+  import os  # noqa: PLC0415
+  import platform  # noqa: PLC0415
+
+  import jax  # noqa: PLC0415
+
+  model = platform.processor() or platform.machine()
+  try:
+    with open("/proc/cpuinfo") as f:
+      model = next((line.partition(":")[2].strip() for line in f
+                    if line.startswith("model name")), model)
+  except OSError:
+    pass
+  kinds = sorted({d.device_kind for d in jax.devices()})
+  return (f"{os.cpu_count()} CPU cores ({model}); JAX {jax.__version__} on "
+          f"{jax.default_backend()} ({len(jax.devices())} x {', '.join(kinds)})")
+
+
+def provenance(folders: list[str], command: str) -> dict:
+  """``results.json``'s ``provenance``: the command, the machine, the date (UTC) and
+  ``seconds``: the cells' own times (each ``cell.json`` at most three folders under
+  ``folders``: its processes, summed) and the cost's, i.e. the grid's wall time run in
+  sequence."""
+  import datetime  # noqa: PLC0415
+
+  from etils import epath  # noqa: PLC0415
+
+  from posenc_jax.comparison import run  # noqa: PLC0415
+
+  seconds = 0.0
+  for folder in folders:
+    for pattern in (run.MARKER, f"*/{run.MARKER}", f"*/*/{run.MARKER}", f"*/*/*/{run.MARKER}"):
+      for marker in epath.Path(folder).glob(pattern):
+        seconds += float(json.loads(marker.read_text()).get("seconds", 0.0))
+    cost_file = epath.Path(folder) / COST_FILE
+    if cost_file.exists():
+      seconds += float(json.loads(cost_file.read_text()).get("seconds", 0.0))
+  return {"command": command, "machine": machine(), "seconds": round(seconds, 1),
+          "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")}
 
 
 def cost_lengths(config, checked) -> list[int]:
@@ -101,17 +144,19 @@ def measure_cost(config, root: str, say=None):
       return kept
   say(f"cost: timing {', '.join(checked['schemes'])} against {checked['baseline']} at "
       f"{', '.join(map(str, asked['lengths']))}")
+  start = time.perf_counter()
   try:
     rows = cost.measure(checked["sizes"][0], checked["schemes"], checked["baseline"],
                         config.cost, asked["lengths"], lm=lm, corpus=corpus)
   except Exception as e:  # noqa: BLE001 - the tables are written without cost
     return {"baseline": checked["baseline"], "rows": {},
             "note": f"Cost: not measured: {messages.first_line(e)}"}
+  rows["seconds"] = time.perf_counter() - start
   report.write_atomic(path, json.dumps(rows, indent=2))
   return rows
 
 
-def compare(config, root: str, run_cell=None, say=None):
+def compare(config, root: str, run_cell=None, say=None, command: str | None = None):
   """Runs ``config``'s grid under ``root`` (:func:`posenc_jax.comparison.run.run_grid`;
   ``run_cell`` defaults to the subprocesses), measures the cost, writes the results;
   returns the summary."""
@@ -121,9 +166,16 @@ def compare(config, root: str, run_cell=None, say=None):
   cells = plan.cells(config, root)
   records, failed = run.run_grid(cells, run_cell or run.run_steps, say)
   summary = summarise(records, failed, config, measure_cost(config, root, say))
+  summary["provenance"] = provenance([root], command or "posenc_jax.compare.compare(config, "
+                                     f"{root!r})")
   for path in report.write(root, summary):
     say(f"wrote {path}")
   return summary
+
+
+def _command() -> str:
+  """This process's command line, as typed."""
+  return shlex.join(["python", "-m", "posenc_jax.compare", *sys.argv[1:]])
 
 
 def main(argv):
@@ -146,6 +198,7 @@ def main(argv):
         config = collect.kept_experiment(epath.Path(root) / RESULTS_FILE)
       kept = [p for p in (epath.Path(f) / COST_FILE for f in [root, *folders]) if p.exists()]
       summary = summarise(records, [], config, collect.read_cost(kept[0]) if kept else None)
+      summary["provenance"] = provenance(folders or [root], _command())
       cli.check_output_dir("workdir", root)  # nothing made before the tables build
       for path in report.write(root, summary):
         print(f"wrote {path}")
@@ -160,7 +213,7 @@ def main(argv):
             print(shlex.join(step.command()))
         return
       cli.check_output_dir("workdir", root)
-      summary = compare(config, root)
+      summary = compare(config, root, command=_command())
   except (plan.PlanError, collect.CollectError, cli.OutputPathError) as e:
     cli.exit_with(PROG, e)
   print(report.markdown(summary))

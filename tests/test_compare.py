@@ -601,3 +601,39 @@ def test_cost_columns_show_each_length_with_the_rounds_range_and_the_noise(tmp_p
       "| n/a | n/a | n/a |")
   assert ("Timing noise, rope timed against itself: 1.00 (0.90-1.20) at 32, 1.00 (0.95-1.05) "
           "at 64.") in text
+
+
+def test_only_rows_whose_seed_ranges_do_not_overlap_are_worded_as_separated(tmp_path):
+  # Ratios at 64 (2x) per seed: alibi 1.0/1.05, kerple 1.02/1.04 (overlap alibi's), rope
+  # 1.5/1.6, sinusoidal 1.55/2.0 (overlaps rope's); t5's second seed did not learn and its
+  # first seed alone (1.2) stands between the two groups.
+  lm_runs(tmp_path, {"alibi": [(20.0, 20.0, None), (20.0, 21.0, None)],
+                     "kerple_log": [(50.0, 51.0, None), (50.0, 52.0, None)],
+                     "rope": [(20.0, 30.0, None), (20.0, 32.0, None)],
+                     "sinusoidal": [(20.0, 31.0, None), (20.0, 40.0, None)],
+                     "t5": [(20.0, 24.0, None), (100.0, 100.0, None)]})
+  summary = compare_cli.summarise(collect.collect([str(tmp_path)]), [])
+  (table,) = summary["tables"]
+  assert table["separated"] is None  # the longest column (128) is n/a for every row
+  records = collect.collect([str(tmp_path)])
+  for record in records:  # score only up to 64: the longest column is 64
+    for doc in record["eval"].values():
+      doc["rows"] = doc["rows"][:2]
+  (table,) = compare_cli.summarise(records, [])["tables"]
+  assert table["separated"] == {"column": "64", "groups": [["alibi", "kerple_log"], ["t5"],
+                                                           ["rope", "sinusoidal"]]}
+  assert ("Separated at 64 (2x) (the ratio to 1x; groups whose seed ranges do not overlap, best "
+          "first, no order claimed within a group): {alibi, kerple_log} < {t5} < {rope, "
+          "sinusoidal}.") in report.markdown(compare_cli.summarise(records, []))
+
+
+def test_results_say_which_command_made_them_where_and_in_how_long(tmp_path):
+  summary = compare_cli.compare(glue_config(), str(tmp_path), fake_glue_cell,
+                                say=lambda line: None, command="python -m posenc_jax.compare x")
+  made = summary["provenance"]
+  cells = [json.loads(p.read_text())["seconds"] for p in tmp_path.glob("*/seed*/cell.json")]
+  assert len(cells) == 6 and made["seconds"] == round(sum(cells), 1)
+  assert made["command"] == "python -m posenc_jax.compare x" and "CPU cores" in made["machine"]
+  text = (tmp_path / "results.md").read_text()
+  assert f"Made by `python -m posenc_jax.compare x` on {made['date']}, on {made['machine']}" in text
+  assert json.loads((tmp_path / "results.json").read_text())["provenance"] == made

@@ -177,10 +177,52 @@ def _curve(protocol: str, task: str, settings: dict[str, Any],
                  "na": unreached})
   title = ("length extrapolation" if protocol == "extrapolation"
            else f"probe {task.rpartition(':')[2]}")
-  return {"title": title, "protocol": protocol, "task": task, "settings": settings,
-          "metric": metric, "columns": columns, "train_length": train, "base": base,
-          "ratios": ratios, "criterion": criterion, "reference": reference,
-          "about": about | _runs([r for r, _ in members]), "rows": rows}
+  table = {"title": title, "protocol": protocol, "task": task, "settings": settings,
+           "metric": metric, "columns": columns, "train_length": train, "base": base,
+           "ratios": ratios, "criterion": criterion, "reference": reference,
+           "about": about | _runs([r for r, _ in members]), "rows": rows}
+  return table | {"separated": separated(table)}
+
+
+def separated(table: dict[str, Any]) -> dict[str, Any] | None:
+  """The rows that learned, at the table's longest length, in groups whose seed ranges do
+  not overlap: ``{"column", "groups": [[label, ...], ...]}``, best first (lowest perplexity
+  or ratio; highest accuracy), every member of a group strictly better than every member of
+  the next in every seed; None with fewer than two such rows. Within a group no order is
+  claimed: this is where a direction may be worded as a finding."""
+  column = table["columns"][-1] if table["columns"] else None
+  cells = [(row["label"], row["cells"].get(column)) for row in table["rows"] if row["learned"]]
+  cells = [(label, cell) for label, cell in cells if cell and "median" in cell]
+  if len(cells) < 2:
+    return None
+  higher = table["protocol"] == "probes"
+  cells.sort(key=lambda item: -item[1]["median"] if higher else item[1]["median"])
+  groups, start = [], 0
+  for split in range(1, len(cells)):
+    ahead, behind = cells[:split], cells[split:]
+    if (min(c["min"] for _, c in ahead) > max(c["max"] for _, c in behind) if higher else
+        max(c["max"] for _, c in ahead) < min(c["min"] for _, c in behind)):
+      groups.append([label for label, _ in cells[start:split]])
+      start = split
+  groups.append([label for label, _ in cells[start:]])
+  return {"column": column, "groups": groups}
+
+
+def _separated_text(table: dict[str, Any]) -> list[str]:
+  """The line under a curve table that words its separations (:func:`separated`)."""
+  found = table.get("separated")
+  if not found:
+    return []
+  column = found["column"]
+  at = f"{column} ({int(column) / table['train_length']:g}x)" if table["train_length"] else column
+  what = ("the ratio to 1x" if table["ratios"] else table["metric"])
+  if len(found["groups"]) == 1:
+    return [f"Separated at {at}: no row's seed range stands apart from the others' ({what}); "
+            "no ordering of these schemes is a finding here.", ""]
+  order = " > ".join if table["protocol"] == "probes" else " < ".join
+  return [f"Separated at {at} ({what}; groups whose seed ranges do not overlap, best first, "
+          "no order claimed within a group): "
+          + order("{" + ", ".join(group) + "}" for group in found["groups"]) + ".", ""]
 
 
 def tables(records: list[dict[str, Any]], schemes: Sequence[str] = (),
@@ -366,6 +408,11 @@ def markdown(summary: dict[str, Any]) -> str:
   cost = summary.get("cost") or {}
   base = cost.get("baseline")
   lines = [f"# {summary.get('experiment') or 'comparison'}", ""]
+  made = summary.get("provenance")
+  if made:
+    lines += [f"Made by `{made['command']}` on {made['date']}, on {made['machine']}; the cells "
+              f"and the cost took {made['seconds'] / 60:.1f} min in all (each one's processes, "
+              "run in sequence).", ""]
   for index, table in enumerate(summary["tables"]):
     with_cost = index == 0 and cost.get("rows")
     curve = table["protocol"] in CURVES
@@ -392,6 +439,7 @@ def markdown(summary: dict[str, Any]) -> str:
     notes = sorted({f"{row['label']} at {c}: {reason}" for row in table["rows"] if curve
                     for c, reason in row["na"].items()})
     lines += [""] + [f"n/a: {n}" for n in notes] + ([""] if notes else [])
+    lines += _separated_text(table) if curve else []
   if cost.get("note"):
     lines += [cost["note"], ""]
   if cost.get("noise"):
