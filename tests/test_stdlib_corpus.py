@@ -148,3 +148,25 @@ def test_tfds_corpora_pack_whole_documents_as_bytes(task, key):
   np.testing.assert_array_equal(stream[:len(expected)], expected)
   assert not stream[len(expected):].any()  # the last example's padding
   assert seqio.get_mixture_or_task(task).output_features["targets"].vocabulary.vocab_size == 259
+
+
+def test_a_damaged_corpus_stops_training_in_one_user_error_line(tmp_path, monkeypatch):
+  """What train.py (and evaluate) check before compiling meets the corpus's CorpusError, one
+  of the errors the tools print as one line."""
+  from posenc_jax.configs.lm import get_config
+  from posenc_jax.data import causal_lm  # noqa: F401 - registers the task
+  from posenc_jax.training.errors import USER_ERRORS
+  from posenc_jax.training.input_pipeline import check_examples
+
+  damaged = tmp_path / "stdlib_py313.jsonl.xz"
+  damaged.write_bytes(corpus.CORPUS_FILE.read_bytes()[:5000])
+  monkeypatch.setattr(corpus, "CORPUS_FILE", damaged)
+  corpus._read.cache_clear()
+  try:
+    with pytest.raises(USER_ERRORS) as error:
+      check_examples(get_config("bert_tiny,rope,stdlib"))
+  finally:
+    corpus._read.cache_clear()
+  assert isinstance(error.value, corpus.CorpusError)
+  assert str(error.value).startswith(f"corpus: {damaged} is damaged") and "\n" not in str(
+      error.value)

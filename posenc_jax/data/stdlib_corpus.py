@@ -80,23 +80,24 @@ def _content(path: pathlib.Path) -> bytes:
     raise CorpusError(f"corpus: {path} is damaged ({e}); reinstall posenc-jax") from None
 
 
-def content_sha256(path: str | pathlib.Path = CORPUS_FILE,
+def content_sha256(path: str | pathlib.Path | None = None,
                    expected: str | None = CONTENT_SHA256) -> str:
-  """The SHA-256 of the corpus file's decompressed content, after checking it equals
-  ``expected`` (None: not checked)."""
-  return _read(str(path), expected)[0]
+  """The SHA-256 of the corpus file's decompressed content (``path``, default
+  :data:`CORPUS_FILE`), after checking it equals ``expected`` (None: not checked)."""
+  return _read(str(path or CORPUS_FILE), expected)[0]
 
 
-def documents(split: str, path: str | pathlib.Path = CORPUS_FILE,
+def documents(split: str, path: str | pathlib.Path | None = None,
               expected: str | None = CONTENT_SHA256) -> list[Document]:
-  """The documents of ``split`` (``train`` or ``validation``), in path order.
+  """The documents of ``split`` (``train`` or ``validation``) of the corpus file ``path``
+  (default :data:`CORPUS_FILE`), in path order.
 
   Raises:
     CorpusError: one line naming the file (missing, damaged, another hash) or the split.
   """
   if split not in SPLITS:
     raise CorpusError(f"split: got {split!r}; allowed: {', '.join(SPLITS)}")
-  return [d for d in _read(str(path), expected)[1] if d.split == split]
+  return [d for d in _read(str(path or CORPUS_FILE), expected)[1] if d.split == split]
 
 
 @functools.lru_cache(maxsize=4)

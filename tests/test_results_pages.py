@@ -1,0 +1,28 @@
+"""The measured tables under docs/results/ are what their results.json says: each results.md
+is rebuilt from the results.json beside it (as ``compare`` wrote both), so no number in a
+results page is typed by hand."""
+
+import json
+import pathlib
+
+import pytest
+
+from posenc_jax.comparison import report
+
+RESULTS = pathlib.Path(__file__).resolve().parents[1] / "docs" / "results"
+PAGES = sorted(RESULTS.glob("**/results.json"))
+
+
+def test_there_are_measured_pages():
+  assert PAGES, f"no results.json under {RESULTS}"
+
+
+@pytest.mark.parametrize("path", PAGES, ids=lambda p: str(p.parent.relative_to(RESULTS)))
+def test_each_results_md_is_rebuilt_from_its_results_json(path):
+  summary = json.loads(path.read_text())
+  assert (path.parent / "results.md").read_text() == report.markdown(summary)
+  assert summary["provenance"]["command"].startswith("python -m posenc_jax.compare")
+  for table in summary["tables"]:
+    if table["protocol"] == "extrapolation" and table["about"]["task"] == "python_stdlib_lm":
+      from posenc_jax.data import stdlib_corpus  # noqa: PLC0415
+      assert table["about"]["corpus_sha256"] == stdlib_corpus.CONTENT_SHA256
