@@ -41,6 +41,7 @@ NO_PLOTS = 'no plots (matplotlib missing): pip install "posenc-jax[analysis]"'
 LEARNED_PERPLEXITY = 0.5
 LEARNED_ACCURACY = 0.9
 NEAR_ZERO = 1e-4  # a chance accuracy below this reads "~0 (<the number>)"
+MIN_SEEDS_SEPARATED = 2  # one seed's number has no range to separate
 MARKERS = "osD^vP*Xh<>p"  # with tab20's colours: a distinct pair for up to 60 schemes
 
 
@@ -185,14 +186,15 @@ def _curve(protocol: str, task: str, settings: dict[str, Any],
 
 
 def separated(table: dict[str, Any]) -> dict[str, Any] | None:
-  """The rows that learned, at the table's longest length, in groups whose seed ranges do
-  not overlap: ``{"column", "groups": [[label, ...], ...]}``, best first (lowest perplexity
+  """The rows with at least :data:`MIN_SEEDS_SEPARATED` seeds that learned, at the table's
+  longest length, in groups whose seed ranges do not overlap: ``{"column", "groups": [[label, ...], ...]}``, best first (lowest perplexity
   or ratio; highest accuracy), every member of a group strictly better than every member of
   the next in every seed; None with fewer than two such rows. Within a group no order is
   claimed: this is where a direction may be worded as a finding."""
   column = table["columns"][-1] if table["columns"] else None
   cells = [(row["label"], row["cells"].get(column)) for row in table["rows"] if row["learned"]]
-  cells = [(label, cell) for label, cell in cells if cell and "median" in cell]
+  cells = [(label, cell) for label, cell in cells
+           if cell and "median" in cell and cell["n"] >= MIN_SEEDS_SEPARATED]
   if len(cells) < 2:
     return None
   higher = table["protocol"] == "probes"
@@ -220,8 +222,8 @@ def _separated_text(table: dict[str, Any]) -> list[str]:
     return [f"Separated at {at}: no row's seed range stands apart from the others' ({what}); "
             "no ordering of these schemes is a finding here.", ""]
   order = " > ".join if table["protocol"] == "probes" else " < ".join
-  return [f"Separated at {at} ({what}; groups whose seed ranges do not overlap, best first, "
-          "no order claimed within a group): "
+  return [f"Separated at {at} ({what}; rows with {MIN_SEEDS_SEPARATED} or more seeds, in groups "
+          "whose seed ranges do not overlap, best first, no order claimed within a group): "
           + order("{" + ", ".join(group) + "}" for group in found["groups"]) + ".", ""]
 
 
