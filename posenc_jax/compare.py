@@ -86,21 +86,22 @@ def provenance(folders: list[str], command: str) -> dict:
   """``results.json``'s ``provenance``: the command, the machine, the date (UTC) and
   ``seconds``: the cells' own times (each ``cell.json`` at most three folders under
   ``folders``: its processes, summed) and the cost's, i.e. the grid's wall time run in
-  sequence."""
+  sequence. A file whose ``seconds`` is no number is one ``CollectError`` line naming it
+  (:func:`posenc_jax.comparison.collect.recorded_seconds`)."""
   import datetime  # noqa: PLC0415
 
   from etils import epath  # noqa: PLC0415
 
-  from posenc_jax.comparison import run  # noqa: PLC0415
+  from posenc_jax.comparison import collect, run  # noqa: PLC0415
 
   seconds = 0.0
   for folder in folders:
     for pattern in (run.MARKER, f"*/{run.MARKER}", f"*/*/{run.MARKER}", f"*/*/*/{run.MARKER}"):
       for marker in epath.Path(folder).glob(pattern):
-        seconds += float(json.loads(marker.read_text()).get("seconds", 0.0))
+        seconds += collect.recorded_seconds(marker)
     cost_file = epath.Path(folder) / COST_FILE
     if cost_file.exists():
-      seconds += float(json.loads(cost_file.read_text()).get("seconds", 0.0))
+      seconds += collect.recorded_seconds(cost_file)
   return {"command": command, "machine": machine(), "seconds": round(seconds, 1),
           "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")}
 
@@ -131,6 +132,9 @@ def measure_cost(config, root: str, say=None):
     return None
   path = epath.Path(root) / COST_FILE
   checked = plan.check(config)
+  # A modifier (rope+randomized_positions) changes the data, not the step: one row a scheme.
+  schemes = list(dict.fromkeys(plan.scheme_of(row) for row in checked["schemes"]))
+  checked |= {"schemes": schemes, "baseline": plan.scheme_of(checked["baseline"])}
   lm = checked["protocol"] in ("extrapolation", "probes")
   spec = str(config.train_config).partition(":")[2].split(",")  # <size>,<scheme>[,<corpus>]
   corpus = next((name for name in spec if name in CORPORA), None) if lm else None
@@ -224,7 +228,9 @@ def main(argv):
 
 # The experiment's fields that --help shows, with the values of the experiment given.
 FIELDS = (
-    ("schemes", "the rows: position presets, comma-separated (add one: --config.schemes=...)"),
+    ("schemes", "the rows: position presets, comma-separated (add one: --config.schemes=...); "
+     "<scheme>+randomized_positions trains on randomized positions"),
+    ("randomized_positions", "N of the +randomized_positions rows: ids drawn from [0, N)"),
     ("seeds", "seeds per scheme; the tables show the median and the range"),
     ("sizes", "model size presets"),
     ("tasks", "fine-tuning tasks or probes"),
@@ -275,7 +281,7 @@ def helper():
 
 def run() -> None:
   """The command line, ``python -m posenc_jax.compare``."""
-  app.run(main, flags_parser=cli.flags_parser(PROG, help=helper()))
+  cli.run_command(app.run, main, flags_parser=cli.flags_parser(PROG, help=helper()))
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ write: config.json, best.json, eval/*.json), except in the one end-to-end grid.
 import dataclasses
 import importlib.util
 import json
+import re
 import os
 import shutil
 import sys
@@ -211,6 +212,33 @@ def test_probe_tables_are_one_per_probe_with_accuracy_per_length_and_chance(tmp_
       "results.json", "results.md", "probe_copy.png", "probe_reverse.png"}
 
 
+def test_a_modified_row_trains_its_scheme_with_the_modifier_and_collects_as_its_own_row(
+    tmp_path):
+  config = get_config("synthetic")
+  config.update(dict(schemes="rope,rope+randomized_positions", seeds="0",
+                     randomized_positions=256))
+  plain, randomized = plan.cells(config, str(tmp_path))
+  assert (plain.name, randomized.name) == ("rope/seed0", "rope+randomized_positions/seed0")
+  for cell in (plain, randomized):
+    assert f"--config=configs/probe.py:bert_tiny,rope,{config.tasks}" in cell.steps[0].argv
+  assert "--config.randomized_positions=256" in randomized.steps[0].argv
+  assert not any("randomized" in a for a in plain.steps[0].argv)
+  doc = {"protocol": "probes", "train_length": 21, "settings": {"examples": 256,
+                                                               "seed": 1000003},
+         "examples": 256, "seed": 1000003, "probe": {"name": "copy"},
+         "rows": [{"length": 21, "accuracy": 1.0, "chance": 0.0, "na": None}]}
+  for cell in (plain, randomized):
+    fake_run(tmp_path / cell.name / "copy", "rope", 0, task="probe:copy", objective="lm",
+             evals=[doc])
+  _rewrite(tmp_path / randomized.name / "copy" / "config.json",
+           lambda d: d.update(randomized_positions=256))
+  records = collect.collect([str(tmp_path)])
+  assert sorted(r["scheme"] for r in records) == ["rope", "rope+randomized_positions"]
+  summary = compare_cli.summarise(records, [], config)
+  assert [r["label"] for r in summary["tables"][0]["rows"]] == [
+      "rope", "rope+randomized_positions"]
+
+
 def test_runs_evaluated_with_different_settings_are_never_mixed(tmp_path):
   lm_runs(tmp_path / "a", {"rope": [(20.0, 25.0, None)]})
   lm_runs(tmp_path / "b", {"alibi": [(20.0, 25.0, None)]}, tokens=16384)
@@ -338,9 +366,13 @@ def test_a_killed_grid_resumes_without_rerunning_finished_cells(tmp_path):
   assert again == ["bert/seed2", "diet_abs_share/seed0", "diet_abs_share/seed1",
                    "diet_abs_share/seed2"]
   assert "not rerun" in lines[0] and lines[0].startswith("[1/6] bert/seed0")
-  whole = (tmp_path / "whole" / "results.json").read_text()
-  resumed = (tmp_path / "resumed" / "results.json").read_text()
-  assert resumed == whole.replace(str(tmp_path / "whole"), str(tmp_path / "resumed"))
+  def tables(name):  # provenance holds wall times and the date, which differ run to run
+    summary = json.loads((tmp_path / name / "results.json").read_text().replace(
+        str(tmp_path / name), "ROOT"))
+    assert set(summary.pop("provenance")) == {"command", "machine", "seconds", "date"}
+    return summary
+
+  assert tables("resumed") == tables("whole")
 
 
 def test_a_failed_cell_is_reported_and_the_others_finish(tmp_path):
@@ -378,11 +410,15 @@ def test_a_failing_step_is_its_status_and_last_line_and_the_log_holds_its_output
     ("seeds", "0,0", "seeds: got '0,0'; each value once"),
     ("baseline", "shaw", "baseline: 'shaw' is not among the schemes"),
     ("sizes", "bert_huge", "sizes: 'bert_huge' is unknown"),
+    ("schemes", "rope+randomized", "schemes: modifier 'randomized' of 'rope+randomized' is "
+     "unknown; did you mean 'randomized_positions'?"),
+    ("schemes", "rope+randomized_positions", "randomized_positions: unset, but row "
+     "'rope+randomized_positions' needs its value"),
 ])
 def test_bad_experiment_fields_are_one_line_naming_the_field(field, value, expected):
   config = get_config("extrapolation")
   config[field] = value
-  with pytest.raises(plan.PlanError, match="^" + expected.replace("(", r"\(").replace("?", r"\?")):
+  with pytest.raises(plan.PlanError, match="^" + re.escape(expected)):
     plan.cells(config, "/tmp/unused")
 
 
@@ -435,6 +471,54 @@ def test_a_foreign_cost_or_results_file_is_one_line_naming_it(tmp_path):
   results.write_text(json.dumps({"config": config}))
   with pytest.raises(collect.CollectError, match=rf"^collect: {results}: config.schemes: 'rop' "):
     collect.kept_experiment(epath.Path(results))
+
+
+def _replace(path, data):
+  path.write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize("file, change, expected", [
+    ("bert/seed0/wordnet_supersense/best.json", lambda p: _rewrite(p, lambda d: d.update(
+        score="high")), "score: got 'high'; expected a finite number"),
+    ("bert/seed0/cell.json", lambda p: _rewrite(p, lambda d: d.update(seconds="long")),
+     "seconds: got 'long'; expected a finite number"),
+    ("bert/seed0/cell.json", lambda p: _replace(p, [1, 2]),
+     "the file holds list; expected a JSON object"),
+    ("cost.json", lambda p: _replace(p, {"baseline": "bert", "rows": {}, "seconds": None}),
+     "seconds: got None; expected a finite number"),
+    ("bert/seed1/train/config.json", lambda p: _rewrite(p, lambda d: d["model"].update(
+        scheme="bert")), "model.scheme: got 'bert'; expected a JSON object"),
+    ("bert/seed1/train/config.json", lambda p: _rewrite(p, lambda d: d["model"].update(
+        scheme=[{"name": 3}])), "model.scheme[0].name: got 3; expected a string"),
+])
+def test_collect_of_a_foreign_file_is_one_line_naming_it_and_writes_nothing(tmp_path, file,
+                                                                            change, expected):
+  """Every file --collect reads of a compare ROOT is foreign input: the cells' best.json and
+  config.json, their cell.json (the seconds they took), the ROOT's cost.json."""
+  root = tmp_path / "root"
+  compare_cli.compare(glue_config(), str(root), fake_glue_cell, say=lambda s: None)
+  change(root / file)
+  out = forked_cli.run(["-m", "posenc_jax.compare", "--collect", f"--workdir={tmp_path}/out",
+                        str(root)], cwd=str(tmp_path), timeout=60)
+  assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
+  assert out.stderr.strip().splitlines()[-1] == f"compare: collect: {root / file}: {expected}"
+  assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("name, value, expected", [
+    ("protocol", {}, "config.protocol: got {}; allowed: finetune, extrapolation, probes"),
+    ("seeds", {"a": 1}, "config.seeds: got a: 1; allowed: comma-separated non-negative "),
+])
+def test_a_kept_experiment_field_given_an_object_is_one_line(tmp_path, name, value, expected):
+  """A field of results.json's experiment holding an object (a config shows it over several
+  lines) is still one line."""
+  results = tmp_path / "results.json"
+  results.write_text(json.dumps({"config": get_config("extrapolation").to_dict() | {
+      name: value}}))
+  with pytest.raises(collect.CollectError) as error:
+    collect.kept_experiment(epath.Path(results))
+  assert str(error.value).startswith(f"collect: {results}: {expected}"), str(error.value)
+  assert "\n" not in str(error.value)
 
 
 def test_collect_that_fails_writes_nothing_not_even_the_workdir(tmp_path):

@@ -161,9 +161,11 @@ class _Oracle:
   def __init__(self, answer):
     self.answer = answer
 
-  def apply(self, variables, ids, deterministic=True):
+  def apply(self, variables, ids, deterministic=True, position_ids=None):
     del variables, deterministic
-    return jax.nn.one_hot(self.answer(ids), 64)
+    if position_ids is None:
+      return jax.nn.one_hot(self.answer(ids), 64)
+    return jax.nn.one_hot(self.answer(ids, position_ids), 64)
 
 
 def test_score_counts_whole_answers_and_depth_bins():
@@ -197,6 +199,39 @@ def test_score_counts_whole_answers_and_depth_bins():
   assert result["by_depth"] == {"0.0-0.2": 0.0, "0.2-0.4": 0.0, "0.4-0.6": 1.0,
                                 "0.6-0.8": 1.0, "0.8-1.0": 1.0}
   assert result["accuracy"] == 0.6
+
+
+def test_a_model_trained_on_randomized_positions_is_scored_at_its_own_draws():
+  """Example i reads the ordered subset of [0, N) drawn for evaluation row i, whatever the
+  batch size (Ruoss et al.'s reference code draws them in every forward pass)."""
+  from posenc_jax.data import randomized_positions as randomized  # noqa: PLC0415
+
+  length, n, big = 21, 10, 64
+  seen = []
+
+  def copy_where_drawn(ids, position_ids):  # copies, and records the ids it was given
+    jax.debug.callback(lambda drawn: seen.append(np.asarray(drawn)), position_ids)
+    return jnp.pad(ids, [(0, 0), (n, 0)])[:, :length]
+
+  right = probes.score(_Oracle(copy_where_drawn), {}, "copy", length, examples=5, seed=3,
+                       batch_size=2, randomized_positions=big)
+  assert (right["accuracy"], right["positions"]) == (1.0, "randomized")
+  drawn = np.concatenate(seen)[:5]  # the last batch is padded to 2 rows
+  expected = randomized.randomized_position_ids((5, length), big, 3, randomized.EVAL, 0)
+  np.testing.assert_array_equal(drawn, expected)
+  assert np.all(np.diff(drawn, axis=1) > 0) and drawn.max() < big
+  assert not np.array_equal(drawn[:, :length], np.broadcast_to(np.arange(length), drawn.shape))
+  seen.clear()
+  probes.score(_Oracle(copy_where_drawn), {}, "copy", length, examples=5, seed=3,
+               batch_size=5, randomized_positions=big)
+  np.testing.assert_array_equal(seen[0], expected)
+  plain = probes.score(_Oracle(lambda ids: jnp.pad(ids, [(0, 0), (n, 0)])[:, :length]), {},
+                       "copy", length, examples=5, seed=3, batch_size=2)
+  assert plain["positions"] == "plain"
+  with pytest.raises(ProbeError, match=r"^randomized_positions: got 20; allowed: None or an "
+                     r"integer >= length=21"):
+    probes.score(_Oracle(copy_where_drawn), {}, "copy", length, examples=1, seed=0,
+                 batch_size=1, randomized_positions=20)
 
 
 def _config(name, **probe):

@@ -4,21 +4,26 @@ given becomes one record.
 
 A record is ``{"workdir", "size", "scheme", "seed", "task", "objective", "steps", "model",
 "best", "eval"}``: ``size`` and ``scheme`` are the preset names whose fields the run's
-``config.json`` model has (:func:`preset_name`), ``steps`` its ``total_steps``, ``model``
+``config.json`` model has (:func:`preset_name`; ``scheme`` with the training modifiers the
+run set, :func:`~posenc_jax.comparison.plan.row_name`), ``steps`` its ``total_steps``, ``model``
 its ``d_model``, ``num_layers`` and ``num_heads``, ``best`` the best evaluation
 (``best.json``, else the highest ``best_metric`` in ``metrics.jsonl``), ``eval`` the evaluate
 tool's documents by file name (``eval/<protocol>-<settings>.json`` without ``.json``).
 
-These files come from elsewhere: a field of the wrong kind (a score that is no number, an
-evaluation without ``settings`` or ``rows``) is one :class:`CollectError` line naming the file
-and the field. :func:`evaluations` groups the documents into tables, one per protocol, task
-and settings, and refuses runs of one table evaluated with different settings.
+These files come from elsewhere (``config.json``, ``best.json``, ``metrics.jsonl``,
+``eval/*.json``, and a compare ROOT's ``cell.json``, ``cost.json`` and ``results.json``): a
+field of the wrong kind (a score that is no number, an evaluation without ``settings`` or
+``rows``, a scheme that is no object) is one :class:`CollectError` line naming the file and
+the field, raised before anything is written. :func:`evaluations` groups the documents into
+tables, one per protocol, task and settings, and refuses runs of one table evaluated with
+different settings.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Any
 
 import ml_collections
@@ -61,9 +66,11 @@ def preset_name(model: dict[str, Any], presets: dict[str, dict], default: str) -
 
 def scheme_name(model: dict[str, Any]) -> str:
   """The scheme preset (``rope``, ``bert``, ...) whose fields ``model`` (a resolved model
-  config) has, else the name of its scheme."""
-  return preset_name(model, {n: SCHEME_PRESETS[n] for n in POSITION_PRESETS},
-                     str((model.get("scheme") or {}).get("name")))
+  config) has, else the name of its scheme (of schemes composed: their names, by commas)."""
+  scheme = model.get("scheme")
+  parts = scheme if isinstance(scheme, list) else [scheme]
+  names = ",".join(str(part.get("name")) for part in parts if isinstance(part, dict))
+  return preset_name(model, {n: SCHEME_PRESETS[n] for n in POSITION_PRESETS}, names)
 
 
 def size_name(model: dict[str, Any]) -> str:
@@ -108,6 +115,28 @@ def field(path: Any, data: Any, name: str, kind: str, *, null: bool = False,
     raise CollectError(f"collect: {path}: {where}{name}: got {value!r}; expected {expected}"
                        + (" or null" if null else ""))
   return value
+
+
+def check_scheme(path: Any, model: dict[str, Any]) -> None:
+  """``model`` (``path``'s ``model`` object) has the ``scheme`` a record is named by: an
+  object with a ``name``, or a list of them (schemes composed); else one
+  :class:`CollectError` line naming the file and the field."""
+  scheme = model.get("scheme")
+  if isinstance(scheme, list):
+    for index, part in enumerate(scheme):
+      field(path, part, "name", "string", where=f"model.scheme[{index}].")
+  else:
+    field(path, field(path, model, "scheme", "object", where="model."), "name", "string",
+          where="model.scheme.")
+
+
+def recorded_seconds(path: epath.Path) -> float:
+  """The ``seconds`` that a compare ROOT's ``cell.json`` or ``cost.json`` at ``path``
+  records (0 where it records none), checked as :func:`field` does."""
+  doc = _json(path)
+  if isinstance(doc, dict) and "seconds" not in doc:
+    return 0.0
+  return float(field(path, doc, "seconds", "number"))
 
 
 def best_score(workdir: epath.Path, metric: str | None) -> dict[str, Any] | None:
@@ -181,12 +210,14 @@ def read_run(workdir: str | epath.Path) -> dict[str, Any]:
     raise CollectError(f"collect: {folder} is no train.py workdir (no {CONFIG_FILE})")
   path = folder / CONFIG_FILE
   model = field(path, config, "model", "object")
+  check_scheme(path, model)
   evals = {}
   if (folder / "eval").is_dir():
     for item in sorted((folder / "eval").iterdir(), key=lambda p: p.name):
       if item.name.endswith(".json"):
         evals[item.name[:-len(".json")]] = check_evaluation(item, _json(item))
-  return {"workdir": str(folder), "size": size_name(model), "scheme": scheme_name(model),
+  return {"workdir": str(folder), "size": size_name(model),
+          "scheme": plan.row_name(scheme_name(model), config),
           "seed": field(path, config, "seed", "integer"),
           "task": field(path, config, "task", "string"),
           "objective": field(path, config, "objective", "string"),
@@ -265,8 +296,9 @@ def kept_experiment(path: epath.Path) -> ml_collections.ConfigDict | None:
   config = ml_collections.ConfigDict(config)
   try:
     plan.check(config)
-  except plan.PlanError as e:
-    raise CollectError(f"collect: {path}: config.{e}") from None
+  except plan.PlanError as e:  # a field given an object shows it over lines: one line
+    line = re.sub(r"\s*\n\s*", " ", str(e).strip()).replace(" ;", ";")
+    raise CollectError(f"collect: {path}: config.{line}") from None
   return config
 
 

@@ -19,6 +19,11 @@ from posenc_jax.messages import nearest
 from posenc_jax.presets import POSITION_PRESETS, SIZES
 
 PROTOCOLS = ("finetune", "extrapolation", "probes")
+# A row is a position preset, optionally with training modifiers: ``<scheme>+<modifier>``.
+# Each modifier sets the train.py field of the same name to the experiment's value of it:
+# ``rope+randomized_positions`` trains RoPE on randomized position ids drawn from
+# ``[0, config.randomized_positions)`` (Ruoss et al. 2023) beside a plain ``rope`` row.
+MODIFIERS = ("randomized_positions",)
 
 
 class PlanError(ValueError):
@@ -41,7 +46,8 @@ class Step:
 
 @dataclasses.dataclass(frozen=True)
 class Cell:
-  """One ``(size, scheme, seed)`` of the grid, made by ``steps`` in order, in ``folder``."""
+  """One ``(size, scheme, seed)`` of the grid, made by ``steps`` in order, in ``folder``
+  (``scheme``: the row, a preset with its modifiers)."""
 
   size: str
   scheme: str
@@ -95,12 +101,43 @@ def _one_of(config, field: str, allowed) -> list[str]:
   return values
 
 
+def scheme_of(row: str) -> str:
+  """The position preset of a row: ``rope`` for ``rope`` and ``rope+randomized_positions``."""
+  return row.split("+", 1)[0]
+
+
+def row_name(scheme: str, train_config: Any) -> str:
+  """The row of a run of ``scheme`` whose train.py config is ``train_config`` (a mapping):
+  ``scheme``, then ``+<modifier>`` for each of :data:`MODIFIERS` the run set."""
+  return scheme + "".join(f"+{m}" for m in MODIFIERS if train_config.get(m) is not None)
+
+
+def _rows(config) -> list[str]:
+  rows = names(config, "schemes")
+  if not rows:
+    raise PlanError(f"schemes: empty; allowed: comma-separated names of "
+                    f"{', '.join(POSITION_PRESETS)}, each optionally +{' +'.join(MODIFIERS)}")
+  for row in rows:
+    scheme, *modifiers = row.split("+")
+    if scheme not in POSITION_PRESETS:
+      raise PlanError(f"schemes: {scheme!r} is unknown{nearest(scheme, POSITION_PRESETS)} "
+                      f"allowed: {', '.join(POSITION_PRESETS)}")
+    for modifier in modifiers:
+      if modifier not in MODIFIERS:
+        raise PlanError(f"schemes: modifier {modifier!r} of {row!r} is unknown"
+                        f"{nearest(modifier, MODIFIERS)} allowed: {', '.join(MODIFIERS)}")
+      if config.get(modifier) is None:
+        raise PlanError(f"{modifier}: unset, but row {row!r} needs its value (e.g. "
+                        f"--config.{modifier}=...)")
+  return rows
+
+
 def check(config: ml_collections.ConfigDict) -> dict[str, Any]:
   """The experiment's lists, checked: ``{"protocol", "sizes", "schemes", "baseline", "seeds",
   "tasks", "lengths"}``; raises :class:`PlanError` naming the first bad field."""
   if config.get("protocol") not in PROTOCOLS:
     raise PlanError(f"protocol: got {config.get('protocol')!r}; allowed: {', '.join(PROTOCOLS)}")
-  schemes = _one_of(config, "schemes", POSITION_PRESETS)
+  schemes = _rows(config)
   baseline = config.get("baseline") or schemes[0]
   if baseline not in schemes:
     raise PlanError(f"baseline: {baseline!r} is not among the schemes{nearest(baseline, schemes)}"
@@ -170,8 +207,9 @@ def cells(config: ml_collections.ConfigDict, root: str) -> list[Cell]:
       label = scheme if len(plan["sizes"]) == 1 else f"{size},{scheme}"
       for seed in plan["seeds"]:
         folder = f"{root.rstrip('/')}/{label}/seed{seed}"
-        fill = dict(size=size, scheme=scheme)
-        train = overrides(config.train) + [f"--config.seed={seed}"]
+        fill = dict(size=size, scheme=scheme_of(scheme))
+        train = overrides(config.train) + [f"--config.seed={seed}"] + [
+            f"--config.{m}={config.get(m)}" for m in scheme.split("+")[1:]]
         steps = []
         if plan["protocol"] == "probes":
           for task in plan["tasks"]:

@@ -31,6 +31,7 @@ from typing import Any
 
 from etils import epath
 
+from posenc_jax.comparison import plan
 from posenc_jax.comparison.collect import CURVES, CollectError, evaluations
 
 FINETUNE_OBJECTIVES = ("classification", "regression", "span")
@@ -435,7 +436,8 @@ def markdown(summary: dict[str, Any]) -> str:
     for row in table["rows"]:
       counts, texts = _row(table, row)
       if cost_lengths:
-        texts += _cost_texts(cost["rows"].get(row["label"].rsplit(",", 1)[-1], {}),
+        texts += _cost_texts(cost["rows"].get(plan.scheme_of(row["label"].rsplit(",", 1)[-1]),
+                                              {}),
                              cost_lengths)
       lines.append(_line([row["label"], *counts, *texts]))
     notes = sorted({f"{row['label']} at {c}: {reason}" for row in table["rows"] if curve

@@ -19,7 +19,7 @@ from typing import IO, Any
 
 from etils import epath
 
-from posenc_jax.comparison.collect import collect
+from posenc_jax.comparison.collect import collect, recorded_seconds
 from posenc_jax.comparison.plan import Cell, Step
 from posenc_jax.comparison.report import write_atomic
 
@@ -118,7 +118,7 @@ def run_grid(cells: list[Cell], run_cell: Callable[[Cell, epath.Path], None] = r
         records += cell_records(cell)
         say(f"{prefix}: finished before ({marker}), not rerun")
         continue
-      before = json.loads(marker.read_text()).get("seconds", 0.0)
+      before = recorded_seconds(marker)
       todo = dataclasses.replace(cell, steps=tuple(missing))
       say(f"{prefix}: finished before; running its {len(missing)} new evaluation(s), output in "
           f"{log}")

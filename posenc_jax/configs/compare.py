@@ -65,6 +65,8 @@ def _base(experiment: str, protocol: str, schemes: str, seeds: str) -> config_di
   config.finetune_config = ""
   config.finetune = config_dict.ConfigDict()
   config.lengths = ""
+  # N of the rows <scheme>+randomized_positions: their position ids are drawn from [0, N).
+  config.randomized_positions = config_dict.placeholder(int)
   # The evaluate tool's flags (unset: its defaults): windows non_overlapping|sliding, the
   # sliding stride, the first N tokens of the split, the checkpoint (latest, best, a step).
   config.evaluate = config_dict.ConfigDict(dict(

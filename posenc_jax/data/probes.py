@@ -326,12 +326,18 @@ def config_probe(config) -> Probe:
 
 
 def score(model, params, name_or_spec: str | Probe | Mapping[str, Any], length: int, *,
-          examples: int, seed: int, batch_size: int) -> dict[str, Any]:
+          examples: int, seed: int, batch_size: int,
+          randomized_positions: int | None = None) -> dict[str, Any]:
   """Accuracy of a causal LM (``build_model(cfg, "lm")``, ``cfg.max_len >= length``) on
   examples ``0 .. examples - 1`` of a probe at ``length``, by greedy argmax under teacher
-  forcing.
+  forcing. ``randomized_positions``: ``N`` of a model trained with randomized positions
+  (Ruoss et al. 2023), which then reads example ``i`` at the ordered random subset of
+  ``[0, N)`` drawn for row ``i`` of evaluation batch 0
+  (:func:`~posenc_jax.data.randomized_positions.randomized_position_ids`), as the reference
+  code evaluates; None: positions ``0 .. L - 1``.
 
-  Returns ``{"probe": describe(spec), "length", "examples", "accuracy": fraction of
+  Returns ``{"probe": describe(spec), "length", "examples", "positions": "plain" or
+  "randomized", "accuracy": fraction of
   examples with every answer token right, "token_accuracy": fraction of answer tokens
   right}``, and for passkey ``"by_depth": {"0.0-0.2": accuracy, ..}`` (None for an empty bin).
   """
@@ -345,8 +351,14 @@ def score(model, params, name_or_spec: str | Probe | Mapping[str, Any], length: 
   for field, value in (("examples", examples), ("batch_size", batch_size)):
     if not (isinstance(value, int) and value > 0):
       raise ProbeError(f"{field}: got {value!r}; allowed: a positive integer")
-  predict = jax.jit(lambda p, t: jnp.argmax(
-      model.apply({"params": p}, shift_right(t), deterministic=True), -1))
+  if randomized_positions is not None and not (isinstance(randomized_positions, int)
+                                                and randomized_positions >= length):
+    raise ProbeError(f"randomized_positions: got {randomized_positions!r}; allowed: None or an "
+                     f"integer >= length={length} (the ids are drawn from [0, N))")
+  from posenc_jax.data import randomized_positions as randomized  # noqa: PLC0415
+
+  predict = jax.jit(lambda p, t, ids: jnp.argmax(
+      model.apply({"params": p}, shift_right(t), deterministic=True, position_ids=ids), -1))
   batch_size = min(batch_size, examples)
   right, tokens, correct, rows = [], 0.0, 0.0, []
   for first in range(0, examples, batch_size):
@@ -355,13 +367,16 @@ def score(model, params, name_or_spec: str | Probe | Mapping[str, Any], length: 
     targets = np.stack([r["targets"] for r in batch])
     weights = np.stack([r["loss_weights"] for r in batch])
     padded = np.pad(targets, [(0, batch_size - count), (0, 0)])  # one compiled shape
-    hits = (np.asarray(predict(params, padded))[:count] == targets) * weights
+    ids = None if randomized_positions is None else randomized.randomized_position_ids(
+        padded.shape, randomized_positions, seed, randomized.EVAL, step=0, row_offset=first)
+    hits = (np.asarray(predict(params, padded, ids))[:count] == targets) * weights
     tokens += weights.sum()
     correct += hits.sum()
     right.append(hits.sum(-1) == weights.sum(-1))
     rows.append(targets)
   right = np.concatenate(right)
   result = {"probe": describe(spec), "length": length, "examples": examples,
+            "positions": "plain" if randomized_positions is None else "randomized",
             "accuracy": float(right.mean()), "token_accuracy": float(correct / tokens)}
   if isinstance(spec, Passkey):
     bins = spec.depth_bin(spec.depths(np.concatenate(rows)))

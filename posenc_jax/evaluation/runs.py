@@ -37,7 +37,9 @@ A length past ``model.max_len`` runs the trained model when it accepts that leng
 relative table clipped at a distance, T5 buckets, ALiBi); else the model rebuilt with
 ``max_len`` = that length when its parameters have the same shapes (sinusoidal tables, a
 scheme whose fixed tables ``max_len`` sizes); else it is ``n/a`` (a learned table of
-``max_len`` rows).
+``max_len`` rows). Before anything is read or compiled, the forward pass at each length is
+estimated (:func:`check_memory`): a length that cannot fit is one line naming ``lengths`` (or
+``batch_size``) and what fits, as the trainer refuses a ``seq_len``.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ import ml_collections
 import numpy as np
 from etils import epath
 
+from posenc_jax import memory, route_table
 from posenc_jax.cli import absolute
 from posenc_jax.data import probes
 from posenc_jax.evaluation import windows as windows_lib
@@ -72,6 +75,9 @@ CHUNK = 1024  # tokens per packed example read while collecting a stream
 MASK_SEED = 0  # the masked-LM stream's masking seed: the same masks for every run
 DEFAULT_TOKENS = 16_384
 UNIGRAM_TOKENS = 50_000_000  # the unigram reference counts at most this many train tokens
+# [W, L] arrays of an evaluation batch on the device, at most (masked LM: ids, segments, mask,
+# targets, weights), int32 or float32 each.
+BATCH_FEATURES = 5
 
 
 class EvaluationError(ValueError):
@@ -336,10 +342,13 @@ def model_at(run: Run, length: int) -> tuple[nn.Module | None, str | None]:
   name = run.config.objective
   loss_fn = objective(name)
   keys = ("targets",) if name == "lm" else ("input_ids", "mlm_targets", "mlm_weights")
-  zeros = {k: np.zeros(length - (name != "lm"), np.int32) for k in keys}  # one window of 0s
-  probe = window_batches(zeros, name, length, "non_overlapping", None)[0]
+  # One window's features, abstract at ``length`` (nothing of that size is allocated).
+  small = min(length, 2)
+  zeros = {k: np.zeros(small - (name != "lm"), np.int32) for k in keys}
+  features = window_batches(zeros, name, small, "non_overlapping", None)[0]
+  probe = {k: jax.ShapeDtypeStruct((1, length), v.dtype) for k, v in features.items()}
   try:
-    jax.eval_shape(lambda p: loss_fn(run.model, p, probe, None), run.params)
+    jax.eval_shape(lambda p, b: loss_fn(run.model, p, b, None), run.params, probe)
     return run.model, None
   except ValueError as e:
     refusal = first_line(e)
@@ -352,6 +361,52 @@ def model_at(run: Run, length: int) -> tuple[nn.Module | None, str | None]:
     return None, (f"{refusal}; its parameters depend on max_len (trained {max_len} vs "
                   f"{length}: {mismatch.partition(': ')[2]})")
   return longer, None
+
+
+def rows_per_step(run: Run, length: int, batch_size: int | None = None) -> int:
+  """Windows (or probe examples) per evaluation step at ``length``: ``batch_size``, else the
+  training batch's tokens per step (at least one)."""
+  return batch_size or max(1, run.config.batch_size * run.config.seq_len // length)
+
+
+def check_memory(run: Run, lengths: Sequence[int], batch_size: int | None = None,
+                 most_rows: int | None = None) -> None:
+  """Raises one :class:`EvaluationError` line, before anything is compiled, when the forward
+  pass at one of ``lengths`` that the model reaches (:func:`model_at`) needs more memory than
+  is free beyond the estimate's error: :func:`posenc_jax.memory.step_memory` without
+  optimizer state of ``[rows, length]`` windows (:func:`rows_per_step`, at most
+  ``most_rows``), logits at every position, refused by :func:`posenc_jax.memory.refusal`.
+  The line names ``batch_size`` where one row fits (with the most that do), else
+  ``lengths`` (with the longest length that fits)."""
+  cfg = model_config(run.config.model)
+  causal = run.config.objective == "lm"
+  forms = memory.attention_forms(cfg, causal)
+  free = memory.available()
+
+  def needs(rows: int, length: int) -> memory.Estimate:
+    return memory.step_memory(cfg, batch=rows, length=length, params=run.params, forms=forms,
+                              causal=causal, input_bytes=rows * length * BATCH_FEATURES * 4)
+
+  def fits(rows: int, length: int) -> bool:
+    return needs(rows, length).total <= free[0]
+
+  def rows_at(length: int) -> int:
+    return min(rows_per_step(run, length, batch_size), most_rows or math.inf)
+
+  for length in lengths:
+    rows = rows_at(length)
+    estimate = needs(rows, length)
+    if memory.refusal(estimate, "lengths", length, free=free) is None or (
+        model_at(run, length)[0] is None):  # n/a: never run
+      continue
+    if batch_size and fits(1, length):
+      most = memory.largest(lambda n, length=length: fits(n, length), rows)
+      raise EvaluationError(memory.refusal(estimate, "batch_size", batch_size, free=free,
+                                           hint=f" (at most about {most} fit at length "
+                                           f"{length})"))
+    most = memory.largest(lambda n: fits(rows_at(n), n), length)
+    raise EvaluationError(memory.refusal(estimate, "lengths", length, free=free, what="length",
+                                         hint=f" (at most about {most} fit)" if most else ""))
 
 
 def score(model: nn.Module, params: Any, objective_name: str, batch: dict[str, np.ndarray],
@@ -414,6 +469,7 @@ def extrapolation_protocol(run: Run, *, split: str = "validation",
     raise EvaluationError(f"tokens: got {tokens!r}; allowed: a positive integer")
   if batch_size is not None and (int(batch_size) != batch_size or batch_size < 1):
     raise EvaluationError(f"batch_size: got {batch_size!r}; allowed: a positive integer")
+  check_memory(run, lengths, batch_size)
   progress(f"extrapolation: reading the first {tokens} tokens of split {split!r} of "
            f"{config.task!r}")
   stream = token_stream(config, split, tokens, settings.get("mask_seed", MASK_SEED))
@@ -432,8 +488,7 @@ def extrapolation_protocol(run: Run, *, split: str = "validation",
            "scored_tokens": 0, "na": reason}
     if model is not None:
       batch, scored = window_batches(stream, name, length, windows, stride)
-      rows_per_step = batch_size or max(1, config.batch_size * train_length // length)
-      sums = score(model, run.params, name, batch, rows_per_step,
+      sums = score(model, run.params, name, batch, rows_per_step(run, length, batch_size),
                    lambda text, length=length: progress(f"extrapolation: length {length} "
                                                         f"({index}/{len(lengths)}): {text}"))
       weight = max(sums["weight"], 1.0)
@@ -475,7 +530,12 @@ def probes_protocol(run: Run, *, lengths: Sequence[int] | None = None, examples:
                           f"task {config.task!r}")
   spec = probes.config_probe(config)
   train_length = config.seq_len
+  # A run trained on randomized positions reads them at evaluation too, unless its
+  # randomized_positions_eval is "plain" (posenc_jax.data.randomized_positions).
+  randomized = (config.get("randomized_positions") if config.get(
+      "randomized_positions_eval", "randomized") == "randomized" else None)
   lengths = check_lengths(lengths or [train_length * k for k in (1, 2, 4, 8)])
+  check_memory(run, lengths, batch_size, most_rows=examples)  # probes.score's rows
   settings = protocol_settings("probes", config, examples=examples, seed=seed)
   rows = []
   for index, length in enumerate(lengths, 1):
@@ -487,10 +547,13 @@ def probes_protocol(run: Run, *, lengths: Sequence[int] | None = None, examples:
       row["chance"] = spec.chance(length)
     except probes.ProbeError as e:
       model, row["na"] = None, row["na"] or first_line(e)
+    if model is not None and randomized is not None and length > randomized:
+      model, row["na"] = None, (f"trained on randomized positions from [0, {randomized}), "
+                                f"fewer than {length}")
     if model is not None:
       result = probes.score(model, run.params, spec, length, examples=examples, seed=seed,
-                            batch_size=batch_size or max(
-                                1, config.batch_size * train_length // length))
+                            batch_size=rows_per_step(run, length, batch_size),
+                            randomized_positions=randomized)
       row |= {k: v for k, v in result.items() if k in ("accuracy", "token_accuracy",
                                                        "by_depth")}
     rows.append(row)
@@ -500,7 +563,8 @@ def probes_protocol(run: Run, *, lengths: Sequence[int] | None = None, examples:
   return {"protocol": "probes", "workdir": run.workdir, "step": run.step,
           "checkpoint": run.checkpoint, "objective": config.objective, "settings": settings,
           "task": config.task, "probe": probes.describe(spec), "train_length": train_length,
-          "examples": examples, "seed": seed, "rows": rows}
+          "positions": "plain" if randomized is None else "randomized",
+          "randomized_positions": randomized, "examples": examples, "seed": seed, "rows": rows}
 
 
 def check_lengths(lengths: Sequence[int]) -> list[int]:
@@ -608,6 +672,7 @@ def evaluate_workdir(workdir: str, protocol: str = "loss", *, checkpoint: str | 
   from posenc_jax.evaluation import report  # noqa: PLC0415
 
   check_protocol(protocol, options)
+  route_table.points()  # a bad $POSENC_JAX_ROUTE_TABLE is one line before any work
   run = load_run(workdir, checkpoint)
   if out is not None:
     out = report.check_out(out, run.workdir)
