@@ -149,6 +149,10 @@ class Plan:
       it runs (runner or a mask's fallback), else None.
     mask: how a mask reaches dot_product_attention (:data:`MASKS`).
     kernel: the kernel's settings where it runs (runner or a mask's fallback), else None.
+    points_of: on the fused route, the device kind whose route-table points it read: the
+      device's own, or without them those of a kind of the same compute capability
+      (:meth:`posenc_jax.route_table.RouteTable.whose`; a note says so); None where there
+      are none (the default ways).
     notes: why, one short clause each.
   """
 
@@ -160,6 +164,7 @@ class Plan:
   implementation: str | None = None
   mask: str | None = None
   kernel: KernelPlan | None = None
+  points_of: str | None = None
   notes: tuple[str, ...] = ()
 
   def __str__(self) -> str:
@@ -172,6 +177,9 @@ class Plan:
       lines.append(f"  mask: {self.mask}")
     if self.kernel is not None:
       lines.append(f"  kernel: {self.kernel}")
+    if self.route == "fused":
+      lines.append(f"  route table: {self.points_of}'s points" if self.points_of else
+                   "  route table: no points for this device (the default ways)")
     lines += [f"  because {note}" for note in self.notes]
     return "\n".join(lines)
 
@@ -240,7 +248,7 @@ def _kernel_plan(q_len: int, k_len: int, qk_dim: int, v_dim: int, dtype, *, bias
         dtype, chosen, has_bias=True, backward=backward)
     hopper = takes(False) and table.hopper_way(
         dtype=jnp.dtype(dtype).name, length=math.sqrt(q_len * k_len), head_dim=v_dim,
-        device=device.kind)
+        device=device.kind, compute_capability=device.compute_capability)
     both = hopper == "both" and takes(True)
   if not hopper:
     chosen = choose()
@@ -288,14 +296,19 @@ def plan(q_shape: Sequence[int], k_shape: Sequence[int], v_shape: Sequence[int],
   dtype_name = jnp.dtype(dtype).name
   length = math.sqrt(q_len * k_len)
   entries, notes, zero_firsts, width = [], [], set(), head_dim
+  points_of = table.whose(device.kind, device.compute_capability)
+  if points_of not in (None, device.kind):
+    notes.append(f"{device.kind} has no route-table points of its own: it reads {points_of}'s, "
+                 f"of the same compute capability {device.compute_capability}")
   for form in forms:
     # Dropout and packed segments need the kernel (cuDNN draws its own mask, takes no ids).
     if (not dropout and not segments and form.table_form is not None
         and table.materialise(form.table_form, dtype=dtype_name, length=length,
-                              head_dim=head_dim, rank=form.rank, device=device.kind)):
+                              head_dim=head_dim, rank=form.rank, device=device.kind,
+                              compute_capability=device.compute_capability)):
       entries.append("table")
       notes.append(f"the route table has {form.name} materialised at L={length:g} on "
-                   f"{device.kind} {dtype_name}")
+                   f"{points_of} {dtype_name}")
       continue
     entry = {"none": "transform", "fold": "fold", "toeplitz": "kernel", "bias": "bias",
              "separable": "vectors"}[form.entry]
@@ -328,16 +341,18 @@ def plan(q_shape: Sequence[int], k_shape: Sequence[int], v_shape: Sequence[int],
       dropout=dropout, separable=separable, precision=precision, device=device, table=table)
   if dropout and not kernel_fits:
     return Plan("fused", "reference", ("logits",) * len(forms), names, head_dim,
+                points_of=points_of,
                 notes=(*notes, "dropout: the reference route draws the kernel's mask"))
   if (kernel_fits and not toeplitz and not separable and device.platform == "tpu"
       and splash_fits(q_len, k_len)
       and not dropout):
-    return Plan("fused", "splash", tuple(entries), names, width, notes=tuple(notes))
+    return Plan("fused", "splash", tuple(entries), names, width, points_of=points_of,
+                notes=tuple(notes))
   # Packed segments: cuDNN (through dot_product_attention) has no segment ids; the kernel has.
   # Dropout: cuDNN's mask is its own; the kernel draws the reference route's.
   if kernel_fits and (toeplitz or separable or implementation == "xla" or segments or dropout):
     return Plan("fused", "kernel", tuple(entries), names, width, kernel=kernel(),
-                notes=tuple(notes))
+                points_of=points_of, notes=tuple(notes))
   entries = [{"kernel": "offsets", "vectors": "broadcast"}.get(e, e) for e in entries]
   mask_4d = mask != "none" or segments
   fallback = None
@@ -349,7 +364,8 @@ def plan(q_shape: Sequence[int], k_shape: Sequence[int], v_shape: Sequence[int],
     how = "lengths or kernel" if kernel_fits else "lengths or full"
     fallback = kernel() if kernel_fits else None
   return Plan("fused", "dot_product_attention", tuple(entries), names, width,
-              implementation=implementation, mask=how, kernel=fallback, notes=tuple(notes))
+              implementation=implementation, mask=how, kernel=fallback, points_of=points_of,
+              notes=tuple(notes))
 
 
 def mask_kind(mask: jax.Array | None) -> str:

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from posenc_jax import presets
+from posenc_jax import memory, presets
 from posenc_jax.benchmarks import model_steps, steps
 from posenc_jax.comparison import cost, plan
 from posenc_jax.configs.compare import get_config
@@ -53,13 +53,18 @@ def test_the_baseline_builds_on_the_lm_too(tiny):
   assert jax.eval_shape(infer, params).shape == (2, 8, 64)
 
 
+# The planned MiB each fake compiled train step reports.
+FAKE_PEAK_MIB = {"bert": 1, "rope": 2, "fox": 3, "cope": 7}
+
+
 def fake_compiled(built):
-  """compiled_steps without compiling: the config, and steps that sleep 1 ms."""
+  """compiled_steps without compiling: the config, steps that sleep 1 ms, and the planned
+  bytes of :data:`FAKE_PEAK_MIB`."""
   def compiled(size, scheme, *, head=None, **dims):
     built.append((scheme, head))
     cfg = model_steps.model_steps(size, scheme, head=head, **dims)[0]
-    return (lambda: time.sleep(1e-3)), (lambda: time.sleep(1e-3)), cfg, {"train_s": 0.0,
-                                                                         "infer_s": 0.0}
+    return (lambda: time.sleep(1e-3)), (lambda: time.sleep(1e-3)), cfg, {
+        "train_s": 0.0, "infer_s": 0.0, "train_bytes": FAKE_PEAK_MIB.get(scheme, 1) * 2**20}
   return compiled
 
 
@@ -77,6 +82,9 @@ def test_each_row_is_timed_against_the_baseline_on_its_own_model(tiny, monkeypat
   assert [r["model"] for r in saved] == ["lm", "mlm", "mlm", "lm"]
   table = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()[2:]}
   assert table["cope"][-1] == "lm" and table["rope"][-1] == "mlm"
+  # Each row's own peak (its compiled step's), not the process's so far: fox's after cope's.
+  assert [r["peak_bytes"] for r in rows] == [7 * 2**20, 2 * 2**20, 2**20, 3 * 2**20]
+  assert [table[s][6] for s in ("cope", "rope", "bert", "fox")] == ["7", "2", "1", "3"]
   assert "cope" in steps.DEFAULT_SCHEMES and "fox" in steps.DEFAULT_SCHEMES
 
 
@@ -128,3 +136,16 @@ def test_an_lm_experiment_costs_the_lm_it_trains_at_both_lengths(tiny, monkeypat
 
 def test_peak_bytes_of_the_lm_train_step(tiny):
   assert cost.peak_bytes("tiny", "fox", **DIMS) > 0
+
+
+def test_a_row_reports_the_peak_xla_plans_for_its_own_step(tiny):
+  """The bench's peak column: the compiled train step's plan, the same as compiling that
+  step anew, so a row after CoPE's shows its own (not the process's running peak)."""
+  dims = dict(DIMS, length=64)
+  cope = model_steps.compiled_steps("tiny", "cope", **dims)[3]["train_bytes"]
+  fox = model_steps.compiled_steps("tiny", "fox", **dims)[3]["train_bytes"]
+  _, train, _, init = model_steps.model_steps("tiny", "fox", **dims)
+  assert fox == memory.planned_bytes(
+      jax.jit(train).lower(*jax.eval_shape(init)).compile().memory_analysis())
+  assert fox == cost.peak_bytes("tiny", "fox", **dims)
+  assert cope > 2 * fox  # CoPE's [B, H, L, L] gates and positions

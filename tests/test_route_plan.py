@@ -7,6 +7,8 @@ the arrays its fused part holds; the plan printed; and ``attend`` following the 
 prints.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -17,6 +19,7 @@ from posenc_jax.route_table import Point
 from tests.conftest import SCHEME_CONFIGS, init_scheme
 
 H100 = Device("gpu", "NVIDIA H100 80GB HBM3", "9.0")
+H200 = Device("gpu", "NVIDIA H200", "9.0")
 A100 = Device("gpu", "NVIDIA A100-SXM4-80GB", "8.0")
 TPU = Device("tpu", "TPU v5 lite")
 CPU = Device("cpu", "cpu")
@@ -227,6 +230,48 @@ def test_the_table_decides_only_through_the_plan_arguments():
   assert (kernel.runner, kernel.entries) == ("kernel", ("kernel",))
   with route_table.forced(toeplitz=True):  # a context does not reach a plan given its table
     assert ask(route_table.RouteTable()).runner == "kernel"
+
+
+# The packaged points (the H100's) against each device: (scheme, length) -> its plan's
+# summary on the H100 and an H200 (compute capability 9.0 both), and on an A100 (8.0: none).
+PACKAGED_PLANS = [
+    ("diet_abs", 512, "dot_product_attention cudnn lengths or full 64 table",
+     "dot_product_attention cudnn lengths or kernel 72 fold gather/tiles/tiles/64x64/128/64/4/2"),
+    ("diet_abs", 16384,
+     "dot_product_attention cudnn lengths or kernel 72 fold gather/tiles/tiles/64x64/128/64/4/2",
+     "dot_product_attention cudnn lengths or kernel 72 fold gather/tiles/tiles/64x64/128/64/4/2"),
+    ("diet_rel", 512, "dot_product_attention cudnn lengths or full 64 table",
+     "kernel - - 64 kernel gather/tiles/tiles/64x64/64/64/4/2"),
+    ("diet_rel", 16384, "kernel - - 64 kernel gather/hopper/hopper/64x64/64/64/4/2",
+     "kernel - - 64 kernel gather/tiles/tiles/64x64/64/64/4/2"),
+]
+
+
+@pytest.mark.parametrize("scheme, length, hopper, a100", PACKAGED_PLANS)
+def test_an_h200_plans_with_the_h100s_points_until_it_has_its_own(scheme, length, hopper, a100):
+  """The packaged points are an H100's: an H200 of the same compute capability reads them
+  (materialised at 512, the Hopper passes at 16384) and its plan says whose they are; an
+  A100 keeps the default ways; once the H200 has a point of its own, only its own count."""
+  table = route_table.RouteTable(tuple(route_table.read(route_table.PACKAGED)))
+  shape = (2, length, HEADS, 64)
+  ask = lambda device, table=table: route_plan.plan(  # noqa: E731
+      shape, shape, shape, "bfloat16", _forms(scheme, length, 64), mask="key", device=device,
+      table=table)
+  assert (_summary(ask(H100)), _summary(ask(H200)), _summary(ask(A100))) == (hopper, hopper,
+                                                                            a100)
+  lines = str(ask(H200)).splitlines()
+  assert "  route table: NVIDIA H100 80GB HBM3's points" in lines
+  assert ("  because NVIDIA H200 has no route-table points of its own: it reads NVIDIA H100 "
+          "80GB HBM3's, of the same compute capability 9.0") in lines
+  assert "  route table: NVIDIA H100 80GB HBM3's points" in str(ask(H100)).splitlines()
+  assert "route table: no points for this device (the default ways)" in str(ask(A100))
+  own = Point(device=H200.kind, dtype="float32", form="toeplitz", batch=1, length=64,
+              heads=HEADS, head_dim=64, rank=0, default_ms=1.0, materialised_ms=2.0,
+              compute_capability="9.0")
+  with_own = dataclasses.replace(table, points=(*table.points, own))
+  # Its own points have none in bfloat16: the default ways, as with no table.
+  assert _summary(ask(H200, with_own)) == _summary(ask(H200, route_table.RouteTable()))
+  assert "  route table: NVIDIA H200's points" in str(ask(H200, with_own)).splitlines()
 
 
 def test_the_plan_prints_what_runs_and_why():

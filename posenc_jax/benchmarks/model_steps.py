@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from posenc_jax import memory
 from posenc_jax.configs import lm
 from posenc_jax.models import model_config
 from posenc_jax.models.build import build_model
@@ -89,12 +90,15 @@ def model_steps(size: str, scheme: str, *, batch: int, length: int, dtype: str,
 def compiled_steps(size: str, scheme: str, *, batch: int, length: int, dtype: str,
                    route: str = "auto", head: str | None = None, corpus: str | None = None):
   """Zero-argument (train step, inference) callables of the compiled model (``head`` as in
-  :func:`model_steps`), its config, and the seconds of the first train step and inference
-  pass (compile, then one run each)."""
+  :func:`model_steps`), its config, and ``{"train_s", "infer_s", "train_bytes"}``: the
+  seconds of the first train step and inference pass (compile, then one run each) and the
+  bytes XLA plans for the compiled train step (:func:`posenc_jax.memory.planned_bytes`: this
+  step's own peak, on every backend; None where the backend plans none)."""
   cfg, train, infer, init = model_steps(size, scheme, batch=batch, length=length, dtype=dtype,
                                         route=route, head=head, corpus=corpus)
-  train, infer = jax.jit(train), jax.jit(infer)
   state = list(jax.jit(init)())
+  start = time.perf_counter()
+  train, infer = jax.jit(train).lower(*state).compile(), jax.jit(infer)
 
   def train_step():
     state[0], state[1] = train(state[0], state[1])
@@ -103,9 +107,10 @@ def compiled_steps(size: str, scheme: str, *, batch: int, length: int, dtype: st
   def infer_step():
     jax.block_until_ready(infer(state[0]))
 
-  start = time.perf_counter()
-  train_step()  # compile and warm up
+  train_step()  # warm up
   first = time.perf_counter()
   infer_step()
   return train_step, infer_step, cfg, {"train_s": first - start,
-                                       "infer_s": time.perf_counter() - first}
+                                       "infer_s": time.perf_counter() - first,
+                                       "train_bytes": memory.planned_bytes(
+                                           train.memory_analysis())}

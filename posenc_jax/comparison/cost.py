@@ -21,19 +21,17 @@ from posenc_jax.messages import first_line
 
 
 def peak_bytes(size: str, scheme: str, **dims) -> int | None:
-  """The peak memory of the compiled train step of
-  :func:`posenc_jax.benchmarks.model_steps.model_steps` (``dims``: its keywords)."""
+  """The peak memory XLA plans for the compiled train step of
+  :func:`posenc_jax.benchmarks.model_steps.model_steps` (``dims``: its keywords;
+  :func:`posenc_jax.memory.planned_bytes`)."""
   import jax  # noqa: PLC0415
 
+  from posenc_jax import memory  # noqa: PLC0415
   from posenc_jax.benchmarks.model_steps import model_steps  # noqa: PLC0415
 
   _, train, _, init = model_steps(size, scheme, **dims)
-  stats = jax.jit(train).lower(*jax.eval_shape(init)).compile().memory_analysis()
-  if stats is None:
-    return None
-  peak = getattr(stats, "peak_memory_in_bytes", None)
-  return peak or (stats.argument_size_in_bytes + stats.output_size_in_bytes
-                  + stats.temp_size_in_bytes - stats.alias_size_in_bytes)
+  return memory.planned_bytes(
+      jax.jit(train).lower(*jax.eval_shape(init)).compile().memory_analysis())
 
 
 def spread(ratios: list[float]) -> dict[str, float]:

@@ -13,7 +13,7 @@ import dataclasses
 import math
 import numbers
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -65,6 +65,31 @@ POSITIVE_INT = Check(lambda x: is_int(x) and x > 0, "a positive integer")
 NON_NEGATIVE_INT = Check(lambda x: is_int(x) and x >= 0, "an integer >= 0")
 POSITIVE_FLOAT = Check(lambda x: is_finite_number(x) and x > 0, "a finite positive number")
 BOOL = Check(lambda x: isinstance(x, bool), "true or false")
+
+
+class GridBytes(NamedTuple):
+  """Bytes per query-key pair that a scheme's own computation holds besides its terms'
+  values: the ``[.., L, Lk]`` arrays it computes on the way (CoPE's gates and positions,
+  FIRE's MLP over the offsets), what :func:`posenc_jax.memory.step_memory` adds for it.
+
+  Attributes:
+    kept: per example and layer, what the backward pass reads, held from the layer's
+      forward pass to its backward under ``remat="none"`` (recomputed in the backward
+      under the other policies, so held with ``working`` there).
+    kept_dots: the part of ``kept`` that is matmul outputs (what ``remat="dots"`` keeps).
+    working: per example, what the layer being differentiated holds besides ``kept``.
+    forward: per example, what a layer holds in a forward pass without gradients.
+    batch_free: once for every example and layer, held through a training step (arrays the
+      scheme computes before the layers run).
+    batch_free_forward: the same in a forward pass.
+  """
+
+  kept: int = 0
+  kept_dots: int = 0
+  working: int = 0
+  forward: int = 0
+  batch_free: int = 0
+  batch_free_forward: int = 0
 
 
 def shared_sizes(sharing: str, num_layers: int, num_heads: int) -> tuple[int, int]:
@@ -203,6 +228,14 @@ class Scheme(nn.Module):
     :meth:`check_config`."""
     del values, dims, length
     return 0
+
+  @classmethod
+  def grid_bytes(cls, values: Mapping[str, Any], dims: Mapping[str, int]) -> GridBytes:
+    """What the scheme's own computation holds per query-key pair (:class:`GridBytes`)
+    besides its terms' values (which the estimate counts from the route plan, as it
+    materialises them); ``values`` and ``dims`` as in :meth:`check_config`."""
+    del values, dims
+    return GridBytes()
 
   def check_length(self, length: int) -> None:
     """Raises one :class:`SchemeConfigError` line unless ``length`` is a positive integer

@@ -25,7 +25,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from posenc_jax.schemes.base import BOOL, POSITIVE_FLOAT, POSITIVE_INT, Scheme, one_of
+from posenc_jax.schemes.base import (BOOL, POSITIVE_FLOAT, POSITIVE_INT, GridBytes, Scheme,
+                                   one_of, shared_sizes)
 from posenc_jax.terms import Bias, SchemeTerms
 
 Array = jax.Array
@@ -99,6 +100,17 @@ class Fire(Scheme):
                      "init_L": POSITIVE_FLOAT, "eps": POSITIVE_FLOAT, "causal": BOOL,
                      "sharing": one_of(*FIRE_SHARING)}
   causal_fields = {"causal": True}
+
+  @classmethod
+  def grid_bytes(cls, values, dims):
+    """The MLP runs before the layers over every query-key pair, once per layer (once in all
+    when shared): its hidden layer ``[layers, .., L, L, W]`` in float32, four of it through a
+    train step (the pre-activation and activation that the backward reads, and their
+    gradients: measured against XLA's plan of the compiled step on CPU), one in a forward
+    pass."""
+    layers, _ = shared_sizes(values["sharing"], dims["num_layers"], dims["num_heads"])
+    hidden = layers * 4 * values["mlp_width"]
+    return GridBytes(batch_free=4 * hidden, batch_free_forward=hidden)
 
   @nn.compact
   def __call__(self, length, segment_ids=None, position_ids=None):

@@ -22,7 +22,7 @@ import ml_collections
 from posenc_jax import memory
 from posenc_jax.data import SHUFFLE_BLOCK, probes
 from posenc_jax.models.build import abstract_params, build_model
-from posenc_jax.models.config import ModelConfig, causal_variant, scheme_dims
+from posenc_jax.models.config import ModelConfig
 from posenc_jax.training.config import TrainConfigError, max_predictions
 from posenc_jax.training.optim import make_optimizer
 
@@ -54,8 +54,7 @@ class TrainMemory:
     self.params = abstract_params(model)
     self.opt_state = jax.eval_shape(tx.init, self.params)
     self.causal = config.objective == "lm"
-    self.scheme = causal_variant(cfg.scheme) if self.causal else cfg.scheme
-    self.forms = memory.term_forms(self.scheme, cfg.segment, scheme_dims(cfg))
+    self.forms = memory.attention_forms(cfg, self.causal)
 
   def step(self, rows: int, length: int) -> memory.Estimate:
     """The step's :class:`~posenc_jax.memory.Estimate` at ``rows`` per device and
@@ -65,7 +64,7 @@ class TrainMemory:
     predictions = max_predictions(config)
     estimate = memory.step_memory(
         self.cfg, batch=rows, length=length, params=self.params, opt_state=self.opt_state,
-        scheme=self.scheme, forms=self.forms,
+        forms=self.forms,
         predictions=None if predictions is None else min(predictions, length),
         vocab_outputs=config.head in ("mlm", "lm", "translation"),
         input_bytes=rows * length * BATCH_FEATURES * 4,
