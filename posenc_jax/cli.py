@@ -15,6 +15,10 @@ field takes ``1,2,3`` or ``'(1, 2, 3)'`` (:class:`_ListParser`).
 print :func:`posenc_jax.usage.help_text`: the usage, the tool's flags, the shipped configs,
 the presets and schemes, and the common ``--config.`` fields with their defaults.
 
+Every entry point runs through :func:`run_command` (``cli.run_command(app.run, main, ...)``,
+``cli.run_command(main, sys.argv[1:])``): a reader that closes the pipe early (``| head``)
+ends the tool quietly, as it does a Unix tool.
+
 Also: :func:`check_output_dir` and :func:`check_output_file`, which tools call on every
 path they will write before any work starts, and for ``argparse`` tools
 :class:`ArgumentParser` with the types :func:`positive_int` and :func:`one_of`:
@@ -31,6 +35,7 @@ import ast
 import logging
 import os
 import re
+import signal
 import sys
 import tempfile
 from collections.abc import Callable, Sequence
@@ -345,6 +350,30 @@ def flags_parser(prog: str, config_flag: str | None = "config",
     return rest
 
   return parse
+
+
+# The exit status of a command whose reader closed the pipe (``compare --dry_run | head``):
+# 128 + SIGPIPE, what a shell reports for a Unix tool the signal ended (``yes | head``).
+CLOSED_PIPE_STATUS = 128 + signal.SIGPIPE
+
+
+def run_command(main: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+  """Runs a command line, ``main(*args, **kwargs)`` (``app.run(main, flags_parser=...)``, or an
+  ``argparse`` tool's ``main(argv)``), as Unix tools run: when the reader of its output closes
+  the pipe early (``| head``), it ends quietly with :data:`CLOSED_PIPE_STATUS`, no traceback
+  and nothing more written. Every entry point's ``__main__`` goes through it. Returns what
+  ``main`` returns; its ``SystemExit`` (a one-line error, or absl's exit) passes through."""
+  try:
+    try:
+      return main(*args, **kwargs)
+    finally:
+      sys.stdout.flush()  # output still buffered meets a closed pipe here, not at exit
+  except BrokenPipeError:
+    # Python flushes stdout once more at exit: into /dev/null, so that it says nothing.
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    sys.exit(CLOSED_PIPE_STATUS)
 
 
 def exit_with(prog: str, error: BaseException) -> NoReturn:

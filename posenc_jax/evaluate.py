@@ -141,4 +141,4 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-  main(sys.argv[1:])
+  cli.run_command(main, sys.argv[1:])

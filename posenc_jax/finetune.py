@@ -58,7 +58,7 @@ def main(argv):
 
 def run() -> None:
   """The command line (``python -m posenc_jax.finetune``, or the repository's ``finetune.py``)."""
-  app.run(main, flags_parser=cli.flags_parser("finetune.py", help=usage.helper(
+  cli.run_command(app.run, main, flags_parser=cli.flags_parser("finetune.py", help=usage.helper(
       "finetune.py", __doc__, configs=CONFIGS)))
 
 

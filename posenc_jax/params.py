@@ -23,6 +23,7 @@ from typing import Any
 
 import jax
 
+from posenc_jax import cli
 from posenc_jax.models.build import abstract_params, build_model
 from posenc_jax.models.scan import layout_for
 from posenc_jax.presets import preset_config
@@ -118,8 +119,8 @@ def main(argv: list[str]) -> None:
   from absl import flags  # noqa: PLC0415
   from ml_collections import config_flags  # noqa: PLC0415
 
-  from posenc_jax import cli  # noqa: PLC0415
   from posenc_jax.models import ModelConfigError  # noqa: PLC0415
+  from posenc_jax.route_table import RouteTableError  # noqa: PLC0415
   from posenc_jax.training.config import TrainConfigError  # noqa: PLC0415
   from posenc_jax.training.mesh import MeshConfigError  # noqa: PLC0415
   from posenc_jax.training.optim import OptimizerConfigError  # noqa: PLC0415
@@ -147,10 +148,11 @@ def main(argv: list[str]) -> None:
     counts = model_counts(config)
     if "batch_size" in config and "seq_len" in config:  # a train config: its step too
       counts["step_memory"] = step_memory(config)
-  except (ModelConfigError, TrainConfigError, MeshConfigError, OptimizerConfigError) as e:
+  except (ModelConfigError, TrainConfigError, MeshConfigError, OptimizerConfigError,
+          RouteTableError) as e:
     raise SystemExit(f"params: {e}") from None
   print(json.dumps(counts, indent=2))
 
 
 if __name__ == "__main__":
-  main(sys.argv)
+  cli.run_command(main, sys.argv)

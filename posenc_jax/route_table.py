@@ -17,14 +17,20 @@ not a rule. A point is one ``python -m posenc_jax.benchmarks.routes`` run: forwa
 milliseconds of both ways at one shape, on one device kind and dtype. For a call the
 route takes the way that was faster at the nearest point of its device kind, dtype and
 form (nearest in ``log2`` length, and for factored terms in ``log2`` folded width ``D +
-r``); with no point it keeps the default. Only batch-free terms qualify (per-example
-terms, position ids and decoding steps stay as they are), and only without attention
-dropout or packed segments (which the kernel takes and cuDNN does not).
+r``); with no point it keeps the default. A device kind without points of its own reads
+those of a kind of the same compute capability (each point records its device's): an
+``NVIDIA H200`` takes the ``NVIDIA H100 80GB HBM3``'s, both 9.0, until it has its own
+(:meth:`RouteTable.whose`; ``print(plan)`` names the kind whose points it read). Only
+batch-free terms qualify (per-example terms, position ids and decoding steps stay as they
+are), and only without attention dropout or packed segments (which the kernel takes and
+cuDNN does not).
 
 Points come from the packaged ``route_table.json`` (measured figures only: an H100 in
 bfloat16 at L = 512 and 16384, 2026-11-25), overlaid by the file that
 ``$POSENC_JAX_ROUTE_TABLE`` names (a point of the same device, dtype, form and shape
-replaces the packaged one). Fill that file on your device with::
+replaces the packaged one; a file that is missing or malformed is one
+:class:`RouteTableError` line naming the variable and the file, which the tools print before
+any work). Fill that file on your device with::
 
   POSENC_JAX_ROUTE_TABLE=~/routes.json  # in the environment of training too
   python -m posenc_jax.benchmarks.routes --dtype bfloat16 --batch 32 --length 512 \\
@@ -42,6 +48,7 @@ any device).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import contextvars
 import dataclasses
@@ -53,6 +60,8 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 import jax
+
+from posenc_jax.kernels.blocks import gpu_compute_capability
 
 FORMS = ("toeplitz", "factored")
 FORMAT = 1
@@ -69,13 +78,19 @@ HOPPER_BOTH_ROW = "pallas toeplitz hopper"
 HOPPER_WAYS = (False, True, "both")  # forced(hopper=...): Triton, Hopper forward, both passes
 
 
+class RouteTableError(ValueError):
+  """The file ``$POSENC_JAX_ROUTE_TABLE`` names is missing or is no route table: one line
+  naming the variable and the file."""
+
+
 class Point(NamedTuple):
   """One measured shape: forward+backward ms of the default way and of the materialised one.
 
   ``rank`` is 0 for Toeplitz terms. ``source`` says where the figures come from.
   ``hopper_ms``: Toeplitz only, where measured: the kernel with its Hopper forward
   (:mod:`posenc_jax.kernels.hopper_flash`), and with ``hopper_backward`` its Hopper backward
-  too (whichever of the two was faster), else None.
+  too (whichever of the two was faster), else None. ``compute_capability``: the device's
+  CUDA compute capability (``"9.0"``), None where it has none or it was not recorded.
   """
 
   device: str
@@ -91,6 +106,7 @@ class Point(NamedTuple):
   source: str = ""
   hopper_ms: float | None = None
   hopper_backward: bool = False
+  compute_capability: str | None = None
 
   @property
   def key(self) -> tuple:
@@ -122,9 +138,10 @@ def parse_point(entry: Any, where: str) -> Point:
     raise ValueError(f"{where}: {'missing ' + ', '.join(missing) if missing else ''}"
                      f"{'; ' if missing and unknown else ''}"
                      f"{'unknown field ' + ', '.join(unknown) if unknown else ''}")
-  for field in ("device", "dtype", "source"):
-    if not isinstance(entry.get(field, ""), str):
-      raise ValueError(f"{where}.{field}: got {entry[field]!r}; expected a string")
+  for field in ("device", "dtype", "source", "compute_capability"):
+    value = entry.get(field, "")
+    if not isinstance(value, str) and not (field == "compute_capability" and value is None):
+      raise ValueError(f"{where}.{field}: got {value!r}; expected a string")
   if entry["form"] not in FORMS:
     raise ValueError(f"{where}.form: got {entry['form']!r}; allowed: {', '.join(FORMS)}")
   for field in (*_POSITIVE_INTS, "rank"):
@@ -183,7 +200,8 @@ def write(path: str | os.PathLike, points: Iterable[Point]) -> list[Point]:
   table = merged(read(path), points)
   document = {"format": FORMAT, "points": [
       {f: x for f, x in p._asdict().items()
-       if not (f == "hopper_ms" and x is None or f == "hopper_backward" and not x)}
+       if not (f in ("hopper_ms", "compute_capability") and x is None
+               or f == "hopper_backward" and not x)}
       for p in sorted(table, key=lambda p: p.key)]}
   temporary = path.with_name(path.name + ".tmp")
   temporary.write_text(json.dumps(document, indent=2) + "\n")
@@ -202,16 +220,33 @@ def _stamp(path: pathlib.Path) -> tuple:
     return (str(path), None, None)
 
 
+def _read_environment(path: pathlib.Path) -> list[Point]:
+  """The points of the file ``$POSENC_JAX_ROUTE_TABLE`` names, which must exist."""
+  if not path.is_file():
+    what = "is a folder" if path.is_dir() else "does not exist"
+    raise RouteTableError(f"{ENV}: {path} {what}; allowed: a route table file (python -m "
+                          f"posenc_jax.benchmarks.routes ... --route_table {path} makes one), "
+                          "or the variable unset for the packaged points")
+  try:
+    return read(path)
+  except ValueError as e:
+    raise RouteTableError(f"{ENV}: {e}") from None
+
+
 def points() -> list[Point]:
   """The packaged points overlaid by ``$POSENC_JAX_ROUTE_TABLE``'s (re-read when either
-  file changes)."""
+  file changes). Entry points call it before any work, so that a bad file stops them first.
+
+  Raises:
+    RouteTableError: the variable names a file that does not exist, or a malformed one.
+  """
   files = [PACKAGED] + ([pathlib.Path(os.environ[ENV]).expanduser()]
                         if os.environ.get(ENV) else [])
   stamp = tuple(_stamp(f) for f in files)
   if stamp not in _LOADED:
-    table: list[Point] = []
-    for f in files:
-      table = merged(table, read(f))
+    table = read(PACKAGED)
+    for f in files[1:]:
+      table = merged(table, _read_environment(f))
     _LOADED.clear()
     _LOADED[stamp] = table
   return _LOADED[stamp]
@@ -250,11 +285,22 @@ class RouteTable:
     return dataclasses.replace(
         self, forced=tuple((k, w) for k, w in merged_ways.items() if w is not None))
 
+  def whose(self, device: str, compute_capability: str | None = None) -> str | None:
+    """The device kind whose points ``device`` (a kind) reads: its own where it has any,
+    else, given its ``compute_capability``, the kind with the most points among those of
+    the same compute capability (a tie: the first by name); None where there is none."""
+    counts = collections.Counter(p.device for p in self.points)
+    if device in counts or compute_capability is None:
+      return device if device in counts else None
+    same = {p.device for p in self.points if p.compute_capability == compute_capability}
+    return min(same, key=lambda kind: (-counts[kind], kind), default=None)
+
   def nearest(self, form: str, *, dtype: str, length: float, head_dim: int, device: str,
-              rank: int = 0) -> Point | None:
-    """The point of this device kind, dtype and form nearest to the shape (``log2``
-    length, plus ``log2`` folded width for factored terms; a tie goes to the longer
-    length), or None. Arguments as :meth:`materialise`'s."""
+              rank: int = 0, compute_capability: str | None = None) -> Point | None:
+    """The point of the device kind that ``device`` reads (:meth:`whose`), dtype and form
+    nearest to the shape (``log2`` length, plus ``log2`` folded width for factored terms; a
+    tie goes to the longer length), or None. Arguments as :meth:`materialise`'s."""
+    device = self.whose(device, compute_capability)
     same = [p for p in self.points if (p.device, p.dtype, p.form) == (device, dtype, form)]
     if not same:
       return None
@@ -268,7 +314,7 @@ class RouteTable:
     return min(same, key=distance)
 
   def materialise(self, form: str, *, dtype: str, length: float, head_dim: int, device: str,
-                  rank: int = 0) -> bool:
+                  rank: int = 0, compute_capability: str | None = None) -> bool:
     """Whether the fused route materialises a batch-free ``form`` term at this shape.
 
     Args:
@@ -276,21 +322,23 @@ class RouteTable:
       dtype: the compute dtype's name (``bfloat16``...).
       length: ``sqrt(Lq Lk)``.
       head_dim: D before folding; ``rank``: the factored term's ``r`` (0 for Toeplitz).
-      device: the device kind (``NVIDIA H100 80GB HBM3``...).
+      device: the device kind (``NVIDIA H100 80GB HBM3``...); ``compute_capability``: its
+        CUDA compute capability (``"9.0"``; None: none), whose points it reads without
+        points of its own (:meth:`whose`).
 
     Returns:
       The forced way where ``form`` is forced, else that of the nearest point of the same
-      device, dtype and form, else False.
+      device (or the kind it reads), dtype and form, else False.
     """
     way = dict(self.forced).get(form)
     if way is not None:
       return way
     point = self.nearest(form, dtype=dtype, length=length, head_dim=head_dim, rank=rank,
-                         device=device)
+                         device=device, compute_capability=compute_capability)
     return point is not None and point.materialise
 
-  def hopper_way(self, *, dtype: str, length: float, head_dim: int,
-                 device: str) -> bool | str:
+  def hopper_way(self, *, dtype: str, length: float, head_dim: int, device: str,
+                 compute_capability: str | None = None) -> bool | str:
     """Which passes of the fused route's Toeplitz kernel run on Hopper kernels: False
     (none), True (the forward) or ``"both"`` (forward and backward). The forced ``hopper``
     way, else the Hopper way of the nearest Toeplitz point (as :meth:`materialise`) where
@@ -299,7 +347,7 @@ class RouteTable:
     if way is not None:
       return way
     point = self.nearest("toeplitz", dtype=dtype, length=length, head_dim=head_dim,
-                         device=device)
+                         device=device, compute_capability=compute_capability)
     if point is None or point.fastest != "hopper":
       return False
     return "both" if point.hopper_backward else True
@@ -351,19 +399,30 @@ def _asked(table: Iterable[Point] | None) -> RouteTable:
   return active if table is None else dataclasses.replace(active, points=tuple(table))
 
 
+def _device(device: str | None, compute_capability: str | None) -> dict[str, str | None]:
+  """``device`` and ``compute_capability`` as given, or this device's where ``device`` is
+  None."""
+  if device is None:
+    return {"device": device_kind(), "compute_capability": gpu_compute_capability()}
+  return {"device": device, "compute_capability": compute_capability}
+
+
 def materialise(form: str, *, dtype: str, length: float, head_dim: int, rank: int = 0,
-                device: str | None = None, table: Iterable[Point] | None = None) -> bool:
+                device: str | None = None, compute_capability: str | None = None,
+                table: Iterable[Point] | None = None) -> bool:
   """:meth:`RouteTable.materialise` of the :func:`current` table (``table``: these points
-  instead, under the current forced ways) on ``device`` (None: :func:`device_kind`)."""
+  instead, under the current forced ways) on ``device`` of ``compute_capability`` (None:
+  this device, :func:`device_kind`)."""
   return _asked(table).materialise(form, dtype=dtype, length=length, head_dim=head_dim,
-                                   rank=rank, device=device or device_kind())
+                                   rank=rank, **_device(device, compute_capability))
 
 
 def hopper_way(*, dtype: str, length: float, head_dim: int, device: str | None = None,
+               compute_capability: str | None = None,
                table: Iterable[Point] | None = None) -> bool | str:
   """:meth:`RouteTable.hopper_way` of the :func:`current` table, as :func:`materialise`."""
   return _asked(table).hopper_way(dtype=dtype, length=length, head_dim=head_dim,
-                                  device=device or device_kind())
+                                  **_device(device, compute_capability))
 
 
 def points_from_attention(document: Mapping[str, Any], source: str = "") -> tuple[
@@ -393,5 +452,6 @@ def points_from_attention(document: Mapping[str, Any], source: str = "") -> tupl
                        default_ms=rows[default]["fwd_bwd_ms"],
                        materialised_ms=rows[way]["fwd_bwd_ms"], hopper_ms=hopper[0],
                        hopper_backward=hopper[1],
+                       compute_capability=document.get("compute_capability"),
                        source=source or f"bench --attention ({way})"))
   return found, missing

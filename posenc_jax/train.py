@@ -71,7 +71,7 @@ def main(argv):
 
 def run() -> None:
   """The command line (``python -m posenc_jax.train``, or the repository's ``train.py``)."""
-  app.run(main, flags_parser=cli.flags_parser("train.py", help=usage.helper(
+  cli.run_command(app.run, main, flags_parser=cli.flags_parser("train.py", help=usage.helper(
       "train.py", __doc__, configs=CONFIGS)))
 
 

@@ -28,6 +28,7 @@ import seqio
 from seqio import utils as seqio_utils
 
 import posenc_jax.tasks  # noqa: F401 - registers every task
+from posenc_jax import cli
 from posenc_jax.data.vocab import train
 
 
@@ -90,4 +91,4 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-  main()
+  cli.run_command(main)

@@ -9,7 +9,8 @@ is started there, so forking it is safe: checked, three OS threads). The child r
 stdout and stderr in files and its exit status the process's, 0.1 s a case. What a child skips
 against a plain subprocess: interpreter start-up, those imports, and ``atexit`` handlers
 (multiprocessing ends children with ``os._exit``). Children get the environment the server
-started with (the first :func:`run` of the test process), not a later ``monkeypatch.setenv``.
+started with (the first :func:`run` of the test process), not a later ``monkeypatch.setenv``;
+``run(..., env={...})`` sets variables in the child alone.
 """
 
 from __future__ import annotations
@@ -36,8 +37,10 @@ def _context():
   return context
 
 
-def _child(argv: list[str], cwd: str, out: str, err: str) -> None:
-  """Runs ``python *argv`` (a script, or ``-m module``) in this forked process."""
+def _child(argv: list[str], cwd: str, out: str, err: str, env: dict[str, str]) -> None:
+  """Runs ``python *argv`` (a script, or ``-m module``) in this forked process, with ``env``
+  added to its environment."""
+  os.environ.update(env)
   for fd, path in ((1, out), (2, err)):
     os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
   sys.stdout, sys.stderr = open(1, "w", closefd=False), open(2, "w", closefd=False)
@@ -62,13 +65,16 @@ def _child(argv: list[str], cwd: str, out: str, err: str) -> None:
     os._exit(code)
 
 
-def run(argv: list[str], *, cwd: str, timeout: float) -> subprocess.CompletedProcess:
+def run(argv: list[str], *, cwd: str, timeout: float,
+        env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
   """``subprocess.run([sys.executable, *argv], cwd=cwd, capture_output=True, text=True)``,
   forked from the preloaded server (an uncaught exception prints its traceback to the
-  captured stderr and exits 1, as Python does)."""
+  captured stderr and exits 1, as Python does); ``env``: variables added to the child's
+  environment."""
   with tempfile.TemporaryDirectory() as tmp:
     out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
-    process = _context().Process(target=_child, args=(list(argv), cwd, out, err))
+    process = _context().Process(target=_child, args=(list(argv), cwd, out, err,
+                                                      dict(env or {})))
     process.start()
     process.join(timeout)
     if process.exitcode is None:

@@ -1,6 +1,8 @@
-"""What the tools print: the evaluation line, ``--help``, and TensorFlow's start-up notices
-dropped while its errors still print."""
+"""What the tools print: the evaluation line, ``--help``, TensorFlow's start-up notices
+dropped while its errors still print, and nothing more once the reader of the output has
+gone (``| head``)."""
 
+import concurrent.futures
 import os
 import pathlib
 import subprocess
@@ -108,3 +110,49 @@ def test_the_real_tensorflow_starts_without_its_notices():
                         cwd=ROOT, capture_output=True, text=True, timeout=120)
   assert proc.returncode == 0, proc.stderr[-2000:]
   assert proc.stdout.strip() == "[]" and proc.stderr == ""
+
+
+# Each command's output into a pipe whose reader has gone (``| head`` that has its lines):
+# the command that prints a lot, and one of each kind of entry point (absl flags, argparse).
+CLOSED_PIPE_COMMANDS = [
+    ["-m", "posenc_jax.compare", "--config=configs/compare.py:extrapolation", "--workdir=cmp",
+     "--dry_run"],
+    ["train.py", "--help"],
+    ["-m", "posenc_jax.evaluate", "--help"],
+    ["-m", "posenc_jax.params", "--table=diet6"],
+]
+
+
+def _into_a_closed_pipe(argv: list[str], cwd: pathlib.Path) -> tuple[int, str]:
+  """``python *argv | <a reader that closed at once>``: the exit status and stderr."""
+  with subprocess.Popen([sys.executable, *argv], cwd=cwd, stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE, text=True) as proc:
+    proc.stdout.close()  # the reader goes before the command writes
+    err = proc.stderr.read()
+    return proc.wait(timeout=120), err
+
+
+def test_every_command_ends_quietly_when_its_reader_closes_the_pipe(tmp_path):
+  for name in ("configs", "train.py"):
+    os.symlink(ROOT / name, tmp_path / name)  # run from a folder it may write into
+  with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    results = list(pool.map(lambda argv: _into_a_closed_pipe(argv, tmp_path),
+                            CLOSED_PIPE_COMMANDS))
+  for argv, (status, err) in zip(CLOSED_PIPE_COMMANDS, results):
+    # argparse's --help drops its own failed write and exits 0; the others 141, as Unix tools.
+    assert status in (cli.CLOSED_PIPE_STATUS, 0) and err == "", (argv, status, err[-2000:])
+  assert results[0][0] == cli.CLOSED_PIPE_STATUS
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["configs", "train.py"]  # nothing run
+
+
+def test_every_entry_point_runs_through_run_command():
+  """Each module that runs as a command (``if __name__ == "__main__":``) does so through
+  :func:`posenc_jax.cli.run_command`, the one place that handles a closed pipe."""
+  mains = [path for path in sorted((ROOT / "posenc_jax").rglob("*.py"))
+           if 'if __name__ == "__main__":' in path.read_text()]
+  assert len(mains) >= 10
+  for path in mains:
+    block = path.read_text().rpartition('if __name__ == "__main__":')[2]
+    assert "cli.run_command(" in block or block.strip() == "run()", path
+    if block.strip() == "run()":  # the absl tools' run() calls it
+      assert "cli.run_command(app.run, main" in path.read_text(), path

@@ -9,6 +9,7 @@ fine-tuning config passes."""
 import importlib
 import json
 import pathlib
+import re
 
 import jax
 import numpy as np
@@ -22,6 +23,7 @@ from posenc_jax.training import finetune as finetune_lib
 from posenc_jax.training.config import TrainConfigError
 from posenc_jax.training.workdir import ARCHITECTURE, resolved_config, resolved_model
 from tests import forked_cli
+from tests.test_evaluate import _fake_workdir
 from tests.test_hf_bert import hf_tensors, tiny_hf_config, write_checkpoint
 
 ROOT = pathlib.Path(__file__).parent.parent
@@ -69,6 +71,12 @@ def hf_folder(root, break_it=None):
 
 def rewrite_config(text):
   return lambda folder: (folder / "config.json").write_text(text)
+
+
+def without_vocabulary(break_it):
+  """``break_it`` and the folder's ``vocab.txt`` removed (what a vocabulary check would ask
+  for first)."""
+  return lambda folder: (break_it(folder), (folder / "vocab.txt").unlink())
 
 
 def drop_field(field):
@@ -179,6 +187,15 @@ CASES = [
     ("cli_hf_config_not_json", "cli",
      (FT + ["--init_checkpoint={hf}"], rewrite_config("{'hidden_size': 16,")),
      "finetune.py: init_checkpoint: {hf}/config.json: not JSON"),
+    ("cli_init_checkpoint_is_a_file", "cli", (FT + ["--init_checkpoint={hf}/vocab.txt"], None),
+     "finetune.py: init_checkpoint: '{hf}/vocab.txt' is a file; allowed: a train.py workdir "
+     "(with checkpoints/) or a Hugging Face BERT folder"),
+    ("cli_hf_config_empty", "cli",
+     (FT + ["--init_checkpoint={hf}"], without_vocabulary(rewrite_config(""))),
+     "finetune.py: init_checkpoint: {hf}/config.json: empty; expected the model's JSON object"),
+    ("cli_hf_config_torn", "cli",
+     (FT + ["--init_checkpoint={hf}"], without_vocabulary(rewrite_config('{"hidden_si'))),
+     "finetune.py: init_checkpoint: {hf}/config.json: not JSON: Unterminated string"),
     ("cli_hf_model_is_not_the_presets", "cli",
      ([FT[0], FT[1] + ",bert_tiny,diet_abs_share", *FT[2:], "--init_checkpoint={hf}"], None),
      "finetune.py: model.vocab_size: 40 in init_checkpoint, 8192 here (and 5 more): the presets "
@@ -302,6 +319,25 @@ def test_no_presets_fine_tune_the_checkpoint_model(tmp_path):
   ours = resolved_model(config.model)
   assert all(ours[f] == saved[f] for f in ARCHITECTURE)
   assert ours["scheme"]["name"] == "t5" and ours["dropout_rate"] == 0.1  # the config's own
+
+
+def test_a_language_model_checkpoint_is_named_with_its_decoder_layers(tmp_path):
+  """A causal LM's workdir (configs/lm.py) holds no encoder: one line saying so, with its real
+  layer count (not "num_layers=0"), before anything is built; the same from its parameters
+  when its config.json is gone."""
+  workdir = tmp_path / "lm"
+  _fake_workdir(workdir, get_config("lm", "bert_tiny,rope"))
+  expected = (f"init_checkpoint: '{workdir}' holds a causal language model (decoder-only, 2 "
+              "decoder layers), not a BERT encoder; fine-tune from a masked-LM train.py workdir")
+  run = forked_cli.run([*FT[:2], f"--workdir={tmp_path}/ft", f"--init_checkpoint={workdir}"],
+                       cwd=str(ROOT), timeout=300)
+  lines = [line for line in run.stderr.splitlines() if line.startswith("finetune.py")]
+  assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr[-3000:]
+  assert len(lines) == 1 and lines[0].startswith(f"finetune.py: {expected}"), run.stderr[-3000:]
+  assert not (tmp_path / "ft").exists()
+  (workdir / "config.json").unlink()
+  with pytest.raises(TrainConfigError, match=f"^{re.escape(expected)}"):
+    finetune_lib.pretrained_encoder(str(workdir))
 
 
 @pytest.mark.parametrize("presets, message", [

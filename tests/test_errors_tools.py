@@ -122,6 +122,9 @@ CASES = [
      "train.py: task:", ["'wordnet_glosses' has no 'targets' feature", "'wordnet_glosses_lm'"]),
     ("train.py", ["--config=configs/lm.py", "--config.head=mlm", RUN], "train.py: head:",
      ["got 'mlm'", "'lm' for objective 'lm'"]),
+    ("train.py", ["--config=configs/probe.py:bert_tiny,rope,cpy", RUN], "train.py: config preset:",
+     ["'cpy' is unknown", "did you mean 'copy'?", "a probe (copy, reverse, mqar, passkey)",
+      "preset (bert, "]),
     ("train.py", ["--workdirr=x"], "train.py: Unknown command line flag 'workdirr'",
      ["Did you mean: workdir"]),
     # bench: argparse flags.

@@ -32,6 +32,7 @@ from posenc_jax.schemes.absolute import SinusoidalAPE
 from posenc_jax.training.checkpoint import Checkpointer
 from posenc_jax.training.loop import BestKeeper
 from posenc_jax.training.workdir import resolved_config
+from tests import forked_cli
 from tests.test_remote_workdir import bucket  # noqa: F401 - the fake gs:// fixture
 
 TRAIN_LEN, TOKENS = 16, 300
@@ -430,6 +431,50 @@ def test_cli_errors_are_one_line_naming_the_field(lm_run, mlm_run, tmp_path, cap
                                                                                       err)
   assert "no config.json" in _cli([f"--workdir={tmp_path / 'empty'}"], capsys)[1]
   assert not (tmp_path / "empty" / "eval").exists()  # nothing made for a refused workdir
+
+
+def test_a_length_that_cannot_fit_is_one_line_before_anything_is_compiled(lm_run, tmp_path):
+  """The issue's command: a length whose forward pass needs far more memory than there is is
+  refused at once by its estimate (:func:`posenc_jax.memory.step_memory`), nothing written."""
+  out = forked_cli.run(["-m", "posenc_jax.evaluate", f"--workdir={lm_run[0]}",
+                        "--protocol=extrapolation", f"--lengths={TRAIN_LEN},1000000000",
+                        f"--out={tmp_path}/eval"], cwd=str(tmp_path), timeout=120)
+  assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
+  line = out.stderr.strip().splitlines()[-1]
+  assert line.startswith("evaluate: lengths: got 1000000000; the step needs about "), line
+  assert "allowed: a smaller length (at most about " in line
+  assert "extrapolation: length" not in out.stdout  # no length ran
+  assert not list((tmp_path / "eval").iterdir())  # the folder checked, nothing written
+
+
+@pytest.mark.parametrize("protocol, batch_size, free, field", [
+    ("extrapolation", None, 8, "lengths"), ("extrapolation", 64, 64, "batch_size"),
+    ("probes", None, 8, "lengths")])
+def test_each_length_is_checked_against_the_free_memory_first(tmp_path, monkeypatch, protocol,
+                                                              batch_size, free, field):
+  """With 8 MiB free, a tiny model's forward pass fits at the training length, not at 1024
+  (its [B, H, L, L] attention arrays alone are 8 MiB a row); with 64 MiB, 64 rows of 64
+  positions do not (their vocabulary logits alone are 128 MiB), one row does. ``batch_size``
+  is named where one row would fit, else the length, each with what fits."""
+  from posenc_jax import memory  # noqa: PLC0415
+
+  workdir = tmp_path / "run"
+  config = _probe_config("rope") if protocol == "probes" else _config(lm_config, "rope")
+  _fake_workdir(workdir, config)
+  monkeypatch.setattr(memory, "available", lambda device=None: (free * 2**20, "test memory"))
+  length = 1024 if field == "lengths" else 4 * TRAIN_LEN
+  with pytest.raises(EvaluationError) as error:
+    evaluate_workdir(str(workdir), protocol, lengths=[TRAIN_LEN, length],
+                     **({"batch_size": batch_size} if batch_size else {}))
+  line = str(error.value)
+  assert "\n" not in line and f"more than the {memory.gib(free * 2**20)} of test memory" in line
+  if field == "lengths":
+    assert line.startswith(f"lengths: got {length}; the step needs about "), line
+    assert "allowed: a smaller length (at most about " in line
+  else:
+    assert line.startswith(f"batch_size: got {batch_size}; the step needs about "), line
+    assert "allowed: a smaller batch_size (at most about " in line
+    assert f"fit at length {length})" in line
 
 
 def test_an_unknown_protocol_or_option_is_refused_by_the_api(lm_run):

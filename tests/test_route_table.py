@@ -19,6 +19,7 @@ import pytest
 
 from posenc_jax import Factored, attend, route_table
 from posenc_jax.route_table import Point
+from tests import forked_cli
 from tests.conftest import SCHEME_CONFIGS, init_scheme, padding_mask, qkv
 from tests.test_accelerator_lowering import (CUDNN, TRITON, _train_config,  # noqa: F401
                                              lowered_train_step, on_platform)
@@ -152,11 +153,33 @@ def test_the_environment_file_overlays_the_packaged_table(tmp_path, monkeypatch)
   monkeypatch.setenv(route_table.ENV, str(path))
   ask = lambda: route_table.materialise("toeplitz", dtype="float32", length=16,  # noqa: E731
                                         head_dim=8, device="cpu")
-  assert not ask()  # no file yet: no point
+  with pytest.raises(route_table.RouteTableError, match=(
+      rf"^POSENC_JAX_ROUTE_TABLE: {path} does not exist; allowed: a route table file")):
+    ask()  # a typo in the path is not taken for "no points"
   route_table.write(path, [point(16, 2.0, 1.0, device="cpu", dtype="float32", head_dim=8)])
   assert ask()  # re-read when the file changes
   route_table.write(path, [point(16, 1.0, 2.0, device="cpu", dtype="float32", head_dim=8)])
   assert not ask()
+
+
+@pytest.mark.parametrize("text, problem", [
+    ('{"format": 1, "points": [', "route table {path}: not readable JSON (Expecting value"),
+    (None, "{path} does not exist; allowed: a route table file (python -m "
+           "posenc_jax.benchmarks.routes ... --route_table {path} makes one), or the variable "
+           "unset for the packaged points")])
+def test_a_bad_environment_file_stops_train_py_in_one_line(tmp_path, text, problem):
+  """A malformed file, or a path that does not exist, named by ``$POSENC_JAX_ROUTE_TABLE``:
+  train.py's one line names the variable and the file, before any work."""
+  path = tmp_path / "routes.json"
+  if text is not None:
+    path.write_text(text)
+  proc = forked_cli.run(["train.py", "--config=configs/lm.py:bert_tiny,alibi",
+                         f"--workdir={tmp_path}/run"], cwd=str(ROOT), timeout=120,
+                        env={route_table.ENV: str(path)})
+  assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+  assert proc.stderr.strip().splitlines()[-1].startswith(
+      f"train.py: POSENC_JAX_ROUTE_TABLE: {problem.format(path=path)}"), proc.stderr[-3000:]
+  assert proc.stdout == "" and not (tmp_path / "run").exists()
 
 
 # Each way equals the reference route; the kernel is gone where the table materialises.
@@ -319,6 +342,44 @@ def test_the_hopper_way_is_taken_where_it_was_fastest(tmp_path):
   assert [("hopper_backward" in p) for p in document["points"]] == [False, False, True]
 
 
+def test_a_device_without_points_reads_a_kind_of_the_same_compute_capability(tmp_path):
+  """An H200 takes the H100's points (9.0 both) until it has its own; among several kinds of
+  its compute capability, the one with the most points (a tie: the first by name); a kind
+  of another compute capability, or none given, reads none. Each point keeps its device's
+  compute capability in the file, left out where unknown."""
+  hopper = lambda length, ms, device="H100": point(  # noqa: E731
+      length, ms, 1.0, device=device)._replace(compute_capability="9.0")
+  table = route_table.RouteTable((hopper(512, 2.0), hopper(4096, 2.0),
+                                  point(512, 1.0, 2.0, device="A100")._replace(
+                                      compute_capability="8.0")))
+  assert [table.whose(kind, cc) for kind, cc in (
+      ("H100", "9.0"), ("H200", "9.0"), ("H200", None), ("L4", "8.9"), ("A100", "8.0"),
+      ("A10", "8.0"))] == ["H100", "H100", None, None, "A100", "A100"]
+  ask = lambda device, cc, table=table: route_table.materialise(  # noqa: E731
+      "toeplitz", dtype="bfloat16", length=512, head_dim=64, device=device,
+      compute_capability=cc, table=table.points)
+  assert ask("H200", "9.0") and not ask("H200", None) and not ask("L4", "8.9")
+  assert route_table.hopper_way(dtype="bfloat16", length=512, head_dim=64, device="H200",
+                                compute_capability="9.0",
+                                table=[hopper(512, 2.0)._replace(hopper_ms=0.5)]) is True
+  own = table.points + (point(512, 1.0, 2.0, device="H200")._replace(compute_capability="9.0"),)
+  assert not ask("H200", "9.0", route_table.RouteTable(own))  # its own point: the kernel
+  more = route_table.RouteTable((hopper(512, 2.0, "GH200"), hopper(512, 1.0, "H800"),
+                                 hopper(4096, 1.0, "H800")))
+  assert more.whose("H200", "9.0") == "H800"
+  tied = route_table.RouteTable((hopper(512, 2.0, "H800"), hopper(512, 1.0, "GH200")))
+  assert tied.whose("H200", "9.0") == "GH200"
+  path = tmp_path / "routes.json"
+  route_table.write(path, [hopper(512, 2.0), point(1024, 1.0, 2.0)])
+  assert [p.get("compute_capability") for p in json.loads(path.read_text())["points"]] == [
+      "9.0", None]
+  assert {p.compute_capability for p in route_table.read(path)} == {"9.0", None}
+  assert {p.compute_capability for p in route_table.read(route_table.PACKAGED)} == {"9.0"}
+  with pytest.raises(ValueError, match=r"points\[0\].compute_capability: got 9.0; expected a "
+                     "string"):
+    route_table.read(_table_file(tmp_path, {"compute_capability": 9.0}))
+
+
 def test_the_bench_rows_give_the_hopper_figure():
   rows = [{"kernel": name, "fwd_bwd_ms": ms} for name, ms in
           (("pallas toeplitz", 2.0), (route_table.HOPPER_ROW, 1.5), ("xla bias", 3.0))]
@@ -327,6 +388,9 @@ def test_the_bench_rows_give_the_hopper_figure():
   (found,), _ = route_table.points_from_attention(document)
   assert (found.default_ms, found.materialised_ms, found.hopper_ms) == (2.0, 3.0, 1.5)
   assert found.fastest == "hopper" and not found.hopper_backward
+  assert found.compute_capability is None  # not recorded by the run
+  (found,), _ = route_table.points_from_attention({**document, "compute_capability": "9.0"})
+  assert found.compute_capability == "9.0"
   rows.append({"kernel": route_table.HOPPER_BOTH_ROW, "fwd_bwd_ms": 1.2})  # both passes
   (found,), _ = route_table.points_from_attention(document)
   assert (found.hopper_ms, found.hopper_backward) == (1.2, True)

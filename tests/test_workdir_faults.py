@@ -112,6 +112,8 @@ def test_metrics_folder_is_one_line(tmp_path):
     ("{}", "holds no 'model' object"),
     ('{"model": [1]}', "holds no 'model' object"),
     ('{"model": {}', "does not read as JSON"),
+    ("", "is empty"),
+    (" \n", "is empty"),
     ("\x00\xff", "is not text"),
     (None, "is a folder"),
 ])

@@ -402,11 +402,13 @@ def main(argv: list[str]) -> int:
   from posenc_jax.analysis import AnalysisError  # noqa: PLC0415
   from posenc_jax.convert import ConversionError  # noqa: PLC0415
   from posenc_jax.models import ModelConfigError  # noqa: PLC0415
+  from posenc_jax.route_table import RouteTableError  # noqa: PLC0415
 
   try:
     _check_flags(fv, command)
     result, table = globals()[f"cmd_{command}"](fv)
-  except (AnalysisError, ConversionError, ModelConfigError, cli.OutputPathError) as e:
+  except (AnalysisError, ConversionError, ModelConfigError, cli.OutputPathError,
+          RouteTableError) as e:
     raise SystemExit(f"analysis {command}: {e}") from None
   result = {"command": command, **result}
   if table is not None:
@@ -431,4 +433,4 @@ def _json_default(value):
 
 
 if __name__ == "__main__":
-  sys.exit(main(sys.argv))
+  sys.exit(cli.run_command(main, sys.argv))

@@ -108,4 +108,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-  main()
+  cli.run_command(main)

@@ -33,6 +33,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from posenc_jax import cli
+
 WORDS = ("the a of to in and is for on with as by at from that this an be are or it not "
          "which one two three part made form set small large used having act state quality "
          "person place water body plant animal genus family group member food light time "
@@ -177,4 +179,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  sys.exit(cli.run_command(main))

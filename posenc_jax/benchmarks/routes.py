@@ -442,7 +442,8 @@ def attention_table(args) -> dict:
     rows.append(row)
     print("| " + " | ".join([name, kernel.bias_text, *_cells(row)]) + " |", flush=True)
   return {"mode": "attention", "device": device.device_kind, "backend": jax.default_backend(),
-          "batch": args.batch, "length": args.length, "heads": args.heads,
+          "compute_capability": blocks.gpu_compute_capability(), "batch": args.batch,
+          "length": args.length, "heads": args.heads,
           "head_dim": args.head_dim, "rank": args.rank or 0, "dtype": args.dtype,
           "causal": args.causal, "repeats": args.repeats, "ratio_to": baseline,
           "ratio_note": passed_over,
@@ -508,4 +509,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-  main()
+  cli.run_command(main)

@@ -17,8 +17,9 @@ drifts cancel. ``--route`` sets the attention route of every model
 (``reference``, ``fused``, ``auto``; see :mod:`posenc_jax.attention`), e.g.
 ``--route fused --baseline none --schemes diet_rel`` measures the Pallas
 Toeplitz kernel against itself without a bias.
-It prints milliseconds, the ratio to the baseline, tokens/s, peak device
-memory where the device reports it beside the estimate of the train step
+It prints milliseconds, the ratio to the baseline, tokens/s, the row's own peak memory (what
+XLA plans for its compiled train step, on every backend:
+:func:`posenc_jax.memory.planned_bytes`) beside the estimate of the train step
 (:func:`posenc_jax.memory.step_memory`, what the trainer checks before
 compiling), MFU (analytic FLOPs over the device's peak) on accelerators, and the
 seconds of the first train step and inference pass (compile and one run, layers
@@ -51,12 +52,6 @@ PROG = "posenc_jax.benchmarks.steps"
 DEFAULT_SCHEMES = ("bert", "shaw", "t5", "tupe_a", "tupe_r", "diet_rel", "diet_rel_share",
                    "diet_abs", "diet_abs_share", "alibi", "rope", "kerple_log", "fire", "xpos",
                    "cope", "fox")
-
-
-def peak_memory() -> int | None:
-  """Peak bytes in use on the first device, where the backend reports it (GPU, TPU)."""
-  stats = jax.devices()[0].memory_stats() or {}
-  return stats.get("peak_bytes_in_use")
 
 
 def estimated_memory(cfg, batch: int, length: int, head: str = "mlm") -> int:
@@ -118,7 +113,7 @@ def main(argv=None):
     train_s, train_base = timed_against(train, base_train, args.repeats)
     infer_s, infer_base = timed_against(infer, base_infer, args.repeats)
     flops = train_flops_per_step(cfg, args.batch, args.length, head=head)  # logits everywhere
-    peak_bytes = peak_memory()
+    peak_bytes = first["train_bytes"]
     estimate = estimated_memory(cfg, args.batch, args.length, head)
     row = {"scheme": scheme, "model": head, "train_ms": 1e3 * train_s,
            "train_ratio": train_s / train_base,
@@ -143,4 +138,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-  main()
+  cli.run_command(main)

@@ -6,7 +6,8 @@
 
 The argument is ``<size>[,<scheme>...][,<probe>]`` (sizes and schemes as in
 ``configs/lm.py``; the probe one of ``copy``, ``reverse``, ``mqar``, ``passkey``, default
-``copy``). It sets ``task = "probe:<name>"`` and ``probe``, the probe's parameters
+``copy``; a name that is neither is one line listing the probes and the presets). It sets
+``task = "probe:<name>"`` and ``probe``, the probe's parameters
 (:mod:`posenc_jax.data.probes`: ``alphabet``, ``reverse``, ``min_symbols``; ``pairs``, ``queries``, ``keys``,
 ``values``; ``digits``, ``filler_words``, ``depth_bins``), each overridable with
 ``--config.probe.<parameter>=...``. The default trains a ``bert_tiny``-sized RoPE model
@@ -22,15 +23,32 @@ reports the answer tokens' accuracy on held-out examples at ``seq_len``;
 
 import ml_collections
 
+from posenc_jax.configs.lm import CORPORA
 from posenc_jax.configs.lm import get_config as lm_config
 from posenc_jax.data.probes import PROBES, TASK_PREFIX, describe, probe
+from posenc_jax.messages import nearest
+from posenc_jax.models.config import ModelConfigError
+from posenc_jax.presets import SCHEME_PRESETS
 
 SETTINGS = dict(total_steps=1000, batch_size=32, seq_len=32, log_every=50, eval_every=100,
                 eval_steps=4, checkpoint_every=200)
 
 
+def check_names(names: list[str]) -> None:
+  """Raises one :class:`ModelConfigError` line for a name after the size that is neither a
+  probe nor a scheme preset (nor a corpus, which ``configs/lm.py`` takes), naming both the
+  probes and the schemes allowed."""
+  for name in names[1:]:
+    if name not in PROBES and name not in SCHEME_PRESETS and name not in CORPORA:
+      raise ModelConfigError(
+          f"config preset: {name!r} is unknown{nearest(name, [*PROBES, *SCHEME_PRESETS])} "
+          f"allowed: a probe ({', '.join(PROBES)}) or a scheme or modifier preset "
+          f"({', '.join(SCHEME_PRESETS)})")
+
+
 def get_config(arg="bert_tiny,rope,copy"):
-  names = arg.split(",")
+  names = [n.strip() for n in arg.split(",")]
+  check_names(names)
   chosen = [n for n in names if n in PROBES] or ["copy"]
   config = lm_config(",".join(n for n in names if n not in PROBES))
   config.task = TASK_PREFIX + chosen[-1]

@@ -148,17 +148,20 @@ def vocab_path(model_dir) -> pathlib.Path:
 
 def read_hf_config(model_dir) -> dict[str, Any]:
   """``config.json`` of a checkpoint folder as a dict; :class:`ConversionError` naming the file
-  if it is missing, unreadable, not JSON or not a JSON object."""
+  if it is missing, unreadable, empty, not JSON or not a JSON object."""
   path = pathlib.Path(model_dir) / "config.json"
   if not path.is_file():
     raise ConversionError(f"{model_dir}: no config.json")
   try:
     with open(path, encoding="utf-8") as f:
-      hf_config = json.load(f)
+      text = f.read()
+    hf_config = json.loads(text) if text.strip() else None
   except OSError as e:
     raise ConversionError(f"{path}: cannot be read: {e.strerror}") from None
   except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
     raise ConversionError(f"{path}: not JSON: {e}") from None
+  if not text.strip():
+    raise ConversionError(f"{path}: empty; expected the model's JSON object")
   if not isinstance(hf_config, dict):
     raise ConversionError(f"{path}: not a JSON object but a {type(hf_config).__name__}")
   return hf_config

@@ -4,6 +4,7 @@ from posenc_jax.cli import OutputPathError
 from posenc_jax.convert.hf_bert import ConversionError
 from posenc_jax.data.stdlib_corpus import CorpusError
 from posenc_jax.models.config import ModelConfigError
+from posenc_jax.route_table import RouteTableError
 from posenc_jax.schemes import SchemeConfigError
 from posenc_jax.training.checkpoint import CheckpointError
 from posenc_jax.training.config import TrainConfigError
@@ -14,4 +15,4 @@ from posenc_jax.training.signals import TrainingInterrupted
 
 USER_ERRORS = (ModelConfigError, SchemeConfigError, TrainConfigError, MeshConfigError,
                OptimizerConfigError, NonFiniteLossError, TrainingInterrupted, ConversionError,
-               CheckpointError, DataError, OutputPathError, CorpusError)
+               CheckpointError, DataError, OutputPathError, CorpusError, RouteTableError)

@@ -102,22 +102,63 @@ def is_train_workdir(path: str) -> bool:
   return (epath.Path(path) / "checkpoints").is_dir()
 
 
+def not_an_encoder(path: str, layers: int) -> TrainConfigError:
+  """The one ``init_checkpoint`` line for a checkpoint of the causal language model (head
+  ``lm``: decoder-only, ``layers`` decoder layers), which holds no encoder to fine-tune."""
+  return TrainConfigError(
+      f"init_checkpoint: {path!r} holds a causal language model (decoder-only, {layers} "
+      "decoder layers), not a BERT encoder; fine-tune from a masked-LM train.py workdir "
+      "(configs/pretrain.py) or a Hugging Face BERT folder")
+
+
+def check_init_checkpoint(path: str) -> None:
+  """Raises one line naming ``init_checkpoint`` (and the file at fault) unless ``path`` is a
+  folder that holds an encoder: a ``train.py`` workdir (``checkpoints/``) whose
+  ``config.json``, where there is one, reads and is not a causal language model's, or a
+  Hugging Face folder whose ``config.json`` reads as a JSON object.
+
+  Raises:
+    TrainConfigError: a file, a folder that is neither, an unreadable workdir
+      ``config.json`` (:class:`~posenc_jax.training.workdir.WorkdirError`), a language model.
+    ConversionError: a Hugging Face ``config.json`` that is empty or not a JSON object.
+  """
+  folder = epath.Path(path)
+  if not folder.is_dir():
+    raise TrainConfigError(f"init_checkpoint: {path!r} is a file; allowed: a train.py "
+                           "workdir (with checkpoints/) or a Hugging Face BERT folder "
+                           "(config.json, model.safetensors, vocab.txt)")
+  if is_train_workdir(path):
+    saved = saved_config(path, "init_checkpoint")
+    if saved is not None and saved.get("head") == "lm":
+      raise not_an_encoder(path, saved["model"].get("num_layers"))
+    return
+  if not (folder / "config.json").exists():
+    raise TrainConfigError(f"init_checkpoint: {path!r} is neither a train.py workdir (no "
+                           "checkpoints/) nor a Hugging Face folder (no config.json)")
+  from posenc_jax.convert.hf_bert import ConversionError, read_hf_config  # noqa: PLC0415
+  try:
+    read_hf_config(path)
+  except ConversionError as e:
+    raise ConversionError(f"init_checkpoint: {e}") from None
+
+
 def pretrained_encoder(path: str) -> dict[str, Any]:
   """The encoder parameters (``BertEncoder`` layout, plain arrays) stored at ``path``: a
   ``train.py`` workdir (``checkpoints/``; its ``config.json`` is the run's) or else a Hugging
-  Face folder (``config.json``)."""
-  if not is_train_workdir(path) and (epath.Path(path) / "config.json").exists():
+  Face folder (``config.json``), checked first (:func:`check_init_checkpoint`)."""
+  check_init_checkpoint(path)
+  if not is_train_workdir(path):
     return hf_encoder(path)
   from posenc_jax.training.checkpoint import CheckpointError, restore_params  # noqa: PLC0415
 
-  if not is_train_workdir(path):
-    raise TrainConfigError(f"init_checkpoint: {path!r} is neither a train.py workdir (no "
-                           "checkpoints/) nor a Hugging Face folder (no config.json)")
   try:  # the newest checkpoint that restores and verifies; damaged ones are skipped
     _, params = restore_params(path, field="init_checkpoint")
   except CheckpointError as e:
     raise TrainConfigError(str(e)) from None
   params = jax.device_get(params)
+  if "bert" not in params and "decoder" in params and "encoder" not in params:
+    layers = encoder_sizes(traverse_util.flatten_dict(params["decoder"], sep="/"))
+    raise not_an_encoder(path, layers.get("num_layers", 0))
   return params["bert"] if "bert" in params else params
 
 
@@ -228,7 +269,8 @@ def encoder_sizes(flat: dict[str, Any]) -> dict[str, int]:
   flat = traverse_util.flatten_dict(jax.eval_shape(
       lambda tree: layout_for(tree, False), traverse_util.unflatten_dict(flat, sep="/")),
       sep="/")
-  sizes = {"num_layers": len({p.split("/")[0] for p in flat if p.startswith("layers_")})}
+  layers = len({p.split("/")[0] for p in flat if p.startswith("layers_")})
+  sizes = {"num_layers": layers} if layers else {}  # none: parameters of no encoder stack
   for path, fields in (("token_embed/embedding", ("vocab_size", "d_model")),
                        ("layers_0/attention/query/kernel", (None, "num_heads")),
                        ("layers_0/mlp/wi/kernel", (None, "mlp_dim"))):
@@ -365,17 +407,22 @@ def check_finetune(config: ml_collections.ConfigDict, init_checkpoint: str | Non
   """Raises one :class:`TrainConfigError` line naming the field before anything is built.
 
   Checks the train config, the fine-tuning objective, the sweep section (``sweep``), that
-  ``init_checkpoint`` exists, that ``task`` and ``eval_task`` are registered (nearest name
-  suggested) with a ``train`` and the evaluation split, that ``num_labels`` is the tasks'
-  label count, and that ``best_metric`` is one the evaluation reports (higher is better,
-  so not ``eval_loss``) with ``eval_every`` > 0; a sweep needs one.
+  ``init_checkpoint`` exists and holds an encoder (:func:`check_init_checkpoint`), that
+  ``task`` and ``eval_task`` are registered (nearest name suggested) with a ``train`` and the
+  evaluation split, that ``num_labels`` is the tasks' label count, and that ``best_metric``
+  is one the evaluation reports (higher is better, so not ``eval_loss``) with
+  ``eval_every`` > 0; a sweep needs one.
   """
+  from posenc_jax import route_table  # noqa: PLC0415
   from posenc_jax.training import task_eval  # noqa: PLC0415
 
+  route_table.points()  # a bad $POSENC_JAX_ROUTE_TABLE: one line, RouteTableError
   if sweep:
     _check_sweep(config)
   if init_checkpoint and not epath.Path(init_checkpoint).exists():
     raise TrainConfigError(f"init_checkpoint: {init_checkpoint!r} does not exist")
+  if init_checkpoint:
+    check_init_checkpoint(init_checkpoint)
   validate_train_config(config)
   if config.objective not in FINETUNE_FEATURES:
     raise TrainConfigError(f"objective: got {config.objective!r}; allowed for fine-tuning: "

@@ -31,6 +31,7 @@ import optax
 from etils import epath
 from flax.training import train_state
 
+from posenc_jax import route_table
 from posenc_jax.cli import OutputPathError, absolute, check_output_dir
 from posenc_jax.data.randomized_positions import randomized_batches
 from posenc_jax.models.build import build_model
@@ -373,7 +374,9 @@ def train(config: ml_collections.ConfigDict, workdir: str,
 
   Raises:
     NonFiniteLossError: the loss became NaN or Inf (the last good checkpoint stays).
+    RouteTableError: ``$POSENC_JAX_ROUTE_TABLE`` names a missing or malformed file.
   """
+  route_table.points()  # a bad $POSENC_JAX_ROUTE_TABLE is one line before any work
   cfg = validate_train_config(config)  # before anything is compiled or written
   mesh = mesh_lib.make_mesh(config.mesh.shape, config.mesh.axes)
   mesh_lib.check_batch(config.batch_size, mesh)

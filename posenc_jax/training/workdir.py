@@ -117,10 +117,12 @@ def read_object(path: epath.Path, field: str = "workdir") -> dict[str, Any]:
   """The JSON object the file ``path`` holds.
 
   Raises:
-    WorkdirError: one line naming ``path``: not readable, not text, not JSON, or JSON that
-      is not an object (a list, ``null``, a string).
+    WorkdirError: one line naming ``path``: not readable, not text, empty, not JSON, or JSON
+      that is not an object (a list, ``null``, a string).
   """
   text = _read_text(path, field)
+  if not text.strip():
+    raise _foreign(field, path, "is empty")
   try:
     data = json.loads(text)
   except ValueError as e:
