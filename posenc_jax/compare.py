@@ -11,7 +11,8 @@ tool, and the papers' tables built from the runs:
 Each cell runs in ``ROOT/<scheme>/seed<k>`` (see :mod:`posenc_jax.comparison.plan`) as
 subprocesses whose output goes to ``ROOT/<scheme>/seed<k>/log.txt``; one progress line per
 cell. A finished cell (``cell.json``) is not rerun and an unfinished one resumes, so a
-killed compare is restarted with the same command; a failed cell is reported and the others
+killed compare is restarted with the same command; SIGTERM or Ctrl-C goes to the running
+step too (train.py saves the step it is at), and compare stops with the step's status; a failed cell is reported and the others
 go on (exit status 1 at the end). Then ``ROOT/results.json`` (every run's numbers and the
 tables), ``ROOT/results.md`` (median (min-max) over seeds per scheme and task or length,
 cost beside it) and PNG curves are written. ``--collect [DIR...]`` builds the same from
@@ -185,7 +186,7 @@ def _command() -> str:
 def main(argv):
   from etils import epath  # noqa: PLC0415
 
-  from posenc_jax.comparison import collect, plan, report  # noqa: PLC0415
+  from posenc_jax.comparison import collect, plan, report, run  # noqa: PLC0415
 
   logging.set_verbosity(logging.WARNING)  # JAX's backend lines before the cost is timed
   folders, config, root = argv[1:], _CONFIG.value, _WORKDIR.value
@@ -220,6 +221,9 @@ def main(argv):
       summary = compare(config, root, command=_command())
   except (plan.PlanError, collect.CollectError, cli.OutputPathError) as e:
     cli.exit_with(PROG, e)
+  except run.StepInterrupted as e:  # the step saved and stopped; so does compare
+    print(f"{PROG}: {e}", file=sys.stderr, flush=True)
+    sys.exit(e.status or 128 + e.signum)
   print(report.markdown(summary))
   if summary["failed"]:
     cli.exit_with(PROG, f"{len(summary['failed'])} cell(s) failed: "

@@ -94,8 +94,9 @@ class Device(NamedTuple):
 
 def current_device() -> Device:
   """The :class:`Device` of JAX's default backend (its first device)."""
-  return Device(jax.default_backend(), route_table.device_kind(),
-                blocks.gpu_compute_capability())
+  platform = jax.default_backend()
+  return Device(platform, route_table.device_kind(),
+                blocks.gpu_compute_capability() if platform == "gpu" else None)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -403,7 +403,8 @@ def _device(device: str | None, compute_capability: str | None) -> dict[str, str
   """``device`` and ``compute_capability`` as given, or this device's where ``device`` is
   None."""
   if device is None:
-    return {"device": device_kind(), "compute_capability": gpu_compute_capability()}
+    return {"device": device_kind(), "compute_capability":
+            gpu_compute_capability() if jax.default_backend() == "gpu" else None}
   return {"device": device, "compute_capability": compute_capability}
 
 

@@ -21,6 +21,7 @@ from flax import linen as nn
 from jax._src.cudnn import fused_attention_stablehlo
 from jax._src.pallas.triton import gpu_info
 
+from posenc_jax import route_table
 from posenc_jax.attention import attend
 from posenc_jax.kernels import blocks
 from posenc_jax.models import model_config
@@ -54,6 +55,9 @@ def on_platform(monkeypatch):
   """
 
   def use(name):
+    # The default ways: this host's kind has no route-table points, and with the H100's
+    # compute capability it would read the H100's (route_table.RouteTable.whose).
+    monkeypatch.setattr(route_table, "points", lambda: [])
     h100 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H100)
     monkeypatch.setattr(gpu_info, "get_gpu_info", lambda: h100)
     monkeypatch.setattr(blocks, "gpu_compute_capability", lambda: "9.0")

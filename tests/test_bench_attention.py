@@ -175,7 +175,8 @@ def test_a_row_whose_plan_is_not_its_own_is_na(monkeypatch):
   row = next(k for k in bench.ATTENTION_KERNELS if k.name == "pallas no bias")
   monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
   _, reason = bench.attention_kernel(row, qkv, causal=False, rng=rng)
-  assert reason == "attend plans route fused: splash, q/k width 64"
+  assert reason == ("attend plans route fused: splash, q/k width 64; route table: no points "
+                    "for this device (the default ways)")
 
 
 def test_cudnn_in_float32_is_na_with_its_reason(like_h100):

@@ -8,10 +8,13 @@ write: config.json, best.json, eval/*.json), except in the one end-to-end grid.
 import dataclasses
 import importlib.util
 import json
-import re
 import os
+import re
 import shutil
+import signal
 import sys
+import threading
+import time
 
 import pytest
 from absl import flags
@@ -723,3 +726,42 @@ def test_results_say_which_command_made_them_where_and_in_how_long(tmp_path):
   text = (tmp_path / "results.md").read_text()
   assert f"Made by `python -m posenc_jax.compare x` on {made['date']}, on {made['machine']}" in text
   assert json.loads((tmp_path / "results.json").read_text())["provenance"] == made
+
+
+def test_sigterm_to_compare_reaches_the_running_step_which_stops_and_leaves_its_cell_unfinished(
+    tmp_path, monkeypatch):
+  """SIGTERM (or Ctrl-C) to compare goes to the step it is running (train.py saves its step
+  and exits), and compare stops with it: the child is gone and the cell gets no cell.json,
+  so the same command resumes it."""
+  saved, ready = tmp_path / "saved", tmp_path / "ready"
+  script = ("import pathlib, signal, sys, time\n"
+            "def stop(signum, frame):\n"
+            f"  pathlib.Path({str(saved)!r}).write_text('saved')\n"
+            "  sys.exit(0)\n"
+            "signal.signal(signal.SIGTERM, stop)\n"
+            f"pathlib.Path({str(ready)!r}).write_text('')\n"
+            "time.sleep(60)\n")
+  (tmp_path / "stepper.py").write_text(script)  # python -m stepper: a step that waits
+  monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+  workdir = str(tmp_path / "rope/seed0/train")
+  cell = plan.Cell("bert_tiny", "rope", 0, str(tmp_path / "rope/seed0"), (
+      plan.Step("train", workdir, ("stepper", f"--workdir={workdir}")),))
+  (tmp_path / "rope/seed0").mkdir(parents=True)
+
+  def terminate_when_ready():
+    while not ready.exists():
+      time.sleep(0.02)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+  before = signal.getsignal(signal.SIGTERM)
+  threading.Thread(target=terminate_when_ready, daemon=True).start()
+  start = time.perf_counter()
+  with pytest.raises(run.StepInterrupted, match=r"^stopped by SIGTERM: the running step got it "
+                     r"and exited 0 \(stepper --workdir=.*/rope/seed0/train\); the same "
+                     r"command resumes$") as info:
+    run.run_grid([cell], say=lambda line: None)
+  assert time.perf_counter() - start < 30  # not the child's 60 s sleep
+  assert (info.value.signum, info.value.status) == (signal.SIGTERM, 0)
+  assert saved.read_text() == "saved"  # the step got the signal and stopped on it
+  assert signal.getsignal(signal.SIGTERM) is before
+  assert not (tmp_path / "rope/seed0" / run.MARKER).exists()  # a rerun runs the cell again

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import signal
 import subprocess
+import threading
 import time
 from collections.abc import Callable
 from typing import IO, Any
@@ -36,10 +38,45 @@ class CellFailed(RuntimeError):
   """A step of a cell exited non-zero; the message says which and its last output line."""
 
 
+class StepInterrupted(Exception):
+  """compare got SIGTERM or SIGINT while a step ran: the step got the signal too (train.py
+  and finetune.py save the step they are at) and has exited with ``status``."""
+
+  def __init__(self, signum: int, status: int, command: list[str]):
+    self.signum, self.status = signum, status
+    workdir = next((a for a in command if a.startswith("--workdir=")), "")
+    super().__init__(f"stopped by {signal.Signals(signum).name}: the running step got it and "
+                     f"exited {status} ({' '.join([*command[2:3], workdir]).strip()}); the same "
+                     "command resumes")
+
+
 def subprocess_status(command: list[str], out: IO[str]) -> int:
-  """Runs ``command`` with its output (stdout and stderr) in ``out``; returns its status."""
-  return subprocess.run(command, stdout=out, stderr=subprocess.STDOUT,
-                        stdin=subprocess.DEVNULL, check=False).returncode
+  """Runs ``command`` with its output (stdout and stderr) in ``out``; returns its status.
+
+  SIGTERM and SIGINT that this process gets while the step runs go to the step, which stops
+  as it does on its own (a trainer saves its current step); then :class:`StepInterrupted`
+  (not a failed cell: a rerun resumes the step). Outside the main thread, where Python takes
+  no signals, the step just runs."""
+  child = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
+                           stdin=subprocess.DEVNULL)
+  received = []
+
+  def forward(signum, frame):
+    del frame
+    received.append(signum)
+    child.send_signal(signum)
+
+  previous = {}
+  if threading.current_thread() is threading.main_thread():
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+  try:
+    status = child.wait()
+  finally:
+    for sig, handler in previous.items():
+      signal.signal(sig, handler)
+  if received:
+    raise StepInterrupted(received[0], status, command)
+  return status
 
 
 def run_steps(cell: Cell, log: epath.Path,
