@@ -5,9 +5,13 @@
 field) and ``head`` (which model to build). One size preset comes first;
 scheme and modifier presets follow and are applied in order. Config files
 in ``configs/`` call this; ``--config.model.<field>=...`` overrides any field.
+:func:`scheme_name` and :func:`size_name` read the presets back from a resolved model
+config (the rows of compare's tables, the ``scheme`` of an evaluation).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import ml_collections
 
@@ -118,3 +122,40 @@ def preset_config(arg: str = "bert_base,bert") -> ml_collections.ConfigDict:
   config.model = ml_collections.ConfigDict(model, type_safe=False)
   config.head = default_head(names[0])
   return config
+
+
+def preset_name(model: dict[str, Any], presets: dict[str, dict], default: str) -> str:
+  """The name of the preset of ``presets`` whose every field ``model`` has (a scheme's given
+  fields included), the one with the most fields if several do; else ``default``."""
+  def fits(preset):
+    for key, value in preset.items():
+      have = model.get(key)
+      if isinstance(value, dict):
+        if not isinstance(have, dict) or any(have.get(k) != v for k, v in value.items()):
+          return False
+      elif have != value:
+        return False
+    return True
+
+  def fields(preset):
+    return sum(len(v) if isinstance(v, dict) else 1 for v in preset.values())
+
+  matches = [name for name, preset in presets.items() if fits(preset)]
+  return max(matches, key=lambda n: fields(presets[n])) if matches else default
+
+
+def scheme_name(model: dict[str, Any]) -> str:
+  """The scheme preset (``rope``, ``bert``, ...) whose fields ``model`` (a resolved model
+  config) has, else the name of its scheme (of schemes composed: their names, by commas)."""
+  scheme = model.get("scheme")
+  parts = scheme if isinstance(scheme, list) else [scheme]
+  names = ",".join(str(part.get("name")) for part in parts if isinstance(part, dict))
+  return preset_name(model, {n: SCHEME_PRESETS[n] for n in POSITION_PRESETS}, names)
+
+
+def size_name(model: dict[str, Any]) -> str:
+  """The size preset (``bert_tiny``, ...) whose dimensions ``model`` has, else
+  ``d<d_model>L<num_layers>``."""
+  presets = {n: {k: p[k] for k in ("d_model", "num_layers", "num_heads", "mlp_dim") if k in p}
+             for n, p in SIZES.items()}
+  return preset_name(model, presets, f"d{model.get('d_model')}L{model.get('num_layers')}")

@@ -4,8 +4,8 @@ given becomes one record.
 
 A record is ``{"workdir", "size", "scheme", "seed", "task", "objective", "steps", "model",
 "best", "eval"}``: ``size`` and ``scheme`` are the preset names whose fields the run's
-``config.json`` model has (:func:`preset_name`; ``scheme`` with the training modifiers the
-run set, :func:`~posenc_jax.comparison.plan.row_name`), ``steps`` its ``total_steps``, ``model``
+``config.json`` model has (:func:`posenc_jax.presets.preset_name`; ``scheme`` with the
+training modifiers the run set, :func:`~posenc_jax.comparison.plan.row_name`), ``steps`` its ``total_steps``, ``model``
 its ``d_model``, ``num_layers`` and ``num_heads``, ``best`` the best evaluation
 (``best.json``, else the highest ``best_metric`` in ``metrics.jsonl``), ``eval`` the evaluate
 tool's documents by file name (``eval/<protocol>-<settings>.json`` without ``.json``).
@@ -30,7 +30,7 @@ import ml_collections
 from etils import epath
 
 from posenc_jax.comparison import plan
-from posenc_jax.presets import POSITION_PRESETS, SCHEME_PRESETS, SIZES
+from posenc_jax.presets import scheme_name, size_name
 from posenc_jax.training.workdir import CONFIG_FILE, WorkdirError, read_metrics, saved_config
 
 # Folders a run writes that hold no other run.
@@ -42,43 +42,6 @@ MODEL_FIELDS = ("d_model", "num_layers", "num_heads")  # a record's ``model``
 
 class CollectError(ValueError):
   """A folder that holds no run, or a run that does not read; the message names it."""
-
-
-def preset_name(model: dict[str, Any], presets: dict[str, dict], default: str) -> str:
-  """The name of the preset of ``presets`` whose every field ``model`` has (a scheme's given
-  fields included), the one with the most fields if several do; else ``default``."""
-  def fits(preset):
-    for key, value in preset.items():
-      have = model.get(key)
-      if isinstance(value, dict):
-        if not isinstance(have, dict) or any(have.get(k) != v for k, v in value.items()):
-          return False
-      elif have != value:
-        return False
-    return True
-
-  def fields(preset):
-    return sum(len(v) if isinstance(v, dict) else 1 for v in preset.values())
-
-  matches = [name for name, preset in presets.items() if fits(preset)]
-  return max(matches, key=lambda n: fields(presets[n])) if matches else default
-
-
-def scheme_name(model: dict[str, Any]) -> str:
-  """The scheme preset (``rope``, ``bert``, ...) whose fields ``model`` (a resolved model
-  config) has, else the name of its scheme (of schemes composed: their names, by commas)."""
-  scheme = model.get("scheme")
-  parts = scheme if isinstance(scheme, list) else [scheme]
-  names = ",".join(str(part.get("name")) for part in parts if isinstance(part, dict))
-  return preset_name(model, {n: SCHEME_PRESETS[n] for n in POSITION_PRESETS}, names)
-
-
-def size_name(model: dict[str, Any]) -> str:
-  """The size preset (``bert_tiny``, ...) whose dimensions ``model`` has, else
-  ``d<d_model>L<num_layers>``."""
-  presets = {n: {k: p[k] for k in ("d_model", "num_layers", "num_heads", "mlp_dim") if k in p}
-             for n, p in SIZES.items()}
-  return preset_name(model, presets, f"d{model.get('d_model')}L{model.get('num_layers')}")
 
 
 def _json(path: epath.Path) -> Any:

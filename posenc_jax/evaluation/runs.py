@@ -59,7 +59,7 @@ import ml_collections
 import numpy as np
 from etils import epath
 
-from posenc_jax import memory, route_table
+from posenc_jax import memory, presets, route_table
 from posenc_jax.cli import absolute
 from posenc_jax.data import probes
 from posenc_jax.evaluation import windows as windows_lib
@@ -654,7 +654,7 @@ def evaluate_workdir(workdir: str, protocol: str = "loss", *, checkpoint: str | 
   given ``out`` (e.g. ``<workdir>/eval``), also writes ``<out>/<protocol>-<settings>.json``
   and, where it makes sense, the PNG beside it (:func:`posenc_jax.evaluation.report.write`).
   The document's ``scheme`` names the run's scheme preset
-  (:func:`posenc_jax.comparison.collect.scheme_name`).
+  (:func:`posenc_jax.presets.scheme_name`).
 
   Args:
     workdir: a train.py or finetune.py workdir (local or a URI such as ``gs://...``).
@@ -668,7 +668,6 @@ def evaluate_workdir(workdir: str, protocol: str = "loss", *, checkpoint: str | 
   Raises:
     EvaluationError and the trainer's one-line errors (``USER_ERRORS``).
   """
-  from posenc_jax.comparison.collect import scheme_name  # noqa: PLC0415
   from posenc_jax.evaluation import report  # noqa: PLC0415
 
   check_protocol(protocol, options)
@@ -676,7 +675,7 @@ def evaluate_workdir(workdir: str, protocol: str = "loss", *, checkpoint: str | 
   run = load_run(workdir, checkpoint)
   if out is not None:
     out = report.check_out(out, run.workdir)
-  document = {"scheme": scheme_name(run.config.model.to_dict()),
+  document = {"scheme": presets.scheme_name(run.config.model.to_dict()),
               **PROTOCOLS[protocol](run, progress=progress or _quiet, **options)}
   if out is not None:
     report.write(document, out, progress=progress or _quiet)
