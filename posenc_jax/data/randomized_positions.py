@@ -117,15 +117,23 @@ class RandomizedPositions:
     raise AttributeError(name)
 
 
+def evaluated_range(config: ml_collections.ConfigDict) -> int | None:
+  """``N`` where a run's evaluation reads randomized position ids from ``[0, N)``
+  (``randomized_positions`` set and ``randomized_positions_eval`` not ``"plain"``), else
+  None (positions ``0 .. L - 1``)."""
+  if config.get("randomized_positions_eval", EVAL_POSITIONS[0]) == "plain":
+    return None
+  return config.get("randomized_positions")
+
+
 def randomized_batches(config: ml_collections.ConfigDict, batches: Iterator, start: int,
                        shard_id: int = 0, evaluation: bool = False) -> Iterator:
   """``batches`` (training from step ``start``, or ``evaluation``'s from 0) with randomized
   position ids when ``config.randomized_positions`` is set (and, for evaluation,
   ``config.randomized_positions_eval`` is ``"randomized"``); else ``batches`` as they are.
   Evaluation draws the same ids at every evaluation."""
-  max_length = config.get("randomized_positions")
-  if max_length is None or (evaluation and config.get("randomized_positions_eval",
-                                                      EVAL_POSITIONS[0]) == "plain"):
+  max_length = evaluated_range(config) if evaluation else config.get("randomized_positions")
+  if max_length is None:
     return batches
   return RandomizedPositions(batches, max_length, config.seed, EVAL if evaluation else TRAIN,
                              start, shard_id, TOKENS[config.objective])

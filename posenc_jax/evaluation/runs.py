@@ -61,7 +61,7 @@ from etils import epath
 
 from posenc_jax import memory, presets, route_table
 from posenc_jax.cli import absolute
-from posenc_jax.data import probes
+from posenc_jax.data import probes, randomized_positions
 from posenc_jax.evaluation import windows as windows_lib
 from posenc_jax.messages import first_line
 from posenc_jax.models.build import abstract_params, build_model
@@ -530,10 +530,7 @@ def probes_protocol(run: Run, *, lengths: Sequence[int] | None = None, examples:
                           f"task {config.task!r}")
   spec = probes.config_probe(config)
   train_length = config.seq_len
-  # A run trained on randomized positions reads them at evaluation too, unless its
-  # randomized_positions_eval is "plain" (posenc_jax.data.randomized_positions).
-  randomized = (config.get("randomized_positions") if config.get(
-      "randomized_positions_eval", "randomized") == "randomized" else None)
+  randomized = randomized_positions.evaluated_range(config)  # as the trainer evaluates
   lengths = check_lengths(lengths or [train_length * k for k in (1, 2, 4, 8)])
   check_memory(run, lengths, batch_size, most_rows=examples)  # probes.score's rows
   settings = protocol_settings("probes", config, examples=examples, seed=seed)
