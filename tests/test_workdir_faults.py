@@ -9,6 +9,7 @@ import pathlib
 import shutil
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
@@ -352,3 +353,29 @@ def test_cli_read_only_checkpoints_folder(tmp_path):
     checkpoints.chmod(0o755)
   assert last == f"train.py: workdir: {checkpoints} is not writable"
   assert sorted(os.listdir(tmp_path / "run")) == ["checkpoints"]
+
+
+def test_cli_checkpoints_folder_made_read_only_mid_run(tmp_path):
+  """The folder turns read-only after the first save: the next save is refused in one line
+  at once (not after Orbax's 300 s coordination timeout), and the saved step stays."""
+  prefix = _drop_root_override()
+  checkpoints = tmp_path / "run" / "checkpoints"
+  code = ("import os, sys; from posenc_jax.training import checkpoint\n"
+          "save = checkpoint.Checkpointer.save\n"
+          "def read_only_after_step_2(self, step, *args, **kwargs):\n"
+          "  saved = save(self, step, *args, **kwargs)\n"
+          "  if saved and step == 2:\n"
+          "    self.wait(); os.chmod(self.directory, 0o555)\n"
+          "  return saved\n"
+          "checkpoint.Checkpointer.save = read_only_after_step_2\n"
+          "sys.argv = ['train.py'] + sys.argv[1:]; from posenc_jax.train import run; run()")
+  start = time.monotonic()
+  try:
+    last = _cli(tmp_path, "--config.total_steps=6", "--config.checkpoint_every=2",
+                "--config.eval_every=0", "--config.optimizer.warmup_steps=1",
+                prefix=prefix, code=code)
+  finally:
+    checkpoints.chmod(0o755)
+  assert time.monotonic() - start < 120
+  assert last == f"train.py: checkpoints: {checkpoints} is not writable (Permission denied)"
+  assert sorted(os.listdir(checkpoints)) == ["2"]

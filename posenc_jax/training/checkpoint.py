@@ -276,16 +276,17 @@ class Checkpointer:
 
   def save(self, step: int, state: Any, data_state: dict[str, Any], *, force: bool = False,
            input_iterator: Any = None) -> bool:
-    """Saves if the interval says so (or ``force``; before the first save the folder is
-    probed again, :func:`check_writable`), with the state's fingerprints and, when
+    """Saves if the interval says so (or ``force``; before each save the folder is probed,
+    :func:`check_writable`), with the state's fingerprints and, when
     ``input_iterator`` has a ``save_state(prefix)`` (and is not known to be
     ``checkpointable`` False), its state (taken before this returns); returns whether it
     saved."""
     self.check()
     if not (force or self.manager.should_save(step)):
       return False
-    if self._operation is None:  # the first save: Orbax would wait minutes, not fail
-      check_writable(self.directory, "checkpoints")
+    # Every save probes the folder first: given a folder it cannot write (from the start, or
+    # made read-only mid-run), Orbax would wait minutes (its coordination timeout), not fail.
+    check_writable(self.directory, "checkpoints")
     data = dict(data_state) | {"fingerprints": fingerprints(state)}
     items = dict(state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data))
     if (callable(getattr(input_iterator, "save_state", None))

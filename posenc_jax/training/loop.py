@@ -126,9 +126,10 @@ class BestKeeper:
     self.manager = None
     if metric:
       import orbax.checkpoint as ocp  # noqa: PLC0415
-      check_writable(os.path.join(absolute(workdir), "best"), "best")
+      self.directory = os.path.join(absolute(workdir), "best")
+      check_writable(self.directory, "best")
       self.manager = ocp.CheckpointManager(
-          os.path.join(absolute(workdir), "best"),
+          self.directory,
           options=ocp.CheckpointManagerOptions(max_to_keep=1, create=True))
 
   def update(self, step: int, scalars: dict[str, float], params: Any) -> None:
@@ -141,6 +142,9 @@ class BestKeeper:
     score = scalars[self.metric]
     if self.record is None or score > self.record["score"]:
       import orbax.checkpoint as ocp  # noqa: PLC0415
+      # Probed before each save: Orbax, given a folder made read-only mid-run, would wait
+      # minutes (its coordination timeout) instead of failing.
+      check_writable(self.directory, "best")
       self.manager.save(step, args=ocp.args.StandardSave(params), force=True)
       self.manager.wait_until_finished()
       self.record = {"step": step, "metric": self.metric, "score": score}
