@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import sys
 import threading
 from typing import Any
 
@@ -73,6 +74,37 @@ def _release_waiting_writers(operation_id: str) -> None:
         and thread._operation_id == operation_id):  # noqa: SLF001
       thread.cancel()
       future.set_signals(thread._receive_signals, operation_id=operation_id)  # noqa: SLF001
+
+
+def _closed_loop_callback(unraisable) -> bool:
+  """Whether an unraisable error is a read of an abandoned restore completing after its event
+  loop closed (asyncio's ``call_soon_threadsafe`` on a closed loop): harmless, and printed as
+  a bare traceback per pending read."""
+  frames = []
+  tb = unraisable.exc_traceback
+  while tb is not None:
+    frames.append(tb.tb_frame.f_code.co_name)
+    tb = tb.tb_next
+  return (unraisable.exc_type is RuntimeError and str(unraisable.exc_value) ==
+          "Event loop is closed" and "call_soon_threadsafe" in frames)
+
+
+def _unreadable(error: BaseException) -> str:
+  """Why a checkpoint did not restore, in one short line (TensorStore's error names the file
+  and then dumps its whole spec, which is cut), and from now on the tracebacks of the failed
+  restore's reads still in flight (each completes after Orbax closed its event loop) are
+  not printed."""
+  hook = sys.unraisablehook
+  if not getattr(hook, "drops_closed_loop_callbacks", False):
+    def quiet(unraisable):
+      if not _closed_loop_callback(unraisable):
+        hook(unraisable)
+    quiet.drops_closed_loop_callbacks = True
+    sys.unraisablehook = quiet
+  text = first_line(error)
+  for tail in (" [tensorstore_spec", " See full TensorStore details"):
+    text = text.split(tail)[0]
+  return text
 
 
 def _leaf_name(path: tuple) -> str:
@@ -316,7 +348,7 @@ class Checkpointer:
         data = dict(restored.data)
         problem = damage(restored.state, data.pop("fingerprints", None))
       except Exception as e:  # noqa: BLE001 - any unreadable checkpoint is skipped
-        problem = first_line(e)
+        problem = _unreadable(e)
       if problem is None:
         self.last_saved = step
         return step, restored.state, data
@@ -470,7 +502,7 @@ def restore_params(workdir: str, abstract_params: Any = None, *, step: int | Non
       except CheckpointError:
         raise
       except Exception as e:  # noqa: BLE001 - reported below, or an older step is tried
-        problem = first_line(e)
+        problem = _unreadable(e)
       if problem is None:
         return candidate, params if abstract_params is None else match_layout(
             params, abstract_params)
