@@ -379,3 +379,28 @@ def test_cli_checkpoints_folder_made_read_only_mid_run(tmp_path):
   assert time.monotonic() - start < 120
   assert last == f"train.py: checkpoints: {checkpoints} is not writable (Permission denied)"
   assert sorted(os.listdir(checkpoints)) == ["2"]
+
+
+def test_cli_disk_full_at_a_save_is_one_line_and_nothing_after_it(tmp_path):
+  """The disk fills while step 2's items are written (here the input iterator's state raises
+  what TensorFlow's SaveV2 raises): one line with the reason alone, and no Orbax log, no
+  traceback and no "never awaited" warnings for the abandoned items after it."""
+  code = ("import sys; from posenc_jax.training import checkpoint\n"
+          "def full(self, directory, args):\n"
+          "  raise OSError('{{function_node __wrapped__SaveV2_dtypes_2_device_/job:localhost/'\n"
+          "                'replica:0/task:0/device:CPU:0}} ' + str(directory) + '/part-0.data; '\n"
+          "                'No space left on device [Op:SaveV2]')\n"
+          "checkpoint.InputStateHandler.save = full\n"
+          "sys.argv = ['train.py'] + sys.argv[1:]; from posenc_jax.train import run; run()")
+  argv = [str(tmp_path / "script.py"), "--config=configs/pretrain.py",
+          f"--workdir={tmp_path / 'run'}", "--config.total_steps=4", "--config.checkpoint_every=2",
+          "--config.eval_every=0", "--config.optimizer.warmup_steps=1"]
+  pathlib.Path(argv[0]).write_text(code)
+  proc = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True,
+                        timeout=300)
+  assert proc.returncode == 1, proc.stderr[-3000:]
+  checkpoints = tmp_path / "run" / "checkpoints"
+  assert proc.stderr.strip().splitlines()[-1] == (
+      f"train.py: checkpoints: saving step 2 to {checkpoints} failed (No space left on device)")
+  for noise in ("Traceback", "Warning", "_SignalingThread", "E1"):
+    assert noise not in proc.stderr, proc.stderr[-3000:]

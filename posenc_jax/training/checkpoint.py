@@ -31,8 +31,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 import sys
 import threading
+import warnings
 from typing import Any
 
 import jax
@@ -74,6 +76,28 @@ def _release_waiting_writers(operation_id: str) -> None:
         and thread._operation_id == operation_id):  # noqa: SLF001
       thread.cancel()
       future.set_signals(thread._receive_signals, operation_id=operation_id)  # noqa: SLF001
+
+
+class _ReportedByTheRun(logging.Filter):
+  """Drops Orbax's log of a failed write in its writer thread (with its traceback): the run
+  reports that failure itself, in one line (:meth:`Checkpointer.wait`, :meth:`Checkpointer.save`)."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return "_SignalingThread.run() raised an exception" not in str(record.msg)
+
+
+def _abandon_failed_save() -> None:
+  """After a save failed: the coroutines Orbax had made for the save's other items are never
+  awaited, by design; Python would warn about each at exit, after the run's one line."""
+  warnings.filterwarnings("ignore", category=RuntimeWarning,
+                          message=r"coroutine '(\w+\.async_save|to_thread)' was never awaited")
+
+
+def _io_reason(error: BaseException) -> str:
+  """A failed write's reason without TensorFlow's decoration (``{{function_node ..}} <path>;
+  <reason> [Op:SaveV2]``): the reason alone, since the caller names the folder."""
+  text = re.sub(r"^\{\{function_node [^}]*\}\}\s*|\s*\[Op:\w+\]$", "", first_line(error))
+  return text.rsplit("; ", 1)[-1] if text.startswith("/") and "; " in text else text
 
 
 def _closed_loop_callback(unraisable) -> bool:
@@ -282,6 +306,9 @@ class Checkpointer:
         enable_async_checkpointing=async_save, cleanup_tmp_directories=True, create=True)
     self.manager = ocp.CheckpointManager(self.directory, options=options,
                                          item_names=("state", "data", "input"))
+    absl_logger = logging.getLogger("absl")
+    if not any(isinstance(f, _ReportedByTheRun) for f in absl_logger.filters):
+      absl_logger.addFilter(_ReportedByTheRun())
     self.last_saved: int | None = None
     self._operation: str | None = None  # Orbax's operation id of the newest save
 
@@ -299,10 +326,11 @@ class Checkpointer:
     except Exception as e:  # noqa: BLE001 - any failed write stops the run with one line
       if jax.process_count() == 1 and self._operation is not None:
         _release_waiting_writers(self._operation)
+      _abandon_failed_save()
       self.manager.reload()
       newest = self.manager.latest_step()
       raise BackgroundSaveError(
-          f"checkpoints: a save to {self.directory} failed ({first_line(e)}); stopping: "
+          f"checkpoints: a save to {self.directory} failed ({_io_reason(e)}); stopping: "
           + (f"the newest complete checkpoint is step {newest}" if newest is not None
              else "no complete checkpoint is left there")) from None
 
@@ -328,8 +356,9 @@ class Checkpointer:
       saved = self.manager.save(step, args=ocp.args.Composite(**items), force=True)
       self._operation = synchronization.OperationIdGenerator.get_current_operation_id()
     except Exception as e:  # noqa: BLE001 - a failed write stops the run with one line
+      _abandon_failed_save()
       raise CheckpointError(f"checkpoints: saving step {step} to {self.directory} failed "
-                            f"({first_line(e)})") from None
+                            f"({_io_reason(e)})") from None
     if saved:
       self.last_saved = step
     return saved
