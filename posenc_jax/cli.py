@@ -211,8 +211,12 @@ def describe_flag_error(error: BaseException, argv: Sequence[str], fv: flags.Fla
   if isinstance(error, flags.Error) and root is not error and "config file" in str(error):
     line = first_line(root)  # raised inside the config file's get_config
     return line if line.startswith(config_flag) else f"{config_flag}: {line}"
-  text = first_line(error)
-  return text.removeprefix("flag ")
+  text = first_line(error).removeprefix("flag ")
+  reason = first_line(error.__context__) if error.__context__ is not None else ""
+  if isinstance(error, flags.IllegalFlagValueError) and reason.startswith("got "):
+    # The flag's parser named what was given: ``--<flag>: got ...``, the value said once.
+    return f"{text.partition('=')[0]}: {reason}"
+  return text
 
 
 PACKAGED_CONFIGS = os.path.join(os.path.dirname(__file__), "configs")

@@ -1,4 +1,4 @@
-"""Evaluates a trained workdir, without training: ``python -m posenc_jax.evaluate``.
+r"""Evaluates a trained workdir, without training: ``python -m posenc_jax.evaluate``.
 
   python -m posenc_jax.evaluate --workdir=/tmp/posenc_lm                   # loss, perplexity
   python -m posenc_jax.evaluate --workdir=/tmp/run --checkpoint=best       # a fine-tuned run
@@ -34,9 +34,14 @@ import os
 import re
 import sys
 import textwrap
-from collections.abc import Sequence
+import types
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from absl import flags
 
 from posenc_jax import cli
+from posenc_jax import usage as usage_lib
 from posenc_jax.evaluation.runs import PROTOCOLS, parse_checkpoint
 from posenc_jax.evaluation.windows import WINDOWS
 
@@ -44,10 +49,10 @@ PROG = "evaluate"
 
 
 def _lengths(text: str) -> tuple[int, ...]:
-  """An ``argparse`` type: comma-separated positive integers, increasing."""
+  """Comma-separated positive integers, increasing."""
   lengths = tuple(cli.positive_int(part) for part in text.split(","))
   if any(b <= a for a, b in zip(lengths, lengths[1:])):
-    raise argparse.ArgumentTypeError(f"got {text}; allowed: increasing lengths, no repeats")
+    raise ValueError(f"got {text}; allowed: increasing lengths, no repeats")
   return lengths
 
 
@@ -55,69 +60,99 @@ def _checkpoint(text: str) -> str | int:
   try:
     return parse_checkpoint(text)
   except ValueError:
-    raise argparse.ArgumentTypeError(f"got {text!r}; allowed: latest, best or a saved "
-                                     "step") from None
+    raise ValueError(f"got {text!r}; allowed: latest, best or a saved step") from None
 
 
 def _non_negative(text: str) -> int:
-  """An ``argparse`` type: an integer >= 0."""
+  """An integer >= 0."""
   try:
     value = int(text)
   except ValueError:
     value = -1
   if value < 0:
-    raise argparse.ArgumentTypeError(f"got {text!r}; allowed: a non-negative integer")
+    raise ValueError(f"got {text!r}; allowed: a non-negative integer")
   return value
 
+
+class _Parser(flags.ArgumentParser):
+  """An absl flag parser from a function of the flag's text that raises ``ValueError`` or, as
+  :func:`posenc_jax.cli.positive_int` and :func:`posenc_jax.cli.one_of` do,
+  ``argparse.ArgumentTypeError``: both become absl's error naming the flag."""
+
+  def __init__(self, convert: Callable[[str], Any]):
+    self.convert = convert
+
+  def parse(self, argument: str) -> Any:
+    try:
+      return self.convert(argument)
+    except argparse.ArgumentTypeError as e:
+      raise ValueError(str(e)) from None
+
+
+# The flags: (name, parser of the text, default, help), in --help's order.
+FLAG_SPECS = (
+    ("workdir", str, None, "a train.py or finetune.py workdir (required)"),
+    ("protocol", cli.one_of(PROTOCOLS), "loss", f"one of {', '.join(PROTOCOLS)}"),
+    ("checkpoint", _checkpoint, "latest",
+     "latest (the newest good one), best (<workdir>/best) or a step"),
+    ("out", str, None, "the output folder (default <workdir>/eval)"),
+    ("split", str, None, "the task split (default validation)"),
+    ("eval_steps", cli.positive_int, None,
+     "loss: batches to evaluate (default the run's eval_steps)"),
+    ("lengths", _lengths, None, "extrapolation, probes: evaluation lengths, e.g. 64,128,256,512 "
+     "(default 1, 2, 4 and 8 times the training length)"),
+    ("windows", cli.one_of(WINDOWS), None,
+     "extrapolation: non_overlapping (default) or sliding (causal LM)"),
+    ("stride", cli.positive_int, None,
+     "extrapolation with --windows=sliding: tokens scored per window"),
+    ("tokens", cli.positive_int, None,
+     "extrapolation: the first N tokens of the split (default 16384)"),
+    ("batch_size", cli.positive_int, None,
+     "extrapolation: windows per step (default: the training batch's tokens)"),
+    ("examples", cli.positive_int, None, "probes: examples scored at each length (default 256)"),
+    ("seed", _non_negative, None,
+     "probes: the examples' seed (default the trainer's held-out one)"),
+    ("mask_seed", _non_negative, None,
+     "extrapolation, masked LM: the stream's masking seed (default 0)"),
+)
 
 # The flags that are protocol options, passed on only when given.
 OPTIONS = ("split", "eval_steps", "lengths", "windows", "stride", "tokens", "batch_size",
            "mask_seed", "examples", "seed")
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-  protocols = "\n".join(textwrap.fill(  # each protocol's first sentence
+def usage() -> str:
+  """``--help``'s opening: this module's docstring, then each protocol's first sentence."""
+  protocols = "\n".join(textwrap.fill(
       " ".join(re.split(r"\.\s", fn.__doc__, maxsplit=1)[0].split()).replace("``", ""),
       width=92, initial_indent=f"  {name:<14}", subsequent_indent=" " * 16)
       for name, fn in PROTOCOLS.items())
-  parser = cli.ArgumentParser(prog=PROG, description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter,
-                              epilog=f"protocols (--protocol):\n{protocols}")
-  parser.add_argument("--workdir", required=True, help="a train.py or finetune.py workdir")
-  parser.add_argument("--protocol", type=cli.one_of(PROTOCOLS), default="loss",
-                      help=f"one of {', '.join(PROTOCOLS)} (default loss)")
-  parser.add_argument("--checkpoint", type=_checkpoint, default="latest",
-                      help="latest (the newest good one), best (<workdir>/best) or a step")
-  parser.add_argument("--out", help="the output folder (default <workdir>/eval)")
-  parser.add_argument("--split", help="the task split (default validation)")
-  parser.add_argument("--eval_steps", type=cli.positive_int,
-                      help="loss: batches to evaluate (default the run's eval_steps)")
-  parser.add_argument("--lengths", type=_lengths,
-                      help="extrapolation, probes: evaluation lengths, e.g. 64,128,256,512 "
-                      "(default 1, 2, 4 and 8 times the training length)")
-  parser.add_argument("--windows", type=cli.one_of(WINDOWS),
-                      help="extrapolation: non_overlapping (default) or sliding (causal LM)")
-  parser.add_argument("--stride", type=cli.positive_int,
-                      help="extrapolation with --windows=sliding: tokens scored per window")
-  parser.add_argument("--tokens", type=cli.positive_int,
-                      help="extrapolation: the first N tokens of the split (default 16384)")
-  parser.add_argument("--batch_size", type=cli.positive_int,
-                      help="extrapolation: windows per step (default: the training batch's "
-                      "tokens)")
-  parser.add_argument("--examples", type=cli.positive_int,
-                      help="probes: examples scored at each length (default 256)")
-  parser.add_argument("--seed", type=_non_negative,
-                      help="probes: the examples' seed (default the trainer's held-out one)")
-  parser.add_argument("--mask_seed", type=_non_negative,
-                      help="extrapolation, masked LM: the stream's masking seed (default 0)")
-  return parser.parse_args(argv)
+  return f"{__doc__.rstrip()}\n\nProtocols (--protocol):\n{protocols}"
+
+
+def parse_args(argv: Sequence[str]) -> types.SimpleNamespace:
+  """The flags of the command line ``argv`` (without the program's name), one attribute each,
+  parsed into flags of their own (not absl's global ``FLAGS``: any number of command lines
+  parse in one process). ``--help`` prints the usage and the flags (:mod:`posenc_jax.usage`,
+  as compare's) and exits with status 0; a bad or unknown flag, a stray argument or no
+  ``--workdir`` ends the process with one line ``evaluate: ...`` (exit status 1)."""
+  fv = flags.FlagValues()
+  for name, convert, default, help_text in FLAG_SPECS:
+    flags.DEFINE(_Parser(convert), name, default, help_text, flag_values=fv)
+  rest = cli.flags_parser(PROG, config_flag=None, fv=fv,
+                          help=usage_lib.helper(PROG, usage(), configs=()))([PROG, *argv])
+  if rest[1:]:
+    sys.exit(f"{PROG}: unexpected argument {rest[1]!r}")
+  if not fv.workdir:
+    sys.exit(f"{PROG}: --workdir is required")
+  return types.SimpleNamespace(**fv.flag_values_dict())
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
   """Runs the command line ``argv`` (default ``sys.argv[1:]``); returns the document.
-  Errors end the process with one line ``evaluate: <field>: ...`` (exit status 1, or 2 for
-  a malformed flag)."""
-  args = parse_args(argv)
+  Errors, a malformed flag's included, end the process with one line ``evaluate: <field>:
+  ...`` and exit status 1."""
+  args = parse_args(sys.argv[1:] if argv is None else argv)
   options = {k: getattr(args, k) for k in OPTIONS if getattr(args, k) is not None}
   from absl import logging  # noqa: PLC0415
 

@@ -113,13 +113,15 @@ def test_the_real_tensorflow_starts_without_its_notices():
 
 
 # Each command's output into a pipe whose reader has gone (``| head`` that has its lines):
-# the command that prints a lot, and one of each kind of entry point (absl flags, argparse).
+# the command that prints a lot, and one of each kind of entry point (absl's app.run, absl
+# flags parsed by main, argparse).
 CLOSED_PIPE_COMMANDS = [
     ["-m", "posenc_jax.compare", "--config=configs/compare.py:extrapolation", "--workdir=cmp",
      "--dry_run"],
     ["train.py", "--help"],
     ["-m", "posenc_jax.evaluate", "--help"],
     ["-m", "posenc_jax.params", "--table=diet6"],
+    ["-m", "posenc_jax.benchmarks.steps", "--help"],
 ]
 
 

@@ -309,9 +309,12 @@ def test_a_gs_workdir_is_read_and_written_through_epath(bucket, tmp_path):  # no
 
 
 def _cli(argv, capsys) -> tuple[int, str]:
+  """``evaluate.main(argv)``'s exit status and error line: a flag's line is the exit's own
+  message (``sys.exit(line)``, status 1, as the absl tools exit), the others are printed."""
   with pytest.raises(SystemExit) as exit_info:
     evaluate_cli.main(argv)
-  return exit_info.value.code, capsys.readouterr().err.strip()
+  code = exit_info.value.code
+  return (1, code) if isinstance(code, str) else (code, capsys.readouterr().err.strip())
 
 
 def test_cli_runs_and_prints_the_protocol(lm_run, tmp_path, capsys):
@@ -404,12 +407,20 @@ def test_cli_errors_are_one_line_naming_the_field(lm_run, mlm_run, tmp_path, cap
   (no_checkpoints / "config.json").write_text((epath.Path(lm) / "config.json").read_text())
   (tmp_path / "file").write_text("")
   cases = [
-      ([f"--workdir={lm}", "--protocol=probe"], 2, "evaluate: --protocol: got 'probe'"),
-      ([f"--workdir={lm}", "--lengths=64,32"], 2, "evaluate: --lengths: got 64,32; allowed: "
+      ([f"--workdir={lm}", "--protocol=probe"], 1, "evaluate: --protocol: got 'probe'"),
+      ([f"--workdir={lm}", "--lengths=64,32"], 1, "evaluate: --lengths: got 64,32; allowed: "
        "increasing"),
-      ([f"--workdir={lm}", "--lengths=32,32"], 2, "evaluate: --lengths: got 32,32"),
-      ([f"--workdir={lm}", "--lengths=0,32"], 2, "evaluate: --lengths: got 0"),
-      ([f"--workdir={lm}", "--checkpoint=last"], 2, "evaluate: --checkpoint: got 'last'"),
+      ([f"--workdir={lm}", "--lengths=32,32"], 1, "evaluate: --lengths: got 32,32"),
+      ([f"--workdir={lm}", "--lengths=0,32"], 1, "evaluate: --lengths: got 0"),
+      ([f"--workdir={lm}", "--checkpoint=last"], 1, "evaluate: --checkpoint: got 'last'"),
+      ([f"--workdir={lm}", "--seed=-1"], 1, "evaluate: --seed: got '-1'; allowed: a "
+       "non-negative"),
+      ([f"--workdir={lm}", "--windows=slide"], 1, "evaluate: --windows: got 'slide'; did you "
+       "mean 'sliding'?"),
+      ([f"--workdir={lm}", "--workdi=x"], 1, "evaluate: Unknown command line flag 'workdi'. "
+       "Did you mean: workdir"),
+      ([f"--workdir={lm}", "extra"], 1, "evaluate: unexpected argument 'extra'"),
+      ([], 1, "evaluate: --workdir is required"),
       ([f"--workdir={lm}", "--lengths=32"], 1, "evaluate: lengths: not an option of protocol "
        "'loss'"),
       ([f"--workdir={tmp_path / 'empty'}"], 1, "evaluate: workdir: "),
@@ -545,6 +556,81 @@ def test_help_lists_every_protocol(capsys):
   with pytest.raises(SystemExit) as exit_info:
     evaluate_cli.parse_args(["--help"])
   text = capsys.readouterr().out
-  assert exit_info.value.code == 0 and "protocols (--protocol):" in text
+  assert exit_info.value.code == 0 and "\nProtocols (--protocol):\n" in text
   for name in ("loss", "extrapolation", "probes"):
     assert f"\n  {name:<14}" in text
+
+
+def test_parse_args_keeps_no_state_between_command_lines():
+  first = evaluate_cli.parse_args(["--workdir=a", "--protocol=extrapolation", "--lengths=8,16",
+                                   "--checkpoint=7"])
+  assert (first.workdir, first.protocol, first.lengths, first.checkpoint) == (
+      "a", "extrapolation", (8, 16), 7)
+  second = evaluate_cli.parse_args(["--workdir", "b"])  # absl's two-word form too
+  assert (second.workdir, second.protocol, second.lengths, second.checkpoint) == (
+      "b", "loss", None, "latest")
+
+
+def test_the_command_lines_compare_plans_parse_to_their_options():
+  """compare runs the evaluate tool as ``--flag=value`` command lines
+  (:func:`posenc_jax.comparison.plan.cells`): each parses to the evaluation it stands for."""
+  from posenc_jax.comparison import plan  # noqa: PLC0415
+  from posenc_jax.configs.compare import EXPERIMENTS, get_config  # noqa: PLC0415
+
+  steps = []
+  for experiment in EXPERIMENTS:
+    config = get_config(experiment)
+    config.evaluate.update(dict(windows="non_overlapping,sliding", stride=64, tokens=4096))
+    steps += [s for c in plan.cells(config, "/tmp/root") for s in c.steps if s.evaluation]
+  assert {s.evaluation[0] for s in steps} == {"extrapolation", "probes"}
+  for step in steps:
+    args = evaluate_cli.parse_args(list(step.argv[1:]))
+    protocol, options = step.evaluation
+    assert (args.workdir, args.protocol) == (step.workdir, protocol)
+    assert {k: getattr(args, k) for k in options} == options, step.argv
+
+
+def _flags_section(text: str) -> dict[str, str]:
+  """``--help``'s "Flags:" section as ``{name: line}``; every line of it is ``  --name: ...``."""
+  section = text.partition("\nFlags:\n")[2].partition("\n\n")[0].splitlines()
+  assert section and all(line.startswith("  --") and ": " in line for line in section), section
+  return {line.split(":")[0].strip().removeprefix("--"): line for line in section}
+
+
+def test_compare_and_evaluate_share_the_help_layout_and_the_bad_flag_line(tmp_path):
+  """One flag family: ``--help`` is the module's usage first, then "Flags:" with one line per
+  flag and its help; a malformed or unknown flag is one line naming it, status 1 for both."""
+  from posenc_jax import compare as compare_cli  # noqa: PLC0415
+
+  def run(*argv):
+    return forked_cli.run(["-m", *argv], cwd=str(tmp_path), timeout=120)
+
+  helps = {"compare": run("posenc_jax.compare", "--help"),
+           "evaluate": run("posenc_jax.evaluate", "--help")}
+  for module, proc in zip((compare_cli, evaluate_cli), helps.values()):
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr[-2000:]
+    assert proc.stdout.startswith(f"{module.__doc__.rstrip()}\n\n"), proc.stdout[:300]
+  assert {"config", "workdir", "collect", "dry_run"} <= set(_flags_section(
+      helps["compare"].stdout))
+  listed = _flags_section(helps["evaluate"].stdout)
+  assert list(listed) == [name for name, *_ in evaluate_cli.FLAG_SPECS]
+  for name, _, default, help_text in evaluate_cli.FLAG_SPECS:
+    assert listed[name].startswith(f"  --{name}: {help_text}"), listed[name]
+    assert listed[name].endswith(f"(default: {default})") == (default is not None)
+  assert helps["evaluate"].stdout.index("\nProtocols (--protocol):\n") < helps[
+      "evaluate"].stdout.index("\nFlags:\n")
+  for argv, line in [
+      (["posenc_jax.compare", "--dry_run=maybe"], "compare: --dry_run=maybe: "),
+      (["posenc_jax.compare", "--workdi=x"], "compare: Unknown command line flag 'workdi'. "
+       "Did you mean: workdir"),
+      (["posenc_jax.evaluate", "--workdir=x", "--lengths=3,2"], "evaluate: --lengths: got 3,2; "
+       "allowed: increasing lengths, no repeats"),
+      (["posenc_jax.evaluate", "--workdir=x", "--protocol=nope"], "evaluate: --protocol: got "
+       "'nope'; allowed: loss, extrapolation, probes"),
+      (["posenc_jax.evaluate", "--workdi=x"], "evaluate: Unknown command line flag 'workdi'. "
+       "Did you mean: workdir"),
+  ]:
+    proc = run(*argv)
+    assert (proc.returncode, proc.stdout) == (1, ""), (argv, proc.stderr[-2000:])
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith(line), (argv, proc.stderr)
+  assert not list(tmp_path.iterdir())  # nothing written
