@@ -1,4 +1,4 @@
-"""A grid of schemes x seeds (x sizes) run through train.py, finetune.py and the evaluate
+r"""A grid of schemes x seeds (x sizes) run through train.py, finetune.py and the evaluate
 tool, and the papers' tables built from the runs:
 
   python -m posenc_jax.compare --config=configs/compare.py:extrapolation --workdir=/tmp/cmp
@@ -13,9 +13,12 @@ subprocesses whose output goes to ``ROOT/<scheme>/seed<k>/log.txt``; one progres
 cell. A finished cell (``cell.json``) is not rerun and an unfinished one resumes, so a
 killed compare is restarted with the same command; SIGTERM or Ctrl-C goes to the running
 step too (train.py saves the step it is at), and compare stops with the step's status; a failed cell is reported and the others
-go on (exit status 1 at the end). Then ``ROOT/results.json`` (every run's numbers and the
-tables), ``ROOT/results.md`` (median (min-max) over seeds per scheme and task or length,
-cost beside it) and PNG curves are written. ``--collect [DIR...]`` builds the same from
+go on (exit status 1 at the end). A cell keeps what its evaluation needs: while it trains,
+one checkpoint (enough to resume it), and once finished, its final parameters only, without
+the optimizer state (``--config.keep=all``: every checkpoint train.py keeps). Then
+``ROOT/results.json`` (every run's numbers and the tables), ``ROOT/results.md`` (median
+(min-max) over seeds per scheme and task or length, cost beside it) and PNG curves are
+written. ``--collect [DIR...]`` builds the same from
 workdirs made elsewhere (a cluster; ``gs://`` works), written into ``--workdir``; without
 ``--config`` it keeps the experiment (title, row order, evaluation settings) of the
 ``results.json`` already there. A table holds the runs evaluated with one set of settings
@@ -249,6 +252,8 @@ FIELDS = (
     ("evaluate.tokens", "validation tokens scored at every length"),
     ("cost.enabled", "time each scheme's train step against the baseline"),
     ("cost.lengths", "the lengths timed (empty: training and longest evaluated)"),
+    ("keep", "what a cell keeps: params (one checkpoint while it trains, then its final "
+     "parameters only, no optimizer state) or all (every checkpoint train.py keeps)"),
 )
 STRONGER = """\
 Stronger experiments: raise --config.seeds (5 or more seeds make ranges that can separate),

@@ -4,6 +4,7 @@ without a collision, and the config.json guard."""
 
 import json
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from posenc_jax.training import workdir as workdir_lib
 from posenc_jax.training.checkpoint import (BackgroundSaveError, Checkpointer, CheckpointError,
                                             damage, fingerprints, restore_params)
 from posenc_jax.training.config import TrainConfigError, base_train_config
+from tests.test_remote_workdir import bucket  # noqa: F401 - the fake gs:// fixture
 
 
 def _state(value: float) -> dict:
@@ -190,27 +192,46 @@ def test_an_unwritable_checkpoint_folder_is_refused_at_once(tmp_path):
     Checkpointer(str(tmp_path), save_interval_steps=1)
 
 
-def test_a_failed_background_save_is_one_error_at_close(tmp_path, monkeypatch):
+def test_a_failed_background_save_is_one_error_at_close(tmp_path):
   """The last save of a run fails in the background (after the folder's probe passed, as a
   remote store may fail): closing says so in one line, and releases Orbax's writer threads
   that waited for the folders the save never made (else they hold the interpreter's exit
-  for 300 s)."""
-  before = set(threading.enumerate())
-  checkpointer = Checkpointer(str(tmp_path), save_interval_steps=1)
-  checkpointer.save(1, _state(1.0), {"step": 1}, force=True)
-  checkpointer.wait()
-  shutil.move(tmp_path / "checkpoints", tmp_path / "moved")
-  (tmp_path / "checkpoints").write_text("no longer a folder")
-  monkeypatch.setattr(checkpoint_lib, "check_writable", lambda directory, field: None)
-  checkpointer.save(2, _state(2.0), {"step": 2}, force=True)
-  with pytest.raises(BackgroundSaveError, match=r"^checkpoints: a save to .* failed \(.*\); "
-                                                r"stopping: no complete checkpoint is left"):
-    checkpointer.close()
-  deadline = time.monotonic() + 30
-  while (writers := [t.name for t in set(threading.enumerate()) - before
-                     if isinstance(t, future._SignalingThread)]) and time.monotonic() < deadline:
-    time.sleep(0.1)
-  assert not writers
+  for 300 s). In a process of its own, as a run: nothing is printed after it (no warnings
+  for the save's abandoned coroutines at exit)."""
+  code = f"""
+import shutil, threading, time, jax.numpy as jnp
+from orbax.checkpoint._src.futures import future
+from posenc_jax.training import checkpoint
+root = {str(tmp_path)!r}
+state = lambda v: {{"params": {{"w": jnp.full((3, 4), v)}}, "step": jnp.int32(v)}}
+before = set(threading.enumerate())
+checkpointer = checkpoint.Checkpointer(root, save_interval_steps=1)
+checkpointer.save(1, state(1.0), {{"step": 1}}, force=True)
+checkpointer.wait()
+shutil.move(root + "/checkpoints", root + "/moved")
+open(root + "/checkpoints", "w").write("no longer a folder")
+checkpoint.check_writable = lambda directory, field: None
+checkpointer.save(2, state(2.0), {{"step": 2}}, force=True)
+try:
+  checkpointer.close()
+except checkpoint.BackgroundSaveError as e:
+  print(e)
+deadline = time.monotonic() + 30
+while (writers := [t for t in set(threading.enumerate()) - before
+                   if isinstance(t, future._SignalingThread)]) and time.monotonic() < deadline:
+  time.sleep(0.1)
+print("writers left", len(writers))
+"""
+  start = time.monotonic()
+  proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                        env={"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"}, timeout=300)
+  assert time.monotonic() - start < 120  # not Orbax's 300 s coordination timeout
+  lines = proc.stdout.splitlines()
+  assert re.match(r"^checkpoints: a save to .* failed \(.*\); stopping: no complete "
+                  r"checkpoint is left", lines[0]), proc.stdout + proc.stderr[-3000:]
+  assert lines[1:] == ["writers left 0"]
+  for noise in ("never awaited", "Traceback"):
+    assert noise not in proc.stderr, proc.stderr[-3000:]
 
 
 def _config(rank=8, total_steps=10) -> ml_collections.ConfigDict:
@@ -245,3 +266,142 @@ def test_checkpoints_without_a_config_are_not_adopted(tmp_path):
   (tmp_path / "parent_is_a_file").write_text("")
   with pytest.raises(TrainConfigError, match="^workdir: .* cannot be created: .* is a file"):
     workdir_lib.claim(str(tmp_path / "parent_is_a_file" / "run"), _config())
+
+
+def _trainer_state(value: float) -> dict:
+  """:func:`_state` with an optimizer state (Adam's two moments), as the trainer saves."""
+  return _state(value) | {"opt_state": {"mu": jnp.full((3, 4), 0.5 * value),
+                                        "nu": jnp.full((3, 4), 0.25 * value)}}
+
+
+def _trained(workdir, steps=(1, 2)) -> dict:
+  """Checkpoints of a run with an optimizer state (the parameters of the last step
+  returned, on the host)."""
+  checkpointer = Checkpointer(str(workdir), save_interval_steps=1, async_save=False)
+  for step in steps:
+    state = _trainer_state(float(step))
+    checkpointer.save(step, state, {"step": step}, force=True)
+  checkpointer.close()
+  return jax.device_get(state["params"])
+
+
+def _size(folder: pathlib.Path) -> int:
+  return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def _assert_params_only(workdir, params, step=2):
+  """``workdir`` holds one checkpoint, ``step``, of ``params`` alone (no optimizer state, no
+  input state), bit for bit, marked so."""
+  assert [p.name for p in (workdir / "checkpoints").iterdir()] == [str(step)]
+  assert not (workdir / checkpoint_lib.SWAP).exists()
+  manager = checkpoint_lib._open(str(workdir), "workdir")  # noqa: SLF001
+  metadata = manager.item_metadata(step)["state"]
+  manager.close()
+  assert set(metadata.tree) == {"params"}
+  assert not (workdir / "checkpoints" / str(step) / "input").exists()
+  assert checkpoint_lib._params_only(str(workdir), step)  # noqa: SLF001
+  saved, restored = restore_params(str(workdir))  # fingerprints verified
+  assert saved == step and jax.tree.map(lambda a, b: (a.dtype, a.tobytes()) == (
+      b.dtype, b.tobytes()), jax.device_get(restored), params) == {"b": True, "w": True}
+
+
+def test_keep_params_only_keeps_the_final_params_bit_exact_and_nothing_else(tmp_path):
+  params = _trained(tmp_path)
+  before = _size(tmp_path / "checkpoints" / "2")
+  assert checkpoint_lib.keep_params_only(str(tmp_path)) == 2
+  _assert_params_only(tmp_path, params)
+  assert _size(tmp_path / "checkpoints" / "2") < before
+  assert set(json.loads((tmp_path / "checkpoints/2/data/metadata").read_text())[
+      "fingerprints"]) == {"params/w", "params/b"}  # the optimizer state's are gone too
+  assert checkpoint_lib.keep_params_only(str(tmp_path)) == 2  # already compact: left as is
+  _assert_params_only(tmp_path, params)
+  assert checkpoint_lib.keep_params_only(str(tmp_path / "nothing_saved")) is None
+
+  # Training refuses to resume from it, in one line, and leaves it where it is.
+  checkpointer = Checkpointer(str(tmp_path), save_interval_steps=1, async_save=False)
+  with pytest.raises(CheckpointError, match=r"^checkpoints: step 2 in .* holds the parameters "
+                                            r"only .* training cannot resume from it; train in"):
+    checkpointer.restore_latest(_abstract(_trainer_state(0.0)))
+  checkpointer.close()
+  _assert_params_only(tmp_path, params)
+
+
+def test_keep_params_only_leaves_an_object_store_whole(bucket):
+  root, _ = bucket
+  (root / "run" / "checkpoints" / "2").mkdir(parents=True)
+  with pytest.raises(CheckpointError, match=r"^workdir: gs://bucket/run is in an object store, "
+                                            r"which moves a folder file by file: its "
+                                            r"checkpoints are left whole"):
+    checkpoint_lib.keep_params_only("gs://bucket/run")
+  assert checkpoint_lib.keep_params_only("gs://bucket/nothing_saved") is None
+
+
+class Killed(BaseException):
+  """A kill, simulated: nothing in the code under test catches it."""
+
+
+def _write_fails(monkeypatch, tmp_path):
+  async def no_space(self, *args, **kwargs):
+    raise OSError(28, "No space left on device")
+  for handler in (checkpoint_lib.ocp.PyTreeCheckpointHandler,
+                  checkpoint_lib.ocp.JsonCheckpointHandler):  # no write left in flight
+    monkeypatch.setattr(handler, "async_save", no_space)
+  with pytest.raises(CheckpointError, match=r"^workdir: writing the parameters of step 2 to "
+                                            r".*checkpoints.swap failed \(.*No space left on "
+                                            r"device\); .*checkpoints is left whole$"):
+    checkpoint_lib.keep_params_only(str(tmp_path))
+
+
+def _killed_writing(monkeypatch, tmp_path):
+  """Orbax's half-written step, as a kill leaves it (a folder named as temporary)."""
+  del monkeypatch
+  half = tmp_path / checkpoint_lib.SWAP / "2.orbax-checkpoint-tmp-123"
+  shutil.copytree(tmp_path / "checkpoints" / "2", half)
+  _truncate(half)
+
+
+def _killed_after_the_swap(monkeypatch, tmp_path):
+  swap_in = checkpoint_lib._swap_in  # noqa: SLF001
+
+  def then_killed(new, live):
+    swap_in(new, live)
+    raise Killed
+  monkeypatch.setattr(checkpoint_lib, "_swap_in", then_killed)
+  with pytest.raises(Killed):
+    checkpoint_lib.keep_params_only(str(tmp_path))
+  assert (tmp_path / checkpoint_lib.SWAP / "2" / "state").is_dir()  # the old step, whole
+
+
+def _killed_between_renames(monkeypatch, tmp_path):
+  """Where the file system cannot exchange two folders in one step."""
+  monkeypatch.setattr(checkpoint_lib, "_exchange", lambda a, b: False)
+  rename, live = pathlib.Path.rename, tmp_path / "checkpoints" / "2"
+
+  def killed_moving_in(self, target):  # after the old step moved out
+    if pathlib.Path(target) == live:
+      raise Killed
+    return rename(self, target)
+  monkeypatch.setattr(type(checkpoint_lib.epath.Path(tmp_path)), "rename", killed_moving_in)
+  with pytest.raises(Killed):
+    checkpoint_lib.keep_params_only(str(tmp_path))
+  monkeypatch.undo()
+  assert not (tmp_path / "checkpoints" / "2").exists()  # the one moment without it ...
+  assert (tmp_path / checkpoint_lib.SWAP / "2" / "state").is_dir()  # ... the new step whole
+
+
+@pytest.mark.parametrize("failure", [_write_fails, _killed_writing, _killed_after_the_swap,
+                                     _killed_between_renames])
+def test_keep_params_only_stopped_anywhere_leaves_a_checkpoint_the_next_call_finishes(
+    tmp_path, monkeypatch, failure):
+  params = _trained(tmp_path)
+  failure(monkeypatch, tmp_path)
+  monkeypatch.undo()
+  if failure is not _killed_between_renames:  # ... which the next call ends
+    step, restored = restore_params(str(tmp_path))
+    assert step == 2 and float(restored["w"][1, 1]) == float(params["w"][1, 1])
+  if failure in (_write_fails, _killed_writing):  # the old step, optimizer state and all
+    checkpointer = Checkpointer(str(tmp_path), save_interval_steps=1, async_save=False)
+    assert checkpointer.restore_latest(_abstract(_trainer_state(0.0)))[0] == 2
+    checkpointer.close()
+  assert checkpoint_lib.keep_params_only(str(tmp_path)) == 2
+  _assert_params_only(tmp_path, params)

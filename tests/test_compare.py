@@ -9,9 +9,11 @@ import dataclasses
 import importlib.util
 import json
 import os
+import pathlib
 import re
 import shutil
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -25,9 +27,13 @@ from posenc_jax.comparison import collect, plan, report, run
 from posenc_jax.configs.compare import get_config
 from posenc_jax.evaluation import report as evaluation_report
 from posenc_jax.presets import preset_config
+from posenc_jax.training import checkpoint as checkpoint_lib
 from posenc_jax.training.workdir import resolved_model
 from tests import forked_cli
+from tests.test_checkpoint import _assert_params_only, _trained
 from tests.test_remote_workdir import bucket  # noqa: F401 - the fake gs:// fixture
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # Each (scheme, seed, task)'s best dev score; bert's supersense seeds: 0.5, 0.7, 0.6.
 SCORES = {("bert", 0): (0.5, 0.8), ("bert", 1): (0.7, 0.9), ("bert", 2): (0.6, 0.85),
@@ -196,23 +202,30 @@ def test_probe_tables_are_one_per_probe_with_accuracy_per_length_and_chance(tmp_
                                                                    "seed": 1000003},
              "examples": 256, "seed": 1000003, "probe": {"name": "copy", "alphabet": 32,
                                                          "reverse": probe == "reverse"},
-             "rows": [{"length": 64, "accuracy": accuracy, "chance": 32.0 ** -31, "na": None},
-                      {"length": 128, "accuracy": 0.1, "chance": 32.0 ** -63, "na": None}]}
+             "rows": [{"length": 64, "accuracy": accuracy, "token_accuracy": 0.99,
+                       "chance": 32.0 ** -31, "na": None},
+                      {"length": 128, "accuracy": 0.1, "token_accuracy": 0.4,
+                       "chance": 32.0 ** -63, "na": None}]}
       fake_run(tmp_path / scheme / "seed0" / probe, scheme, 0, task=f"probe:{probe}",
                objective="lm", evals=[doc])
   config = get_config("synthetic")
-  config.tasks = "copy,reverse"
+  config.update(dict(tasks="copy,reverse", schemes="rope,alibi"))
   summary = compare_cli.summarise(collect.collect([str(tmp_path)]), [], config)
   assert [(t["title"], [r["label"] for r in t["rows"]]) for t in summary["tables"]] == [
-      ("probe copy", ["rope", "alibi"]), ("probe reverse", ["rope", "alibi"])]
+      ("probe copy", ["rope", "alibi"]), ("probe copy (answer tokens)", ["rope", "alibi"]),
+      ("probe reverse", ["rope", "alibi"]), ("probe reverse (answer tokens)", ["rope", "alibi"])]
   text = report.markdown(summary)
   assert "| chance (reference) | | | ~0 (2.2e-47) | ~0 (1.5e-95) |" in text
   assert "| rope | 1 | 1/1 | 0.9000 | 0.1000 |" in text
-  assert "| alibi | 1 | 0/1 | did not learn (accuracy 0.5000 at 64) | |" in text
-  assert (f"- Learned: accuracy at the training length (64) at least {report.LEARNED_ACCURACY};"
-          in text)
+  # Answer tokens: chance is one symbol of 32; who learned is still judged on whole answers.
+  assert "| chance (reference) | | | 0.0312 | 0.0312 |" in text
+  assert "| rope | 1 | 1/1 | 0.9900 | 0.4000 |" in text
+  assert text.count("| alibi | 1 | 0/1 | did not learn (accuracy 0.5000 at 64) | |") == 4
+  assert (f"- Learned: whole-answer accuracy at the training length (64) at least "
+          f"{report.LEARNED_ACCURACY};" in text)
   assert {p.name for p in map(epath.Path, report.write(str(tmp_path / "out"), summary))} == {
-      "results.json", "results.md", "probe_copy.png", "probe_reverse.png"}
+      "results.json", "results.md", "probe_copy.png", "probe_reverse.png",
+      "probe_copy_answer_tokens.png", "probe_reverse_answer_tokens.png"}
 
 
 def test_a_modified_row_trains_its_scheme_with_the_modifier_and_collects_as_its_own_row(
@@ -229,7 +242,8 @@ def test_a_modified_row_trains_its_scheme_with_the_modifier_and_collects_as_its_
   doc = {"protocol": "probes", "train_length": 21, "settings": {"examples": 256,
                                                                "seed": 1000003},
          "examples": 256, "seed": 1000003, "probe": {"name": "copy"},
-         "rows": [{"length": 21, "accuracy": 1.0, "chance": 0.0, "na": None}]}
+         "rows": [{"length": 21, "accuracy": 1.0, "token_accuracy": 1.0, "chance": 0.0,
+                   "na": None}]}
   for cell in (plain, randomized):
     fake_run(tmp_path / cell.name / "copy", "rope", 0, task="probe:copy", objective="lm",
              evals=[doc])
@@ -293,6 +307,59 @@ def test_a_rerun_reads_finished_cells_from_their_workdirs_again(tmp_path):
   assert not ran
   assert [(r["label"], r["cells"]["64"]["median"]) for r in summary["tables"][0]["rows"]] == [
       ("rope", 3.0), ("alibi", 1.25)]
+
+
+def test_a_finished_cell_keeps_its_final_params_only_unless_told_to_keep_all(tmp_path):
+  """A cell trains keeping one checkpoint and, once finished, keeps its final parameters
+  only; ``keep=all`` keeps what train.py keeps, until a run with the default finds the
+  cell finished (as after a compare killed between cell.json and the compaction)."""
+  config = get_config("extrapolation")
+  config.update(dict(schemes="rope", seeds="0"))
+  config.evaluate.tokens = 4096
+  config.cost.enabled = False
+  saved = {}
+
+  def trained_cell(cell, log):  # train.py's checkpoints (tiny, with an optimizer state)
+    log.write_text("fake\n")
+    fake_run(log.parent / "train", cell.scheme, cell.seed, task="wordnet_glosses_lm",
+             objective="lm", evals=[extrapolation()])
+    saved[cell.folder] = _trained(log.parent / "train")
+
+  (cell,) = plan.cells(config, str(tmp_path / "params"))
+  assert cell.steps[0].params_only and cell.steps[0].argv[-1] == "--config.keep_checkpoints=1"
+  summary = compare_cli.compare(config, str(tmp_path / "params"), trained_cell,
+                                say=lambda s: None)
+  _assert_params_only(tmp_path / "params/rope/seed0/train", saved[cell.folder])
+  assert summary["tables"][0]["rows"][0]["label"] == "rope"  # collected as before
+
+  config.keep = "all"
+  (cell,) = plan.cells(config, str(tmp_path / "all"))
+  assert not cell.steps[0].params_only and "--config.keep_checkpoints=1" not in cell.steps[0].argv
+  compare_cli.compare(config, str(tmp_path / "all"), trained_cell, say=lambda s: None)
+  workdir = tmp_path / "all/rope/seed0/train"
+  assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["1", "2"]
+  assert not checkpoint_lib._params_only(str(workdir), 2)  # noqa: SLF001
+  config.keep = "params"
+  lines = []
+  compare_cli.compare(config, str(tmp_path / "all"), trained_cell, say=lines.append)
+  assert "finished before" in lines[0] and not lines[1].startswith("[1/1]")
+  _assert_params_only(workdir, saved[cell.folder])
+
+  shutil.rmtree(workdir / "checkpoints/2")  # no step left: one line, the cell still finished
+  lines = []
+  summary = compare_cli.compare(config, str(tmp_path / "all"), trained_cell, say=lines.append)
+  assert lines[1].startswith("[1/1] rope/seed0: its checkpoints stay whole: workdir: ")
+  assert "holds no complete checkpoint" in lines[1] and not summary["failed"]
+
+
+def test_a_cell_evaluating_an_older_step_keeps_its_checkpoints():
+  config = get_config("extrapolation")
+  config.evaluate.checkpoint = "100"
+  with pytest.raises(plan.PlanError, match=r"^evaluate.checkpoint: step 100 is not kept: a "
+                                           r"cell keeps its final checkpoint only"):
+    plan.cells(config, "/tmp/unused")
+  config.keep = "all"
+  assert plan.cells(config, "/tmp/unused")
 
 
 def test_the_extrapolation_png_tells_a_dozen_schemes_apart(tmp_path):
@@ -417,6 +484,7 @@ def test_a_failing_step_is_its_status_and_last_line_and_the_log_holds_its_output
      "unknown; did you mean 'randomized_positions'?"),
     ("schemes", "rope+randomized_positions", "randomized_positions: unset, but row "
      "'rope+randomized_positions' needs its value"),
+    ("keep", "param", "keep: got 'param'; did you mean 'params'?; allowed: params, all"),
 ])
 def test_bad_experiment_fields_are_one_line_naming_the_field(field, value, expected):
   config = get_config("extrapolation")
@@ -460,6 +528,28 @@ def test_bad_foreign_input_is_one_line_naming_the_file_and_field(tmp_path, file,
   assert str(error.value).startswith(f"collect: {workdir}/"), error.value
   assert str(error.value).endswith(expected) and "\n" not in str(error.value)
 
+
+@pytest.mark.parametrize("change, expected", [
+    (lambda d: d["probe"].update(alphabet=0),
+     ".json: probe.alphabet: got 0; allowed: a positive integer"),
+    (lambda d: d["probe"].update(digits=4), ".json: probe.digits: not a parameter of probe "
+     "'copy'; allowed: alphabet, reverse, min_symbols"),
+    (lambda d: d["rows"][0].pop("token_accuracy"),
+     ".json: rows[0].token_accuracy: missing; expected a finite number"),
+])
+def test_a_foreign_probe_document_is_one_line_naming_the_file_and_field(tmp_path, change,
+                                                                        expected):
+  workdir = tmp_path / "run"
+  doc = {"protocol": "probes", "train_length": 21, "settings": {"examples": 8, "seed": 1},
+         "examples": 8, "seed": 1, "probe": {"name": "copy", "alphabet": 100},
+         "rows": [{"length": 21, "accuracy": 1.0, "token_accuracy": 1.0, "chance": 0.0,
+                   "na": None}]}
+  change(doc)
+  fake_run(workdir, "rope", 0, task="probe:copy", objective="lm", evals=[doc])
+  with pytest.raises(collect.CollectError) as error:
+    collect.collect([str(tmp_path)])
+  assert str(error.value).startswith(f"collect: {workdir}/"), error.value
+  assert str(error.value).endswith(expected) and "\n" not in str(error.value)
 
 def test_a_foreign_cost_or_results_file_is_one_line_naming_it(tmp_path):
   cost = tmp_path / "cost.json"
@@ -627,6 +717,10 @@ def test_a_real_grid_of_two_schemes_and_two_seeds_trains_collects_and_costs(tmp_
   assert [(r["scheme"], r["seed"], r["objective"]) for r in summary["records"]] == [
       ("alibi", 0, "lm"), ("alibi", 1, "lm"), ("rope", 0, "lm"), ("rope", 1, "lm")]
   assert "$ " in (tmp_path / "rope/seed1/log.txt").read_text()
+  for scheme, seed in (("alibi", 0), ("rope", 1)):  # trained with one checkpoint, then compacted
+    workdir = tmp_path / scheme / f"seed{seed}" / "train"
+    assert [p.name for p in (workdir / "checkpoints").iterdir()] == ["2"]
+    assert checkpoint_lib._params_only(str(workdir), 2)  # noqa: SLF001
   cost = summary["cost"]["rows"]
   assert cost["alibi"]["lengths"]["16"]["memory_ratio"] == 1.0
   assert cost["rope"]["lengths"]["32"]["train_ratio"]["median"] > 0
@@ -765,3 +859,58 @@ def test_sigterm_to_compare_reaches_the_running_step_which_stops_and_leaves_its_
   assert saved.read_text() == "saved"  # the step got the signal and stopped on it
   assert signal.getsignal(signal.SIGTERM) is before
   assert not (tmp_path / "rope/seed0" / run.MARKER).exists()  # a rerun runs the cell again
+
+
+def _processes_naming(text: str) -> list[str]:
+  """The command lines of the running processes that contain ``text``."""
+  found = []
+  for cmdline in pathlib.Path("/proc").glob("[0-9]*/cmdline"):
+    try:
+      line = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:  # the process ended while we looked
+      continue
+    if text in line:
+      found.append(line)
+  return found
+
+
+def test_sigterm_to_a_real_grid_stops_train_py_and_the_same_command_resumes_to_the_same_results(
+    tmp_path):
+  """End to end with train.py and evaluate: SIGTERM to compare while its cell trains leaves no
+  process behind, compare exits with the step's status and one line, and the same command
+  then finishes the grid with the results.json of a grid that was never stopped."""
+  def command(root):
+    return [sys.executable, "-m", "posenc_jax.compare", "--config=configs/compare.py:synthetic",
+            f"--workdir={root}", "--config.schemes=rope", "--config.seeds=0",
+            "--config.lengths=21", "--config.train.total_steps=300",
+            "--config.train.batch_size=8", "--config.train.log_every=50",
+            "--config.train.model.num_layers=1"]
+
+  whole = subprocess.run(command(tmp_path / "whole"), cwd=ROOT, capture_output=True, text=True,
+                         timeout=600)
+  assert whole.returncode == 0, whole.stderr[-3000:]
+  root = tmp_path / "stopped"
+  log = root / "rope" / "seed0" / "log.txt"
+  proc = subprocess.Popen(command(root), cwd=ROOT, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+  deadline = time.monotonic() + 300
+  while not (log.exists() and re.search(r"^step 50/300", log.read_text(), re.M)):
+    assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+    time.sleep(0.05)
+  proc.send_signal(signal.SIGTERM)
+  _, stderr = proc.communicate(timeout=120)
+  assert proc.returncode != 0
+  assert stderr.strip().splitlines()[-1].startswith("compare: stopped by SIGTERM: the running "
+                                                     "step got it and exited"), stderr[-3000:]
+  assert "Traceback" not in stderr
+  assert not _processes_naming(str(root))  # train.py is gone, not training on
+  assert not (root / "rope" / "seed0" / run.MARKER).exists()
+  again = subprocess.run(command(root), cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert again.returncode == 0, again.stderr[-3000:]
+
+  def tables(folder):  # provenance holds wall times and the date, which differ run to run
+    summary = json.loads((folder / "results.json").read_text().replace(str(folder), "ROOT"))
+    summary.pop("provenance")
+    return summary
+
+  assert tables(root) == tables(tmp_path / "whole")

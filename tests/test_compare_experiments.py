@@ -45,6 +45,29 @@ def test_extrapolation_variants_plan_and_their_train_configs_validate(variant):
     assert train.model.max_len >= train.seq_len == 512 and cells[0].size == "bert_small"
 
 
+@pytest.mark.parametrize("variant", ["", *VARIANTS])
+def test_synthetic_variants_plan_and_their_train_configs_validate(variant):
+  """Kazemnejad et al.'s setting: trained on every copy length up to the training length,
+  scored from 1x to 2x; the train.py config each cell asks for validates, its probe and
+  model fields included."""
+  from posenc_jax.configs.probe import get_config as probe_config  # noqa: PLC0415
+
+  config = get_config("synthetic" + (f",{variant}" if variant else ""))
+  cells = plan.cells(config, "/root")
+  checked = plan.check(config)
+  assert len(cells) == len(checked["schemes"]) * len(checked["seeds"])
+  spec = next(a for a in cells[0].steps[0].argv if a.startswith("--config="))
+  train = probe_config(spec.partition(":")[2])
+  train.update(config.train.to_dict())
+  validate_train_config(train)
+  assert train.probe.min_symbols == 1 and train.model.max_len >= checked["lengths"][-1]
+  assert checked["lengths"][0] == train.seq_len and checked["lengths"][-1] == 2 * train.seq_len - 1
+  if variant != "quick":
+    assert len(checked["seeds"]) >= 3
+  if variant in ("all", "gpu"):
+    assert set(checked["schemes"]) == {"none", "t5", "alibi", "rope", "bert"}
+    assert checked["tasks"] == ["copy", "reverse"]
+
 def test_an_unknown_experiment_or_variant_is_one_line():
   with pytest.raises(ValueError, match=r"^config argument: variant 'quik' is unknown; did you "
                      r"mean 'quick'\?"):

@@ -30,6 +30,7 @@ import ml_collections
 from etils import epath
 
 from posenc_jax.comparison import plan
+from posenc_jax.data import probes
 from posenc_jax.presets import scheme_name, size_name
 from posenc_jax.training.workdir import CONFIG_FILE, WorkdirError, read_metrics, saved_config
 
@@ -152,12 +153,17 @@ def check_evaluation(path: epath.Path, doc: Any) -> dict[str, Any]:
     field(path, doc, "examples", "integer")
     field(path, doc, "seed", "integer")
     field(path, field(path, doc, "probe", "object"), "name", "string", where="probe.")
+    try:
+      probes.probe(doc["probe"])
+    except probes.ProbeError as e:
+      raise CollectError(f"collect: {path}: {e}") from None
   for index, row in enumerate(field(path, doc, "rows", "list")):
     where = f"rows[{index}]."
     field(path, row, "length", "integer", where=where)
     field(path, row, key, "number", null=True, where=where)
     field(path, row, "na", "string", null=True, where=where)
     if protocol == "probes":
+      field(path, row, "token_accuracy", "number", null=True, where=where)
       field(path, row, "chance", "number", null=True, where=where)
   return doc
 

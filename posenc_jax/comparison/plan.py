@@ -24,6 +24,8 @@ PROTOCOLS = ("finetune", "extrapolation", "probes")
 # ``rope+randomized_positions`` trains RoPE on randomized position ids drawn from
 # ``[0, config.randomized_positions)`` (Ruoss et al. 2023) beside a plain ``rope`` row.
 MODIFIERS = ("randomized_positions",)
+# What a cell keeps (``config.keep``): its final parameters only, or all its checkpoints.
+KEEP = ("params", "all")
 
 
 class PlanError(ValueError):
@@ -33,12 +35,15 @@ class PlanError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class Step:
   """One command of a cell: ``argv`` (after ``python -m``) that writes ``workdir``; an
-  evaluate step also names its ``evaluation``: ``(protocol, the evaluate tool's options)``."""
+  evaluate step also names its ``evaluation``: ``(protocol, the evaluate tool's options)``;
+  a training step whose checkpoints keep its final parameters only once the cell finished
+  (``keep`` ``params``) has ``params_only``."""
 
   name: str
   workdir: str
   argv: tuple[str, ...]
   evaluation: tuple[str, dict[str, Any]] | None = None
+  params_only: bool = False
 
   def command(self) -> list[str]:
     return [sys.executable, "-m", *self.argv]
@@ -134,7 +139,7 @@ def _rows(config) -> list[str]:
 
 def check(config: ml_collections.ConfigDict) -> dict[str, Any]:
   """The experiment's lists, checked: ``{"protocol", "sizes", "schemes", "baseline", "seeds",
-  "tasks", "lengths"}``; raises :class:`PlanError` naming the first bad field."""
+  "tasks", "keep", "lengths"}``; raises :class:`PlanError` naming the first bad field."""
   if config.get("protocol") not in PROTOCOLS:
     raise PlanError(f"protocol: got {config.get('protocol')!r}; allowed: {', '.join(PROTOCOLS)}")
   schemes = _rows(config)
@@ -142,9 +147,18 @@ def check(config: ml_collections.ConfigDict) -> dict[str, Any]:
   if baseline not in schemes:
     raise PlanError(f"baseline: {baseline!r} is not among the schemes{nearest(baseline, schemes)}"
                     f" schemes: {', '.join(schemes)}")
+  keep = config.get("keep", KEEP[0])  # an experiment of a results.json from before the field
+  if keep not in KEEP:
+    raise PlanError(f"keep: got {keep!r}{nearest(keep, KEEP)} allowed: {', '.join(KEEP)}")
+  checkpoint = config.evaluate.get("checkpoint")
+  if keep == "params" and checkpoint not in (None, "latest", "best"):
+    raise PlanError(f"evaluate.checkpoint: step {checkpoint} is not kept: a cell keeps its "
+                    "final checkpoint only (keep 'params'); allowed: latest or best, or "
+                    "--config.keep=all")
   plan = {"protocol": config.protocol, "sizes": _one_of(config, "sizes", tuple(SIZES)),
           "schemes": schemes, "baseline": baseline,
           "seeds": integers(config, "seeds", positive=False), "tasks": names(config, "tasks"),
+          "keep": keep,
           "lengths": lengths(config) if config.protocol != "finetune" else []}
   if config.protocol != "extrapolation" and not plan["tasks"]:
     raise PlanError(f"tasks: empty; the {config.protocol} protocol runs one per task")
@@ -198,9 +212,18 @@ def _evaluate(workdir: str, protocol: str, lengths_: list[int], options: dict[st
   return Step(f"evaluate {protocol}{windows}", workdir, argv, (protocol, dict(options)))
 
 
+def _one_checkpoint(values: ml_collections.ConfigDict, params_only: bool) -> list[str]:
+  """The flag that makes a training run keep one checkpoint (enough to resume it) when its
+  cell keeps its final parameters only, unless ``values`` (the experiment's ``train`` or
+  ``finetune``) sets ``keep_checkpoints`` itself."""
+  return (["--config.keep_checkpoints=1"]
+          if params_only and values.get("keep_checkpoints") is None else [])
+
+
 def cells(config: ml_collections.ConfigDict, root: str) -> list[Cell]:
   """Every cell of the experiment under ``root``, sizes outermost, then schemes, then seeds."""
   plan = check(config)
+  params_only = plan["keep"] == "params"
   out = []
   for size in plan["sizes"]:
     for scheme in plan["schemes"]:
@@ -209,21 +232,24 @@ def cells(config: ml_collections.ConfigDict, root: str) -> list[Cell]:
         folder = f"{root.rstrip('/')}/{label}/seed{seed}"
         fill = dict(size=size, scheme=scheme_of(scheme))
         train = overrides(config.train) + [f"--config.seed={seed}"] + [
-            f"--config.{m}={config.get(m)}" for m in scheme.split("+")[1:]]
+            f"--config.{m}={config.get(m)}" for m in scheme.split("+")[1:]] + _one_checkpoint(
+                config.train, params_only)
         steps = []
         if plan["protocol"] == "probes":
           for task in plan["tasks"]:
             workdir = f"{folder}/{task}"
             spec = config.train_config.format(**fill, task=task)
             steps.append(Step(f"train {task}", workdir, ("posenc_jax.train", f"--config={spec}",
-                                                         f"--workdir={workdir}", *train)))
+                                                         f"--workdir={workdir}", *train),
+                              params_only=params_only))
             steps += [_evaluate(workdir, "probes", plan["lengths"], options)
                       for options in evaluate_options(config)]
         else:
           workdir = f"{folder}/train"
           spec = config.train_config.format(**fill, task="")
           steps.append(Step("train", workdir, ("posenc_jax.train", f"--config={spec}",
-                                               f"--workdir={workdir}", *train)))
+                                               f"--workdir={workdir}", *train),
+                            params_only=params_only))
         if plan["protocol"] == "extrapolation":
           steps += [_evaluate(workdir, "extrapolation", plan["lengths"], options)
                     for options in evaluate_options(config)]
@@ -233,6 +259,7 @@ def cells(config: ml_collections.ConfigDict, root: str) -> list[Cell]:
             steps.append(Step(f"finetune {task}", f"{folder}/{task}", (
                 "posenc_jax.finetune", f"--config={spec}", f"--init_checkpoint={workdir}",
                 f"--workdir={folder}/{task}", *overrides(config.finetune),
-                f"--config.seed={seed}")))
+                f"--config.seed={seed}", *_one_checkpoint(config.finetune, params_only)),
+                params_only=params_only))
         out.append(Cell(size, scheme, seed, folder, tuple(steps)))
   return out

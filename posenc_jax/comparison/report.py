@@ -7,7 +7,8 @@
   each longer length the ratio ppl(kL)/ppl(L) of each seed, median over seeds; ``n/a`` where
   a scheme cannot reach the length; a unigram row as the reference. A masked LM's loss, or a
   table without the training length, is shown as measured.
-* Probes: per probe and length, the median accuracy; a chance row as the reference.
+* Probes: per probe and length, the median accuracy of whole answers, then of answer tokens
+  (where partial length generalisation shows); a chance row as the reference.
 * Cost (DIET Table 1), beside the first table: step time and peak memory relative to the
   baseline scheme (:mod:`~posenc_jax.comparison.cost`).
 
@@ -33,6 +34,7 @@ from etils import epath
 
 from posenc_jax.comparison import plan
 from posenc_jax.comparison.collect import CURVES, CollectError, evaluations
+from posenc_jax.data import probes
 
 FINETUNE_OBJECTIVES = ("classification", "regression", "span")
 NO_PLOTS = 'no plots (matplotlib missing): pip install "posenc-jax[analysis]"'
@@ -116,24 +118,33 @@ def _learned(protocol: str, value: float | None, limit: float) -> bool:
 
 
 def _curve(protocol: str, task: str, settings: dict[str, Any],
-           members: list[tuple[dict, dict]], order: list[str], sizes: set[str]) -> dict[str, Any]:
-  """The table of one protocol, task and settings from its ``(record, document)`` pairs."""
+           members: list[tuple[dict, dict]], order: list[str], sizes: set[str],
+           answer_tokens: bool = False) -> dict[str, Any]:
+  """The table of one protocol, task and settings from its ``(record, document)`` pairs;
+  for probes, ``answer_tokens``: the fraction of answer tokens right (chance: one symbol
+  guessed), where partial length generalisation shows, instead of whole answers. Whether a
+  probe seed learned is judged by its whole answers either way."""
   name = f"{protocol} of {task}"
   runs = [(r["workdir"], d) for r, d in members]
   train = _agreed([(w, d["train_length"]) for w, d in runs], "train_length", name)
-  key = "value" if protocol == "extrapolation" else "accuracy"
+  key = ("value" if protocol == "extrapolation" else
+         "token_accuracy" if answer_tokens else "accuracy")
   metric = _agreed([(w, d["metric"]) for w, d in runs], "metric", name) if (
-      protocol == "extrapolation") else "accuracy"
-  entries, reasons, references = {}, {}, {}
+      protocol == "extrapolation") else key.replace("_", " ")
+  entries, judged, reasons, references = {}, {}, {}, {}
   for record, doc in members:
     label = _label(record, sizes)
     for row in doc["rows"]:
       column = str(row["length"])
       entries.setdefault(label, {}).setdefault(column, {})[record["seed"]] = row[key]
+      judged.setdefault(label, {}).setdefault(column, {})[record["seed"]] = row[
+          "accuracy" if protocol == "probes" else key]
       if row["na"]:
         reasons.setdefault((label, column), []).append(row["na"])
       if protocol == "probes":
-        references.setdefault(column, []).append((record["workdir"], row["chance"]))
+        chance = (1 / probes.probe(doc["probe"]).answer_symbols() if answer_tokens
+                  else row["chance"])
+        references.setdefault(column, []).append((record["workdir"], chance))
   columns = [str(n) for n in sorted({int(c) for cells in entries.values() for c in cells})]
   base = str(train) if str(train) in columns else None
   about = {"task": task, **settings}
@@ -152,7 +163,8 @@ def _curve(protocol: str, task: str, settings: dict[str, Any],
     reference = {"label": "chance", "values": {
         c: _agreed(references[c], f"chance at {c}", name) for c in columns}}
     limit = LEARNED_ACCURACY
-    criterion = f"accuracy at the training length ({base}) at least {LEARNED_ACCURACY}"
+    criterion = (f"whole-answer accuracy at the training length ({base}) at least "
+                 f"{LEARNED_ACCURACY}")
   if base is None:
     limit = criterion = None
   ratios = protocol == "extrapolation" and metric == "perplexity" and base is not None
@@ -160,7 +172,7 @@ def _curve(protocol: str, task: str, settings: dict[str, Any],
   for label in [lb for lb in order if lb in entries]:
     by_column = entries[label]
     seeds = sorted({s for values in by_column.values() for s in values})
-    at_base = by_column.get(base, {}) if base else {}
+    at_base = judged[label].get(base, {}) if base else {}
     learned = seeds if limit is None else [s for s in seeds
                                            if _learned(protocol, at_base.get(s), limit)]
     values = {c: _cell(by_column.get(c, {}), reasons.get((label, c), []), learned)
@@ -178,7 +190,7 @@ def _curve(protocol: str, task: str, settings: dict[str, Any],
                  "values": values, "in_distribution": _cell(at_base, []) if base else None,
                  "na": unreached})
   title = ("length extrapolation" if protocol == "extrapolation"
-           else f"probe {task.rpartition(':')[2]}")
+           else f"probe {task.rpartition(':')[2]}" + (" (answer tokens)" if answer_tokens else ""))
   table = {"title": title, "protocol": protocol, "task": task, "settings": settings,
            "metric": metric, "columns": columns, "train_length": train, "base": base,
            "ratios": ratios, "criterion": criterion, "reference": reference,
@@ -217,7 +229,7 @@ def _separated_text(table: dict[str, Any]) -> list[str]:
   if not found:
     return []
   column = found["column"]
-  at = f"{column} ({int(column) / table['train_length']:g}x)" if table["train_length"] else column
+  at = f"{column} ({int(column) / table['train_length']:.3g}x)" if table["train_length"] else column
   what = ("the ratio to 1x" if table["ratios"] else table["metric"])
   if len(found["groups"]) == 1:
     return [f"Separated at {at}: no row's seed range stands apart from the others' ({what}); "
@@ -257,8 +269,9 @@ def tables(records: list[dict[str, Any]], schemes: Sequence[str] = (),
     columns = _ordered({r["task"] for r in dev}, tasks)
     table = _table("best dev score", "/".join(metrics), columns, entries, order, {}, True)
     out.append(table | {"protocol": "finetune", "about": _runs(dev)})
-  curves = [_curve(name, task, members[0][1]["settings"], members, order, sizes)
-            for (name, task, _), members in evaluations(records, protocol, evaluate).items()]
+  curves = [_curve(name, task, members[0][1]["settings"], members, order, sizes, tokens)
+            for (name, task, _), members in evaluations(records, protocol, evaluate).items()
+            for tokens in ((False, True) if name == "probes" else (False,))]
   titles = [t["title"] for t in curves]
   for table in curves:  # several tables of one probe or protocol: told apart in the title
     if titles.count(table["title"]) > 1:
@@ -351,7 +364,9 @@ def _about(table: dict[str, Any]) -> list[str]:
                  "themselves are in results.json.")
   else:
     lines.append(f"- Shown: {table['metric']}, {over}" + (
-        "; chance: each answer token guessed among the symbols answers are made of."
+        ("; chance: one answer token guessed among the symbols answers are made of."
+         if table["metric"] == "token accuracy" else
+         "; chance: each answer token guessed among the symbols answers are made of.")
         if table["protocol"] == "probes" else "."))
   return lines
 
@@ -386,7 +401,8 @@ def _row(table: dict[str, Any], row: dict[str, Any]) -> tuple[list[str], list[st
   if row["learned"]:
     return counts, [_text(row["cells"][c]) for c in table["columns"]]
   median = (row["in_distribution"] or {}).get("median")
-  short = "ppl" if table["metric"] == "perplexity" else table["metric"]
+  short = ("ppl" if table["metric"] == "perplexity" else  # a probe is judged on whole answers
+           "accuracy" if table["protocol"] == "probes" else table["metric"])
   said = f"{short} {_number(median)}" if median is not None else f"no {short}"
   return counts, [f"did not learn ({said} at {table['base']})"] + [""] * (
       len(table["columns"]) - 1)
@@ -420,7 +436,7 @@ def markdown(summary: dict[str, Any]) -> str:
     with_cost = index == 0 and cost.get("rows")
     curve = table["protocol"] in CURVES
     train = table.get("train_length")
-    heads = [f"{c} ({int(c) / train:g}x)" if train else c for c in table["columns"]]
+    heads = [f"{c} ({int(c) / train:.3g}x)" if train else c for c in table["columns"]]
     heads += ["average"] if table["rows"] and "average" in table["rows"][0] else []
     cost_lengths = [str(n) for n in cost.get("lengths") or []] if with_cost else []
     heads += [f"step time at {n} (x {base})" for n in cost_lengths]
@@ -511,7 +527,7 @@ def plot(table: dict[str, Any]):
     ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
     ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
     ax.yaxis.set_minor_formatter(NullFormatter())
-  elif table["metric"] == "accuracy":
+  elif table["metric"] in ("accuracy", "token accuracy"):
     ax.set_ylim(-0.02, 1.02)
   ax.set_xlabel("evaluation length (tokens)")
   ax.set_ylabel(f"{table['metric']}\n(median over the seeds that learned; band: min-max)",

@@ -5,7 +5,11 @@ posenc_jax.train``, ``posenc_jax.finetune``, ``posenc_jax.evaluate``) whose outp
 A cell that completes gets ``<cell>/cell.json`` (written atomically: its records, read from
 its workdirs by :mod:`~posenc_jax.comparison.collect`); a rerun skips it and reads its
 records from its workdirs again (an evaluation added since counts). An unfinished cell runs
-again: train.py and finetune.py resume from their checkpoints.
+again: train.py and finetune.py resume from their checkpoints. Once a cell is finished (its
+``cell.json`` written), its training runs keep their final parameters only
+(:func:`keep_final_params`), so a kill at any point leaves no cell that needs what was
+dropped: before ``cell.json`` the cell resumes whole, after it the next run finishes the
+compaction.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from etils import epath
 from posenc_jax.comparison.collect import collect, recorded_seconds
 from posenc_jax.comparison.plan import Cell, Step
 from posenc_jax.comparison.report import write_atomic
+from posenc_jax.messages import first_line
 
 MARKER = "cell.json"
 LOG = "log.txt"
@@ -127,6 +132,22 @@ def missing_evaluations(cell: Cell) -> list[Step]:
   return missing
 
 
+def keep_final_params(cell: Cell, prefix: str, say: Callable[[str], None]) -> None:
+  """Drops what a finished ``cell``'s training runs (its steps with ``params_only``) kept
+  only to resume: each workdir's checkpoints become its final parameters
+  (:func:`posenc_jax.training.checkpoint.keep_params_only`, which also finishes one killed
+  midway). Where that fails, one line (``<prefix>: ...``) says why; the cell stays
+  finished, its checkpoints whole."""
+  from posenc_jax.training.checkpoint import keep_params_only  # noqa: PLC0415 - JAX
+
+  try:
+    for step in cell.steps:
+      if step.params_only:
+        keep_params_only(step.workdir)
+  except (ValueError, OSError) as e:  # CheckpointError is a ValueError
+    say(f"{prefix}: its checkpoints stay whole: {first_line(e)}")
+
+
 def cell_records(cell: Cell) -> list[dict[str, Any]]:
   """The records of ``cell``'s workdirs, labelled with the cell's size, scheme and seed."""
   return [r | {"size": cell.size, "scheme": cell.scheme, "seed": cell.seed}
@@ -137,8 +158,9 @@ def run_grid(cells: list[Cell], run_cell: Callable[[Cell, epath.Path], None] = r
              say: Callable[[str], None] = progress) -> tuple[list[dict[str, Any]], list[dict]]:
   """Runs every cell without a ``cell.json`` through ``run_cell(cell, log_path)`` (and, of
   a finished cell, the evaluations it lacks: :func:`missing_evaluations`), one progress line
-  each; returns the records of all finished cells and the failed cells
-  (``{"cell", "reason", "log"}``).
+  each, then keeps each finished cell's final parameters only (:func:`keep_final_params`);
+  returns the records of all finished cells and the failed cells (``{"cell", "reason",
+  "log"}``).
 
   Raises:
     CollectError: a cell finished before whose workdirs no longer read.
@@ -154,6 +176,7 @@ def run_grid(cells: list[Cell], run_cell: Callable[[Cell, epath.Path], None] = r
       if not missing:
         records += cell_records(cell)
         say(f"{prefix}: finished before ({marker}), not rerun")
+        keep_final_params(cell, prefix, say)  # a run killed after cell.json, before or in it
         continue
       before = recorded_seconds(marker)
       todo = dataclasses.replace(cell, steps=tuple(missing))
@@ -176,4 +199,5 @@ def run_grid(cells: list[Cell], run_cell: Callable[[Cell, epath.Path], None] = r
                                     indent=2, sort_keys=True))
     records += mine
     say(f"{prefix}: done in {seconds:.0f} s")
+    keep_final_params(cell, prefix, say)
   return records, failed

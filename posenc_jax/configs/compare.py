@@ -24,8 +24,15 @@ The argument is the experiment, optionally with a variant: ``<experiment>[,<vari
   NoPE), ``gpu`` (``bert_small`` at 512, 5000 steps of 64, tested to 8192 on 262,144 tokens:
   about an hour on one GPU for the 12 cells). ``--config.train_config=configs/lm.py:{size},
   {scheme},pg19`` runs it on PG-19 (``c4``: C4).
-* ``synthetic``: the probes (``tasks``: copy, reverse, mqar, passkey), one
-  training run per probe, accuracy per length.
+* ``synthetic`` (Kazemnejad et al. 2023): a causal LM per scheme and seed trained on copy at
+  every instance length up to 10 symbols (``seq_len`` 21, ``probe.min_symbols=1``, 100
+  symbols), 4 layers, 64 wide, 4 heads (pre-LN), 4000 steps of 64 at lr 2e-3, then scored
+  on 256 held-out examples of the longest instance at 21, 31 and 41 (1x to 2x): whole
+  answers and answer tokens, 3 seeds of NoPE, ALiBi and RoPE. Variants: ``quick`` (RoPE,
+  1 seed, 1000 steps, 1x and 2x), ``all`` (Kazemnejad et al.'s five: NoPE, T5, ALiBi, RoPE,
+  learned APE, on copy and reverse), ``gpu`` (the five on copy and reverse, 6 layers, 256
+  wide, 8 heads, trained to 40 symbols (``seq_len`` 81), tested to 2x, 20,000 steps of
+  128). ``tasks`` may name any probe (copy, reverse, mqar, passkey): one run per probe.
 
 Lists (``schemes``, ``seeds``, ``sizes``, ``tasks``, ``lengths``) are comma-separated
 strings. ``train_config``, ``finetune_config`` are config specs where ``{size}``,
@@ -39,11 +46,16 @@ the experiment trains (the causal LM of an LM experiment; else the masked-LM BER
 causal LM for a causal-only scheme and the baseline beside it), at ``cost.lengths`` (empty:
 the training length and the longest evaluated length), with the baseline timed against
 itself for the noise.
+
+``keep`` is what a cell keeps on disk: by default (``params``) it trains with one
+checkpoint (``--config.keep_checkpoints=1``, enough to resume a killed cell) and, once
+finished, keeps its final parameters only, without the optimizer state
+(:func:`posenc_jax.training.checkpoint.keep_params_only`): what its evaluation reads.
+``--config.keep=all`` keeps every checkpoint train.py and finetune.py keep.
 """
 
 from ml_collections import config_dict
 
-from posenc_jax.configs.probe import SETTINGS as PROBE_SETTINGS
 from posenc_jax.messages import nearest
 
 # The probe runs' config spec (configs/probe.py), filled in per cell.
@@ -61,6 +73,10 @@ def _base(experiment: str, protocol: str, schemes: str, seeds: str) -> config_di
   config.sizes = "bert_tiny"
   config.train_config = ""
   config.train = config_dict.ConfigDict()
+  # What a cell keeps on disk: "params" (while it trains, one checkpoint, enough to resume it;
+  # once finished, its final parameters only, without the optimizer state) or "all" (every
+  # checkpoint train.py and finetune.py keep, optimizer state included).
+  config.keep = "params"
   config.tasks = ""
   config.finetune_config = ""
   config.finetune = config_dict.ConfigDict()
@@ -83,6 +99,8 @@ PRESS_SCHEMES = "sinusoidal,rope,t5,alibi"
 # Every scheme a causal LM compares today (issue: learned APE, sinusoidal, RoPE, T5, ALiBi,
 # KERPLE, FIRE, xPos, FoX, CoPE, DIET-REL and NoPE): the `all` variant.
 CAUSAL_SCHEMES = "bert,sinusoidal,rope,t5,alibi,kerple_log,fire,xpos,fox,cope,diet_rel,none"
+# Kazemnejad et al. 2023's five (NoPE, T5's bias, ALiBi, RoPE, learned APE): synthetic's `all`.
+KAZEMNEJAD_SCHEMES = "none,t5,alibi,rope,bert"
 # Variants, after the experiment's name: configs/compare.py:<experiment>[,<variant>].
 VARIANTS = ("quick", "all", "gpu")
 
@@ -114,6 +132,37 @@ def _extrapolation(variant: str | None) -> config_dict.ConfigDict:
   return config
 
 
+def _synthetic(variant: str | None) -> config_dict.ConfigDict:
+  """Kazemnejad et al.'s length generalisation on copy (module docstring). The model and
+  budget are the smallest measured at which NoPE, ALiBi and RoPE each copy every held-out
+  answer at the training length on 2 CPU cores (docs/results/synthetic-copy-cpu)."""
+  config = _base("synthetic", "probes", "none,alibi,rope", "0,1,2")
+  config.train_config = PROBE_CONFIG
+  config.train.update(dict(total_steps=4000, seq_len=21, batch_size=64, log_every=500,
+                           eval_every=4000, checkpoint_every=1000,
+                           optimizer=dict(learning_rate=2e-3, warmup_steps=200),
+                           probe=dict(alphabet=100, min_symbols=1)))
+  config.train.model = config_dict.ConfigDict(dict(num_layers=4, num_heads=4, d_model=64,
+                                                   mlp_dim=256, pre_ln=True))
+  config.tasks = "copy"
+  config.lengths = "21,31,41"  # 1x, 1.5x, 2x
+  config.cost.enabled = False  # the step's cost is the extrapolation experiment's question
+  if variant == "quick":  # a smoke run: RoPE (copies every answer by step 1000), one seed
+    config.schemes, config.seeds, config.lengths = "rope", "0", "21,41"
+    config.train.update(dict(total_steps=1000, eval_every=1000, checkpoint_every=1000))
+  elif variant == "all":
+    config.schemes, config.tasks = KAZEMNEJAD_SCHEMES, "copy,reverse"
+  elif variant == "gpu":  # the five on copy and reverse at 40 symbols, tested to 80
+    config.schemes, config.tasks = KAZEMNEJAD_SCHEMES, "copy,reverse"
+    config.train.update(dict(total_steps=20_000, seq_len=81, batch_size=128,
+                             eval_every=20_000, checkpoint_every=2000,
+                             optimizer=dict(learning_rate=1e-3, warmup_steps=1000)))
+    config.train.model.update(dict(num_layers=6, num_heads=8, d_model=256, mlp_dim=1024,
+                                   max_len=256))
+    config.lengths = "81,121,161"
+  return config
+
+
 def get_config(arg="extrapolation"):
   experiment, _, variant = arg.partition(",")
   if experiment not in EXPERIMENTS:
@@ -137,9 +186,4 @@ def get_config(arg="extrapolation"):
     return config
   if arg == "extrapolation":
     return _extrapolation(variant or None)
-  config = _base(arg, "probes", "bert,rope,alibi", "0")
-  config.train_config = PROBE_CONFIG  # its own schedule: copy is learnt in about 500 steps
-  config.train.update({k: PROBE_SETTINGS[k] for k in ("total_steps", "seq_len", "batch_size")})
-  config.tasks = "copy"
-  config.lengths = "32,64,128"
-  return config
+  return _synthetic(variant or None)

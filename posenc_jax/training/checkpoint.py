@@ -24,11 +24,20 @@ inside the step's temporary directory, so it is atomic with the step. Resuming r
 (:meth:`Checkpointer.restore_input`) at a cost independent of the step; a checkpoint without
 it (older runs, data hooks without state, another number of processes) resumes by the step
 number instead.
+
+A finished run's checkpoints can be compacted to what evaluation needs
+(:func:`keep_params_only`, asked by ``python -m posenc_jax.compare`` for its finished cells):
+one step holding the parameters alone, with their fingerprints. Every reader of
+parameters (:func:`restore_params`: the evaluate tool, analysis, ``--init_checkpoint``)
+reads it as before; training refuses to resume from it in one line
+(:meth:`Checkpointer.restore_latest`).
 """
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import errno
 import logging
 import os
 import re
@@ -45,7 +54,7 @@ from etils import epath
 from jax.experimental import multihost_utils
 from orbax.checkpoint._src.futures import future, synchronization
 
-from posenc_jax.cli import absolute
+from posenc_jax.cli import absolute, is_remote
 from posenc_jax.messages import first_line
 from posenc_jax.models.scan import match_layout
 
@@ -78,19 +87,26 @@ def _release_waiting_writers(operation_id: str) -> None:
       future.set_signals(thread._receive_signals, operation_id=operation_id)  # noqa: SLF001
 
 
+# Orbax's logs of one failed save, each with a traceback (its writer threads, its background
+# commit and its finalize thread).
+_SAID_BY_THE_RUN = ("_SignalingThread.run() raised an exception", "in background save thread",
+                    "Save Finalize thread")
+
+
 class _ReportedByTheRun(logging.Filter):
-  """Drops Orbax's log of a failed write in its writer thread (with its traceback): the run
-  reports that failure itself, in one line (:meth:`Checkpointer.wait`, :meth:`Checkpointer.save`)."""
+  """Drops Orbax's logs of a failed save (:data:`_SAID_BY_THE_RUN`): the run reports that
+  failure itself, in one line (:meth:`Checkpointer.wait`, :meth:`Checkpointer.save`)."""
 
   def filter(self, record: logging.LogRecord) -> bool:
-    return "_SignalingThread.run() raised an exception" not in str(record.msg)
+    message = str(record.msg)
+    return not any(said in message for said in _SAID_BY_THE_RUN)
 
 
 def _abandon_failed_save() -> None:
   """After a save failed: the coroutines Orbax had made for the save's other items are never
   awaited, by design; Python would warn about each at exit, after the run's one line."""
   warnings.filterwarnings("ignore", category=RuntimeWarning,
-                          message=r"coroutine '(\w+\.async_save|to_thread)' was never awaited")
+                          message=r"coroutine '.*' was never awaited")
 
 
 def _io_reason(error: BaseException) -> str:
@@ -113,11 +129,11 @@ def _closed_loop_callback(unraisable) -> bool:
           "Event loop is closed" and "call_soon_threadsafe" in frames)
 
 
-def _unreadable(error: BaseException) -> str:
-  """Why a checkpoint did not restore, in one short line (TensorStore's error names the file
-  and then dumps its whole spec, which is cut), and from now on the tracebacks of the failed
-  restore's reads still in flight (each completes after Orbax closed its event loop) are
-  not printed."""
+def _drop_closed_loop_callbacks() -> None:
+  """From now on, the tracebacks of a failed restore's reads (or a failed save's writes)
+  still in flight, each completing after Orbax closed its event loop, are not printed.
+  Installed before each restore (the first such read may land before the failure reaches
+  the caller) and after a failed write."""
   hook = sys.unraisablehook
   if not getattr(hook, "drops_closed_loop_callbacks", False):
     def quiet(unraisable):
@@ -125,6 +141,11 @@ def _unreadable(error: BaseException) -> str:
         hook(unraisable)
     quiet.drops_closed_loop_callbacks = True
     sys.unraisablehook = quiet
+
+
+def _unreadable(error: BaseException) -> str:
+  """Why a checkpoint did not restore, in one short line (TensorStore's error names the file
+  and then dumps its whole spec, which is cut)."""
   text = first_line(error)
   for tail in (" [tensorstore_spec", " See full TensorStore details"):
     text = text.split(tail)[0]
@@ -369,8 +390,20 @@ class Checkpointer:
 
     Args:
       abstract_state: the state's ``jax.ShapeDtypeStruct`` tree with shardings.
+
+    Raises:
+      CheckpointError: the newest step holds the parameters only (:func:`keep_params_only`):
+        whole, but nothing to resume from, so left where it is.
     """
-    for step in sorted(self.manager.all_steps(), reverse=True):
+    _drop_closed_loop_callbacks()
+    steps = sorted(self.manager.all_steps(), reverse=True)
+    if steps and _params_only(self.workdir, steps[0]):
+      raise CheckpointError(
+          f"checkpoints: step {steps[0]} in {self.directory} holds the parameters only (kept so "
+          "by keep_params_only, as a finished compare cell is): it evaluates, and fine-tunes "
+          "through --init_checkpoint, but training cannot resume from it; train in a new "
+          "workdir")
+    for step in steps:
       try:
         restored = self.manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
@@ -496,6 +529,7 @@ def restore_params(workdir: str, abstract_params: Any = None, *, step: int | Non
     step: a saved step; None: the newest good one.
     field: the flag or argument named in errors (``workdir``, ``init_checkpoint``).
   """
+  _drop_closed_loop_callbacks()
   manager = _open(workdir, field)
   unread = _UnreadItem("input")  # the input iterator's state: not needed for parameters
   logging.getLogger("absl").addFilter(unread)  # Orbax logs through absl's logger
@@ -543,3 +577,114 @@ def restore_params(workdir: str, abstract_params: Any = None, *, step: int | Non
     logging.getLogger("absl").removeFilter(unread)
   raise CheckpointError(f"{field}: no checkpoint in {workdir}/checkpoints restores: "
                         f"{'; '.join(errors)}")
+
+
+def _params_only(workdir: str, step: int) -> bool:
+  """Whether checkpoint ``step`` of ``workdir`` holds the parameters alone: its JSON item
+  says ``"params_only": true`` (:func:`keep_params_only`'s mark), read without an Orbax
+  manager; False for one whose JSON does not read (its restore says what is wrong)."""
+  try:
+    data = ocp.JsonCheckpointHandler().restore(
+        epath.Path(absolute(workdir)) / "checkpoints" / str(step) / "data")
+  except (OSError, ValueError):
+    return False
+  return isinstance(data, dict) and data.get("params_only") is True
+
+
+SWAP = "checkpoints.swap"  # beside checkpoints/: keep_params_only's new step, then the old one
+_RENAME_EXCHANGE = 2  # renameat2's flag (<linux/fs.h>): the two paths trade places at once
+_AT_FDCWD = -100  # renameat2's "relative to the working directory" (the paths are absolute)
+
+
+def _exchange(a: epath.Path, b: epath.Path) -> bool:
+  """Swaps the local folders ``a`` and ``b`` in one atomic step (Linux's ``renameat2`` with
+  ``RENAME_EXCHANGE``); False, nothing moved, where the system or its file system cannot."""
+  renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+  if renameat2 is None:
+    return False
+  if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+    return True
+  code = ctypes.get_errno()
+  if code in (errno.EINVAL, errno.ENOSYS):  # EINVAL: this file system cannot exchange
+    return False
+  raise OSError(code, os.strerror(code), os.fspath(b))
+
+
+def _swap_in(new: epath.Path, live: epath.Path) -> None:
+  """Puts the complete folder ``new`` in ``live``'s place and the old one at ``new``'s: one
+  atomic exchange (:func:`_exchange`), else two renames (``live`` to ``<new>.old``, then
+  ``new`` to ``live``), where a kill between the two leaves ``live`` absent and ``new``
+  complete (:func:`_finish_swap` moves it in)."""
+  if not _exchange(new, live):
+    live.rename(new.parent / f"{new.name}.old")
+    new.rename(live)
+
+
+def _finish_swap(live: epath.Path, swap: epath.Path) -> None:
+  """Ends a :func:`keep_params_only` killed midway: a complete step in ``swap`` that
+  ``live`` (the checkpoints folder) lacks (killed between :func:`_swap_in`'s two renames)
+  moves in; the rest of ``swap`` (a step half written, or the old one swapped out) is
+  deleted."""
+  if not swap.exists():
+    return
+  for folder in swap.iterdir():
+    if (folder.name.isdigit() and not (live / folder.name).exists()
+        and ocp.path.step.is_path_finalized(folder)):
+      folder.rename(live / folder.name)
+  swap.rmtree()
+
+
+def keep_params_only(workdir: str) -> int | None:
+  """Compacts ``<workdir>/checkpoints`` to what evaluation needs; returns the step kept, or
+  None for a workdir without ``checkpoints/`` (nothing was saved).
+
+  The newest step that restores and verifies (:func:`restore_params`) is rewritten with its
+  ``params`` alone, bit for bit, and their fingerprints, so readers still verify them (its
+  JSON item marked ``"params_only": true``, which training refuses to resume from); the
+  optimizer state, the step counter and the input iterator's state (what only resuming
+  training reads) are dropped, and so are the other steps. The step is written whole into
+  ``<workdir>/checkpoints.swap/<step>`` (Orbax's atomic save), then swapped with
+  ``checkpoints/<step>`` (:func:`_swap_in`: one atomic exchange on a local Linux file system)
+  and the old one deleted, so a failure or a kill at any point leaves a readable checkpoint,
+  and the next call finishes the job (:func:`_finish_swap`); a step already compacted is
+  left as is. For one process (compare's) and a local workdir: an object store (``gs://``)
+  moves a folder file by file, where a kill midway could leave no readable step.
+
+  Raises:
+    CheckpointError: a ``gs://`` workdir, no step restores, or the new step could not be
+      written (one line; the checkpoints are left whole, what was written of the new step
+      is deleted by the next call).
+  """
+  root = epath.Path(absolute(workdir))
+  live, swap = root / "checkpoints", root / SWAP
+  if not live.is_dir():
+    return None
+  if is_remote(workdir):
+    raise CheckpointError(f"workdir: {workdir} is in an object store, which moves a folder "
+                          "file by file: its checkpoints are left whole (a swap killed midway "
+                          "could leave no readable step)")
+  _finish_swap(live, swap)
+  steps = checkpoint_steps(workdir)
+  kept = steps[-1] if steps and _params_only(workdir, steps[-1]) else None
+  if kept is None:
+    kept, params = restore_params(workdir)
+    check_writable(os.fspath(swap), "workdir")  # else Orbax would wait minutes, not fail
+    try:
+      with ocp.CheckpointManager(swap, options=ocp.CheckpointManagerOptions(
+          create=True, enable_async_checkpointing=False), item_names=("state", "data")) as staging:
+        staging.save(kept, force=True, args=ocp.args.Composite(
+            state=ocp.args.StandardSave({"params": params}),
+            data=ocp.args.JsonSave({"step": kept, "params_only": True,
+                                    "fingerprints": fingerprints({"params": params})})))
+    except Exception as e:  # noqa: BLE001 - a failed write leaves the checkpoints whole
+      # Writes of the failed save may still land in the swap folder: the next call deletes it.
+      _drop_closed_loop_callbacks()
+      _abandon_failed_save()
+      raise CheckpointError(f"workdir: writing the parameters of step {kept} to {swap} failed "
+                            f"({_io_reason(e)}); {live} is left whole") from None
+    _swap_in(swap / str(kept), live / str(kept))
+    swap.rmtree()
+  for step in steps:
+    if step != kept:
+      (live / str(step)).rmtree()
+  return kept
