@@ -294,7 +294,7 @@ def corpus(tables_: list[dict[str, Any]]) -> str | None:
 
 
 def _settings_text(settings: dict[str, Any]) -> str:
-  return ", ".join(f"{k} {v}" for k, v in settings.items())
+  return ", ".join(f"{k} {v}" for k, v in sorted(settings.items()))
 
 
 def _number(value: float) -> str:
@@ -335,7 +335,8 @@ def _about(table: dict[str, Any]) -> list[str]:
       what += (f", split {about['split']}: windows {about['windows']}{stride}, the first "
                f"{about['tokens']} tokens scored at every length{masks}")
     else:
-      probe = ", ".join(f"{k}={v}" for k, v in about["probe"].items() if k != "name")
+      # In key order: results.json is written with sorted keys, and results.md is rebuilt from it.
+      probe = ", ".join(f"{k}={v}" for k, v in sorted(about["probe"].items()) if k != "name")
       what += (f" ({probe}): {about['examples']} examples of seed {about['seed']} at every "
                "length")
     lines.append(what + ".")
