@@ -182,6 +182,18 @@ def test_a_bad_environment_file_stops_train_py_in_one_line(tmp_path, text, probl
   assert proc.stdout == "" and not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("tool", ["steps", "routes", "compile", "pipeline"])
+def test_a_bad_environment_file_stops_each_benchmark_in_one_line(tmp_path, tool):
+  """The benchmarks say it as train.py does, before anything compiles."""
+  path = tmp_path / "missing.json"
+  proc = forked_cli.run(["-m", f"posenc_jax.benchmarks.{tool}"], cwd=str(ROOT), timeout=120,
+                        env={route_table.ENV: str(path)})
+  assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+  assert proc.stderr.strip().splitlines()[-1].startswith(
+      f"posenc_jax.benchmarks.{tool}: POSENC_JAX_ROUTE_TABLE: {path} does not exist"), (
+          proc.stderr[-3000:])
+
+
 # Each way equals the reference route; the kernel is gone where the table materialises.
 
 TOEPLITZ = ["diet_rel", "t5", "alibi", "tupe_r"]

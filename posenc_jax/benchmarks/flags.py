@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from posenc_jax import cli
+from posenc_jax import cli, route_table
 from posenc_jax.models.config import DTYPES
 from posenc_jax.route_plan import ROUTES
 
@@ -25,8 +25,14 @@ def parse_checked(parser: cli.ArgumentParser, argv: Sequence[str] | None,
                   outputs: Sequence[str] = ("json",)) -> argparse.Namespace:
   """``parser``'s flags of ``argv``, each file flag of ``outputs`` that is given checked (its
   folder made) before anything compiles, so no timing is lost to a bad path; a bad one exits
-  with one line ``<prog>: --<flag>: ...``."""
+  with one line ``<prog>: --<flag>: ...``. So does a ``$POSENC_JAX_ROUTE_TABLE`` naming a
+  missing or malformed file (:class:`~posenc_jax.route_table.RouteTableError`, status 1), as
+  train.py, finetune.py and evaluate say it."""
   args = parser.parse_args(argv)
+  try:
+    route_table.points()
+  except route_table.RouteTableError as e:
+    cli.exit_with(parser.prog, e)
   for flag in outputs:
     if getattr(args, flag) is not None:
       try:
