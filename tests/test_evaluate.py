@@ -455,7 +455,7 @@ def test_a_length_that_cannot_fit_is_one_line_before_anything_is_compiled(lm_run
   assert line.startswith("evaluate: lengths: got 1000000000; the step needs about "), line
   assert "allowed: a smaller length (at most about " in line
   assert "extrapolation: length" not in out.stdout  # no length ran
-  assert not list((tmp_path / "eval").iterdir())  # the folder checked, nothing written
+  assert not (tmp_path / "eval").exists()  # the folder it made for the results is gone again
 
 
 @pytest.mark.parametrize("protocol, batch_size, free, field", [

@@ -658,7 +658,8 @@ def evaluate_workdir(workdir: str, protocol: str = "loss", *, checkpoint: str | 
     protocol: a name in :data:`PROTOCOLS`.
     checkpoint: ``"latest"``, ``"best"`` or a saved step.
     out: the folder to write into (checked, and created, once the run is restored, before
-      the protocol runs); never inside ``<workdir>/checkpoints`` or ``<workdir>/best``.
+      the protocol runs; removed again, if it was made and is still empty, when the protocol
+      refuses, e.g. a length whose step would not fit in memory); never inside ``<workdir>/checkpoints`` or ``<workdir>/best``.
     progress: called with one line per stage (None: silent).
     options: the protocol's keyword options (:func:`protocol_options`).
 
@@ -670,10 +671,18 @@ def evaluate_workdir(workdir: str, protocol: str = "loss", *, checkpoint: str | 
   check_protocol(protocol, options)
   route_table.points()  # a bad $POSENC_JAX_ROUTE_TABLE is one line before any work
   run = load_run(workdir, checkpoint)
+  made = None  # the folder check_out created, removed again if the protocol refuses
   if out is not None:
+    existed = epath.Path(out).exists()
     out = report.check_out(out, run.workdir)
-  document = {"scheme": presets.scheme_name(run.config.model.to_dict()),
-              **PROTOCOLS[protocol](run, progress=progress or _quiet, **options)}
+    made = None if existed else epath.Path(out)
+  try:
+    document = {"scheme": presets.scheme_name(run.config.model.to_dict()),
+                **PROTOCOLS[protocol](run, progress=progress or _quiet, **options)}
+  except BaseException:
+    if made is not None and made.is_dir() and not any(made.iterdir()):
+      made.rmdir()
+    raise
   if out is not None:
     report.write(document, out, progress=progress or _quiet)
   return document
