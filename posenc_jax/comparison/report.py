@@ -294,7 +294,7 @@ def corpus(tables_: list[dict[str, Any]]) -> str | None:
 
 
 def _settings_text(settings: dict[str, Any]) -> str:
-  return ", ".join(f"{k} {v}" for k, v in sorted(settings.items()))
+  return ", ".join(f"{k} {v}" for k, v in settings.items())
 
 
 def _number(value: float) -> str:
