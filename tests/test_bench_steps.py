@@ -14,6 +14,7 @@ from posenc_jax.benchmarks import model_steps, steps
 from posenc_jax.comparison import cost, plan
 from posenc_jax.configs.compare import get_config
 from posenc_jax.schemes import SCHEMES
+from posenc_jax.training.config import max_predictions
 
 # bert_tiny shrunk for the tests: what every benchmark --size tiny model is built from.
 TINY = dict(vocab_size=64, d_model=32, num_layers=1, num_heads=2, mlp_dim=64, max_len=16)
@@ -57,11 +58,14 @@ def test_the_baseline_builds_on_the_lm_too(tiny):
 FAKE_PEAK_MIB = {"bert": 1, "rope": 2, "fox": 3, "cope": 7}
 
 
-def fake_compiled(built):
+def fake_compiled(built, timed_steps=None):
   """compiled_steps without compiling: the config, steps that sleep 1 ms, and the planned
-  bytes of :data:`FAKE_PEAK_MIB`."""
-  def compiled(size, scheme, *, head=None, **dims):
+  bytes of :data:`FAKE_PEAK_MIB`; each call's ``step`` (which train step) goes to
+  ``timed_steps``."""
+  def compiled(size, scheme, *, head=None, step="every_token", **dims):
     built.append((scheme, head))
+    if timed_steps is not None:
+      timed_steps.append(step)
     cfg = model_steps.model_steps(size, scheme, head=head, **dims)[0]
     return (lambda: time.sleep(1e-3)), (lambda: time.sleep(1e-3)), cfg, {
         "train_s": 0.0, "infer_s": 0.0, "train_bytes": FAKE_PEAK_MIB.get(scheme, 1) * 2**20}
@@ -70,12 +74,13 @@ def fake_compiled(built):
 
 def test_each_row_is_timed_against_the_baseline_on_its_own_model(tiny, monkeypatch, tmp_path,
                                                                  capsys):
-  built = []
-  monkeypatch.setattr(steps, "compiled_steps", fake_compiled(built))
+  built, timed_steps = [], []
+  monkeypatch.setattr(steps, "compiled_steps", fake_compiled(built, timed_steps))
   rows = steps.main(["--batch", "2", "--length", "8", "--repeats", "1", "--schemes",
                      "cope,rope,bert,fox", "--json", str(tmp_path / "rows.json")])
   assert built == [("bert", "lm"), ("cope", "lm"), ("bert", "mlm"), ("rope", "mlm"),
                    ("fox", "lm")]  # each (scheme, model) compiled once
+  assert set(timed_steps) == {"trainer"}  # train.py's own step by default
   assert [(r["scheme"], r["model"]) for r in rows] == [("cope", "lm"), ("rope", "mlm"),
                                                        ("bert", "mlm"), ("fox", "lm")]
   saved = json.loads((tmp_path / "rows.json").read_text())["rows"]
@@ -149,3 +154,53 @@ def test_a_row_reports_the_peak_xla_plans_for_its_own_step(tiny):
       jax.jit(train).lower(*jax.eval_shape(init)).compile().memory_analysis())
   assert fox == cost.peak_bytes("tiny", "fox", **dims)
   assert cope > 2 * fox  # CoPE's [B, H, L, L] gates and positions
+
+
+def test_the_trainer_step_runs_at_tiny_size_and_prints_its_rows(tiny, tmp_path, capsys):
+  """The default ``--step trainer``: train.py's step and eval step, compiled and run, on the
+  masked LM and (fox) the causal LM, each row with its own planned peak and the trainer's
+  estimate of the same step."""
+  rows = steps.main(["--batch", "2", "--length", "16", "--repeats", "1", "--schemes",
+                     "bert,alibi,fox", "--json", str(tmp_path / "rows.json")])
+  out = capsys.readouterr().out
+  assert "step trainer: train = train.py's step" in out.splitlines()[0]
+  table = {line.split()[0]: line.split() for line in out.splitlines()[2:]}
+  assert set(table) == {"bert", "alibi", "fox"} and table["fox"][-1] == "lm"
+  assert [r["model"] for r in rows] == ["mlm", "mlm", "lm"]
+  assert all(r["train_ms"] > 0 and r["infer_ms"] > 0 and r["peak_bytes"] > 0
+             and r["estimated_bytes"] > 0 for r in rows)
+  assert json.loads((tmp_path / "rows.json").read_text())["step"] == "trainer"
+
+
+@pytest.fixture
+def tiny_vocab(monkeypatch):
+  """bert_tiny shrunk, with a vocabulary (72) that no other dimension shares, so the logits'
+  shape names them alone."""
+  monkeypatch.setitem(presets.SIZES, "bert_tiny", dict(TINY, vocab_size=72))
+
+
+def test_the_trainer_step_computes_logits_at_the_masked_positions_only(tiny_vocab):
+  """train.py's step (the bench's ``trainer``) is the config's: logits [B, P, V] at its
+  ``max_predictions`` positions (P = 3 of L = 16 at mask rate 0.15), the state donated, layers
+  scanned; the ``every_token`` step's logits are [B, L, V]."""
+  dims = dict(batch=2, length=16, dtype="float32")
+  config, cfg, train, infer, args = model_steps.trainer_steps("tiny", "bert", **dims)
+  assert max_predictions(config) == 3 and cfg.scan_layers and cfg.vocab_size == 72
+  lowered = train.lower(*args)
+  text = lowered.as_text()
+  assert "tensor<2x3x72xf32>" in text and "2x16x72x" not in text
+  state, batch, _ = lowered.args_info[0]  # ((state, batch, rng), kwargs)
+  assert all(info.donated for info in jax.tree.leaves(state))  # as train() jits it
+  assert not any(info.donated for info in jax.tree.leaves(batch))
+  assert infer(args[0].params, args[1])["weight"] == 2 * 3  # eval: the masked positions
+  _, every, _, init = model_steps.model_steps("tiny", "bert", **dims)
+  assert "tensor<2x16x72xf32>" in jax.jit(every).lower(*jax.eval_shape(init)).as_text()
+
+
+def test_a_bad_step_is_one_line(capsys):
+  with pytest.raises(SystemExit) as exit_info:
+    steps.parse_args(["--step", "everytoken"])
+  lines = capsys.readouterr().err.splitlines()
+  assert exit_info.value.code == 2 and len(lines) == 1
+  assert lines[0].startswith("posenc_jax.benchmarks.steps: --step: got 'everytoken'")
+  assert lines[0].endswith("allowed: trainer, every_token")

@@ -2,28 +2,42 @@
 
   python -m posenc_jax.benchmarks.steps [--size tiny|small|base] [--length 128] [--batch 8]
       [--schemes bert,diet_abs,diet_rel,...] [--baseline bert] [--route auto]
-      [--dtype float32|bfloat16] [--repeats 10] [--json out.json]
+      [--dtype float32|bfloat16] [--step trainer|every_token] [--repeats 10] [--json out.json]
 
 For every scheme preset (``posenc_jax.presets.SCHEME_PRESETS``) it builds the
 masked-LM BERT of the given size, or the causal language model of that size for a
 causal-only scheme (CoPE, the forgetting gates: no encoder form) and its baseline
 (:func:`posenc_jax.benchmarks.model_steps.model_of`; the ``model`` column: ``mlm`` or
-``lm``), compiles a training step (forward, backward, AdamW update; the masked-LM or the
-next-token loss) and an inference forward pass, and times both
+``lm``), compiles a training step and an inference step, and times both
 after warm-up as the median of ``--repeats`` runs, each timed alternately with the
 baseline on the same model (default ``bert``: Devlin et al.'s input table; ``--baseline none``
 compares against the same attention with no positional term) so that load
-drifts cancel. ``--route`` sets the attention route of every model
+drifts cancel. ``--step`` picks the steps:
+
+- ``trainer`` (the default): the step ``train.py`` runs for ``configs/pretrain.py`` (the
+  masked LM) or ``configs/lm.py`` (the causal LM) at that size, with ``--batch`` rows of
+  ``--length`` tokens (:func:`posenc_jax.benchmarks.model_steps.trainer_steps`): the
+  trainer's own jitted step (``training.loop.jit_train_step``: the config's AdamW with
+  clipping, weight-decay mask and schedule, the masked LM's logits at the config's
+  ``max_predictions`` positions per row, e.g. 77 at L=512, the state donated, layers scanned
+  as the config says), on one device; inference is the trainer's eval step (the same loss,
+  no gradients).
+- ``every_token``: the benchmark's own AdamW step with logits at every token (the masked
+  LM's loss at 15% of them; :func:`~posenc_jax.benchmarks.model_steps.model_steps`), and the
+  forward pass (logits ``[B, L, vocab]``) as inference.
+
+``--route`` sets the attention route of every model
 (``reference``, ``fused``, ``auto``; see :mod:`posenc_jax.attention`), e.g.
 ``--route fused --baseline none --schemes diet_rel`` measures the Pallas
 Toeplitz kernel against itself without a bias.
 It prints milliseconds, the ratio to the baseline, tokens/s, the row's own peak memory (what
 XLA plans for its compiled train step, on every backend:
-:func:`posenc_jax.memory.planned_bytes`) beside the estimate of the train step
+:func:`posenc_jax.memory.planned_bytes`) beside the estimate of that same train step
 (:func:`posenc_jax.memory.step_memory`, what the trainer checks before
-compiling), MFU (analytic FLOPs over the device's peak) on accelerators, and the
-seconds of the first train step and inference pass (compile and one run, layers
-scanned); ``--json`` writes the same rows. A scheme that is also the baseline is compiled once
+compiling: for ``trainer`` the trainer's own, ``training.memory.TrainMemory``, without the
+input pipeline's host buffers), MFU (analytic FLOPs of the step timed over the device's peak)
+on accelerators, and the seconds of the first train step and inference pass (compile and one
+run); ``--json`` writes the same rows. A scheme that is also the baseline is compiled once
 per model.
 
 Attention alone: :mod:`posenc_jax.benchmarks.routes`; compile seconds:
@@ -37,15 +51,19 @@ from __future__ import annotations
 import json
 
 import jax
+import ml_collections
 import optax
 
 from posenc_jax import cli, memory
 from posenc_jax.benchmarks import flags
-from posenc_jax.benchmarks.model_steps import BASELINE, BERT_SIZES, compiled_steps, model_of
+from posenc_jax.benchmarks.model_steps import (BASELINE, BERT_SIZES, STEPS, compiled_steps,
+                                               model_of, train_config)
 from posenc_jax.benchmarks.timing import timed_against
 from posenc_jax.models.build import abstract_params, build_model
 from posenc_jax.models.config import causal_variant
 from posenc_jax.presets import POSITION_PRESETS
+from posenc_jax.training.config import max_predictions
+from posenc_jax.training.memory import TrainMemory
 from posenc_jax.training.metrics import peak_flops, train_flops_per_step
 
 PROG = "posenc_jax.benchmarks.steps"
@@ -54,10 +72,17 @@ DEFAULT_SCHEMES = ("bert", "shaw", "t5", "tupe_a", "tupe_r", "diet_rel", "diet_r
                    "cope", "fox")
 
 
-def estimated_memory(cfg, batch: int, length: int, head: str = "mlm") -> int:
+def estimated_memory(cfg, batch: int, length: int, head: str = "mlm",
+                     config: ml_collections.ConfigDict | None = None) -> int:
   """Bytes :func:`posenc_jax.memory.step_memory` estimates for the benchmark's train step
-  of the model ``head`` (:func:`~posenc_jax.benchmarks.model_steps.model_steps`: AdamW,
-  logits at every token; the language model attends causally with the causal form)."""
+  of the model ``head``: with the trainer's train ``config`` (``--step trainer``,
+  :func:`~posenc_jax.benchmarks.model_steps.train_config`), the trainer's own estimate of it
+  (:class:`~posenc_jax.training.memory.TrainMemory`, the MLM logits at its positions) without
+  the input pipeline's host buffers; else the ``every_token`` step
+  (:func:`~posenc_jax.benchmarks.model_steps.model_steps`: AdamW, logits at every token; the
+  language model attends causally with the causal form)."""
+  if config is not None:
+    return TrainMemory(config, cfg, 1).step(batch, length, host_buffers=False).total
   params = abstract_params(build_model(cfg, head))
   opt_state = jax.eval_shape(optax.adamw(1e-4).init, params)
   causal = head == "lm"
@@ -74,6 +99,12 @@ def parse_args(argv=None):
   parser.add_argument("--size", type=cli.one_of(BERT_SIZES), default="tiny",
                       help=f"BERT size: {', '.join(BERT_SIZES)} (default tiny)")
   flags.add_model_flags(parser)
+  parser.add_argument("--step", type=cli.one_of(STEPS), default=STEPS[0],
+                      help="train step timed: 'trainer', train.py's own for configs/pretrain.py "
+                      "(configs/lm.py for the causal LM; MLM logits at the config's masked "
+                      "positions, state donated, layers scanned as configured; inference its "
+                      "eval step), or 'every_token', AdamW with logits at every token "
+                      f"(inference the forward pass) (default {STEPS[0]})")
   parser.add_argument("--repeats", type=cli.positive_int, default=10,
                       help="timed runs of each step, the median is reported (default 10)")
   parser.add_argument("--schemes", type=cli.one_of(POSITION_PRESETS, sep=","),
@@ -91,15 +122,20 @@ def main(argv=None):
   dims = dict(batch=args.batch, length=args.length, dtype=args.dtype, route=args.route)
   tokens = args.batch * args.length
   peak = peak_flops(dtype=args.dtype)
+  trainer = args.step == "trainer"
+  what = ("train = train.py's step (configs/pretrain.py, lm: configs/lm.py; MLM logits at the "
+          "masked positions, state donated), infer = its eval step" if trainer else
+          "train = fwd+bwd+AdamW, logits at every token, infer = fwd")
   print(f"device: {jax.devices()[0].device_kind}; BERT-{args.size} dims, B={args.batch} "
         f"L={args.length} {args.dtype}, route {args.route}; median of {args.repeats}, each "
         f"timed alternately with the '{args.baseline}' baseline on the same model (mlm: "
-        f"masked-LM BERT, lm: causal LM); train = fwd+bwd+AdamW, infer = fwd")
+        f"masked-LM BERT, lm: causal LM); step {args.step}: {what}")
   compiled = {}
 
   def steps(scheme, head):  # the baseline's row times it against itself, compiled once
     if (scheme, head) not in compiled:
-      compiled[scheme, head] = compiled_steps(args.size, scheme, head=head, **dims)
+      compiled[scheme, head] = compiled_steps(args.size, scheme, head=head, step=args.step,
+                                              **dims)
     return compiled[scheme, head]
 
   ratio = f"x {args.baseline}"[:8]
@@ -112,9 +148,12 @@ def main(argv=None):
     train, infer, cfg, first = steps(scheme, head)
     train_s, train_base = timed_against(train, base_train, args.repeats)
     infer_s, infer_base = timed_against(infer, base_infer, args.repeats)
-    flops = train_flops_per_step(cfg, args.batch, args.length, head=head)  # logits everywhere
+    config = train_config(args.size, scheme, head=head, **dims) if trainer else None
+    flops = train_flops_per_step(  # the step timed: the trainer's MLM logits at P positions
+        cfg, args.batch, args.length, head=head,
+        predictions_per_seq=max_predictions(config) if trainer else None)
     peak_bytes = first["train_bytes"]
-    estimate = estimated_memory(cfg, args.batch, args.length, head)
+    estimate = estimated_memory(cfg, args.batch, args.length, head, config)
     row = {"scheme": scheme, "model": head, "train_ms": 1e3 * train_s,
            "train_ratio": train_s / train_base,
            "infer_ms": 1e3 * infer_s, "infer_ratio": infer_s / infer_base,
@@ -133,7 +172,8 @@ def main(argv=None):
   if args.json:
     with open(args.json, "w") as f:
       json.dump({"device": jax.devices()[0].device_kind, "size": args.size,
-                 "baseline": args.baseline, **dims, "rows": rows}, f, indent=2)
+                 "baseline": args.baseline, "step": args.step, **dims, "rows": rows}, f,
+                indent=2)
   return rows
 
 

@@ -239,6 +239,19 @@ def make_train_step(model: nn.Module, config: ml_collections.ConfigDict,
   return step
 
 
+def jit_train_step(model: nn.Module, config: ml_collections.ConfigDict,
+                   schedule: optax.Schedule, state_shardings: Any,
+                   mesh: jax.sharding.Mesh) -> Callable:
+  """The step :func:`train` runs: :func:`make_train_step` jitted with the state in
+  ``state_shardings`` (:func:`init_state`'s) and donated, the batch over ``mesh``'s ``data``
+  axis and the rng replicated (``benchmarks.steps`` times this same step)."""
+  return jax.jit(make_train_step(model, config, schedule),
+                 in_shardings=(state_shardings, mesh_lib.batch_sharding(mesh),
+                               mesh_lib.replicated(mesh)),
+                 out_shardings=(state_shardings, mesh_lib.replicated(mesh)),
+                 donate_argnums=(0,))
+
+
 def make_eval_step(model: nn.Module, config: ml_collections.ConfigDict) -> Callable:
   """``eval_step(params, batch) -> summed metrics`` (deterministic)."""
   loss_fn = objective(config.objective, max_predictions(config))
@@ -418,10 +431,7 @@ def train(config: ml_collections.ConfigDict, workdir: str,
     state = state.replace(params=jax.device_put(params, state_shardings.params))
   train_batches = _train_batches(data, config, start_step, host, checkpointer)
 
-  step_fn = jax.jit(make_train_step(model, config, schedule),
-                    in_shardings=(state_shardings, batch_sharding, mesh_lib.replicated(mesh)),
-                    out_shardings=(state_shardings, mesh_lib.replicated(mesh)),
-                    donate_argnums=(0,))
+  step_fn = jit_train_step(model, config, schedule, state_shardings, mesh)
   eval_fn = jax.jit(make_eval_step(model, config))
   writer = MetricWriter(workdir, start_step)
   best = BestKeeper(workdir, config.get("best_metric"))

@@ -56,10 +56,11 @@ class TrainMemory:
     self.causal = config.objective == "lm"
     self.forms = memory.attention_forms(cfg, self.causal)
 
-  def step(self, rows: int, length: int) -> memory.Estimate:
+  def step(self, rows: int, length: int, host_buffers: bool = True) -> memory.Estimate:
     """The step's :class:`~posenc_jax.memory.Estimate` at ``rows`` per device and
     ``length``, with the batch's arrays and (on a host without an accelerator, whose memory
-    they share) the input buffers."""
+    they share) the input buffers; ``host_buffers`` False leaves those out (a benchmark of
+    the step, which runs no input pipeline)."""
     config = self.config
     predictions = max_predictions(config)
     estimate = memory.step_memory(
@@ -70,7 +71,7 @@ class TrainMemory:
         input_bytes=rows * length * BATCH_FEATURES * 4,
         micro_batches=config.grad_accum_steps, causal=self.causal,
         segments=bool(config.get("packed_segments", False)))
-    if jax.default_backend() != "cpu":
+    if jax.default_backend() != "cpu" or not host_buffers:
       return estimate
     host_rows = rows * self.data_devices // jax.process_count()
     return memory.Estimate({**estimate.parts,
