@@ -1,4 +1,4 @@
-"""Issues 14 and 15's measurements on a Hopper GPU, one phase per device call.
+"""The GPU measurements of issues 14, 15 and 40 on a Hopper GPU, one phase per device call.
 
     python3 scripts/gpu_session.py PHASE [--out DIR] [--routes FILE] [--budget SECONDS]
     python3 scripts/gpu_session.py PHASE --dry_run     # print the phase's commands
@@ -17,6 +17,20 @@ Phases (each fits the device tool's 10-minute call):
   the absolute and rotary ones; ``--schemes`` picks others), with each model's compile
   seconds and the baseline's MFU.
 - ``compile``: compile seconds of BERT-base with unrolled and scanned layers.
+- ``issue40``: issue 40's figures in one call (default budget 540 s), in this order: the
+  PyTorch anchors, FlexAttention at B=2 L=8192 H=12 D=64 (``.gpu/torch_flex_alibi.py 2 8192
+  12 64``) and Hugging Face BERT-base eager and under torch.compile (``.gpu/hf_bert.py 110``);
+  attention alone (``benchmarks.routes``, bfloat16, H=12 D=64, every kernel against cuDNN
+  without a bias) at B=2 L=8192 and B=32 L=512; whole BERT-small at B=2 L=8192 (``none``,
+  ``alibi``, ``kerple_log``, ``fire``, ``fox`` against ``--baseline none``); whole BERT-base
+  at B=32 L=512 (``bert``, ``alibi``, ``kerple_log``, ``t5``, ``cope``, ``fire`` against
+  ``bert``). The models run the trainer's own step (``benchmarks.steps --step trainer``).
+  The anchors are the user's copies of ``../shared/gpu/hf_bert.py`` and
+  ``torch_flex_alibi.py`` in the ignored ``.gpu/`` (``../shared/gpu/README.md``); one that is
+  absent is skipped with a line saying so, and the phase goes on. The anchors write their
+  JSON beside the logs. The device command (carry ``.gpu``)::
+
+      python3 scripts/gpu_session.py issue40
 
 The device image has JAX, Flax, Optax, Orbax, chex and pytest but not ml-collections:
 put its wheel in the ignored folder ``.gpu/whl`` and carry ``.gpu``
@@ -27,7 +41,8 @@ put its wheel in the ignored folder ``.gpu/whl`` and carry ``.gpu``
 
 Each command's output goes to ``OUT/PHASE/NAME.log`` (``--out``, default ``$OUT``), and
 the route table to ``OUT/PHASE/routes.json`` (copy it to ``.gpu/routes.json`` here before
-the model phases' call); no
+the model phases' call); the commands read the route table ``--routes`` through
+``$POSENC_JAX_ROUTE_TABLE`` once the file exists (before that, the packaged points alone). No
 command starts once ``--budget`` seconds have passed, and each one is stopped at the
 budget, so the summary (each command's exit status and seconds, then the tables the
 benches printed) is always the last thing printed. Exits 1 if any command failed or was
@@ -48,22 +63,36 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 WHEELS = ROOT / ".gpu" / "whl"
+ANCHORS = ROOT / ".gpu"  # the user's copies of ../shared/gpu's PyTorch anchors
 SITE = "/tmp/site"  # where the carried wheels are installed on the device machine
 TOKENS = 16384  # B L of each attention shape
 LENGTHS = (512, 2048, 8192, 16384)
 MODEL = ["--size", "base", "--length", "512", "--batch", "32", "--dtype", "bfloat16"]
 SCHEMES = {"model_relative": "t5,diet_rel,diet_rel_share,shaw,tupe_r,alibi",
            "model_absolute": "diet_abs,diet_abs_share,tupe_a,rope"}
-PHASES = ("kernels", *SCHEMES, "compile")
+PHASES = ("kernels", *SCHEMES, "compile", "issue40")
+BUDGETS = {"issue40": 540.0}  # seconds; the other phases 570 (the device call's limit: 600)
 # Run compiled on the GPU; the tests that only lower for an accelerator already run in CI.
 KERNEL_TESTS = ["tests/test_hopper_flash.py", "tests/test_relative_flash.py", "-k", "not lower"]
+# Issue 40: the attention shapes (B, L; H=12, D=64) and the whole models (size, L, B, baseline,
+# schemes, the baseline's own row first).
+ISSUE40_ATTENTION = ((2, 8192), (32, 512))
+ISSUE40_MODELS = (("small", 8192, 2, "none", "none,alibi,kerple_log,fire,fox"),
+                  ("base", 512, 32, "bert", "bert,alibi,kerple_log,t5,cope,fire"))
+
+
+def absent_script(argv: list[str]) -> str | None:
+  """The script ``argv`` runs (``python3 path.py ...``) when it is not there, else None."""
+  script = argv[1] if len(argv) > 1 and argv[1].endswith(".py") else None
+  return script if script and not os.path.exists(script) else None
 
 
 def commands(phase: str, routes: str, lengths=LENGTHS,
              schemes: str | None = None) -> list[tuple[str, list[str]]]:
   """``(name, argv)`` of each command of ``phase``: whole argvs, the benchmarks' ``python -m
-  posenc_jax.benchmarks.<tool> ...``. ``lengths`` are the kernels phase's attention lengths,
-  ``schemes`` a model phase's (default its own)."""
+  posenc_jax.benchmarks.<tool> ...`` (and ``issue40``'s anchors, ``python3 .gpu/<script>.py
+  ...``). ``lengths`` are the kernels phase's attention lengths, ``schemes`` a model phase's
+  (default its own)."""
   module = [sys.executable, "-m"]
   if phase == "kernels":
     return [(f"attention_{length}", module + [
@@ -77,14 +106,32 @@ def commands(phase: str, routes: str, lengths=LENGTHS,
                               schemes or SCHEMES[phase]])]
   if phase == "compile":
     return [("compile", module + ["posenc_jax.benchmarks.compile", *MODEL])]
+  if phase == "issue40":  # the anchors first, then attention alone, then the whole models
+    return [
+        ("torch_flex_alibi", [sys.executable, str(ANCHORS / "torch_flex_alibi.py"),
+                              "2", "8192", "12", "64"]),
+        ("hf_bert", [sys.executable, str(ANCHORS / "hf_bert.py"), "110"]),
+        *[(f"attention_{length}", module + [
+            "posenc_jax.benchmarks.routes", "--batch", str(batch), "--length", str(length),
+            "--heads", "12", "--head_dim", "64", "--dtype", "bfloat16"])
+          for batch, length in ISSUE40_ATTENTION],
+        *[(f"model_{size}_{length}", module + [
+            "posenc_jax.benchmarks.steps", "--size", size, "--length", str(length), "--batch",
+            str(batch), "--dtype", "bfloat16", "--step", "trainer", "--baseline", baseline,
+            "--schemes", schemes])
+          for size, length, batch, baseline, schemes in ISSUE40_MODELS]]
   raise ValueError(f"phase: got {phase!r}; allowed: {', '.join(PHASES)}")
 
 
 def run(phase: str, out: pathlib.Path, routes: str, budget: float,
         **options) -> int:
   """Runs ``phase``'s commands (``options``: :func:`commands`' ``lengths`` and ``schemes``)
-  in turn within ``budget`` seconds; prints the summary."""
-  env = dict(os.environ, POSENC_JAX_ROUTE_TABLE=routes)
+  in turn within ``budget`` seconds; prints the summary. A command's script that is absent
+  (an anchor not copied into ``.gpu/``) is skipped with a line saying so. The commands read
+  the route table ``routes`` (``$POSENC_JAX_ROUTE_TABLE``) once it exists: the benches
+  refuse a variable naming a missing file."""
+  env = {k: v for k, v in os.environ.items() if k != "POSENC_JAX_ROUTE_TABLE"}
+  env["OUT"] = str(out)  # the anchors write their JSON beside the logs
   wheels = sorted(glob.glob(str(WHEELS / "*.whl")))
   if wheels:
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
@@ -97,15 +144,20 @@ def run(phase: str, out: pathlib.Path, routes: str, budget: float,
   for name, argv in steps:
     left = budget - (time.monotonic() - start)
     log = out / f"{name}.log"
-    if left < 1:
-      summary.append(f"{name}: skipped (budget of {budget:.0f} s spent)")
+    absent = absent_script(argv)
+    if absent or left < 1:
+      summary.append(f"{name}: skipped (" + (
+          f"{absent} is absent: copy ../shared/gpu/{os.path.basename(absent)} there and carry "
+          "its folder, ../shared/gpu/README.md)" if absent else
+          f"budget of {budget:.0f} s spent)"))
       failed = True
       continue
     began = time.monotonic()
+    tables = dict(POSENC_JAX_ROUTE_TABLE=routes) if os.path.exists(routes) else {}
     with open(log, "w") as f:
       try:
-        code = subprocess.run(argv, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
-                              timeout=left).returncode
+        code = subprocess.run(argv, cwd=ROOT, env=env | tables, stdout=f,
+                              stderr=subprocess.STDOUT, timeout=left).returncode
       except subprocess.TimeoutExpired:
         code = "stopped at the budget"
     failed |= code != 0
@@ -132,8 +184,9 @@ def main(argv=None) -> int:
   parser.add_argument("--out", default=None, help="log folder (default $OUT, else /tmp)")
   parser.add_argument("--routes", default=str(ROOT / ".gpu" / "routes.json"),
                       help="route table the attention benches add to and the models read")
-  parser.add_argument("--budget", type=float, default=570.0,
-                      help="seconds the phase may take (the device call's limit is 600)")
+  parser.add_argument("--budget", type=float, default=None,
+                      help="seconds the phase may take (default 570, issue40 540; the device "
+                      "call's limit is 600)")
   parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)),
                       help="kernels: comma-separated attention lengths, each dividing "
                       f"{TOKENS}")
@@ -151,9 +204,12 @@ def main(argv=None) -> int:
   if args.dry_run:
     for name, command in commands(args.phase, args.routes, **options):
       print(name, " ".join(command))
+      if absent_script(command):
+        print(f"{name}: {absent_script(command)} is absent here", file=sys.stderr)
     return 0
   out = pathlib.Path(args.out or os.environ.get("OUT") or "/tmp") / args.phase
-  return run(args.phase, out, args.routes, args.budget, **options)
+  budget = BUDGETS.get(args.phase, 570.0) if args.budget is None else args.budget
+  return run(args.phase, out, args.routes, budget, **options)
 
 
 if __name__ == "__main__":
