@@ -7,12 +7,31 @@ import os
 import shutil
 import tempfile
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-import pytest
+# XLA's LLVM code generation at -O0 for this process and every process the tests start (they
+# inherit the environment; the drivers add their device count to it): XLA plans the same
+# HLO, fusions and buffers, and only each fusion's machine code is left unoptimised. The
+# suite's programs are small and mostly compiled to run a few times, so compiling dominates:
+# test_position_ids.py with test_lm.py, one process, 163 -> 115 s of CPU. A run that sets
+# the level itself (XLA_FLAGS) keeps its own.
+# A subprocess that trains for hundreds of steps runs with XLA's own level instead
+# (optimised_env): there running dominates (the fine-tuning test: 135 s at -O3, 230 s at -O0).
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS"),
+                                                   "--xla_backend_optimization_level=0"]))
 
-from posenc_jax import build_scheme
+
+def optimised_env() -> dict[str, str]:
+  """This process's environment with XLA's default code generation (``-O3``), for a
+  subprocess that runs many training steps."""
+  flags = os.environ["XLA_FLAGS"].replace("--xla_backend_optimization_level=0", "")
+  return {**os.environ, "XLA_FLAGS": f"{flags} --xla_backend_optimization_level=3".strip()}
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from posenc_jax import build_scheme  # noqa: E402
 
 # Compiled programs persist in a folder of this test process (an xdist worker: its own, so
 # that no process reads an entry another is writing), never the user's cache: train.py's

@@ -17,6 +17,7 @@ from posenc_jax.data import wordnet_tasks
 from posenc_jax.data.vocab import BUNDLED_DIR, CLS_ID, SEP_ID
 from posenc_jax.models import BertForSequenceClassification, model_config
 from posenc_jax.training import finetune as finetune_lib
+from tests.conftest import optimised_env
 
 
 
@@ -121,13 +122,15 @@ def test_pretrain_then_finetune_beats_the_majority_class(tmp_path):
                         f"--workdir={tmp_path / 'pre'}", "--config.total_steps=10",
                         "--config.checkpoint_every=10", "--config.eval_every=0",
                         "--config.optimizer.warmup_steps=2"],
-                       cwd=tmp_path, capture_output=True, text=True, timeout=600)
+                       cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                       env=optimised_env())
   assert pre.returncode == 0, pre.stderr[-3000:]
   ft = subprocess.run([sys.executable, "-m", "posenc_jax.finetune",
                        "--config=finetune_wordnet:wordnet_supersense",
                        f"--init_checkpoint={tmp_path / 'pre'}", f"--workdir={tmp_path / 'ft'}",
                        "--config.total_steps=300", "--config.eval_every=150"],
-                      cwd=tmp_path, capture_output=True, text=True, timeout=900)
+                      cwd=tmp_path, capture_output=True, text=True, timeout=900,
+                      env=optimised_env())
   assert ft.returncode == 0, ft.stderr[-3000:]
   assert "encoder parameters loaded" in ft.stdout
   labels = [label for _, label in wordnet_tasks.supersense_examples("validation")]

@@ -193,28 +193,32 @@ def test_shaw_value_term_against_loop():
 
 
 def tupe_reference(params, length, relative):
-  """TUPE-A/R's positional term written directly from eqs. 9-11 (no factoring)."""
-  p = params["params"]["positions"]
-  table = p["position_embedding"].value[:length]
+  """TUPE-A/R's positional term written directly from eqs. 9-11 (no factoring), in float64
+  numpy: the reference does not depend on how XLA compiles the float32 path."""
+  p = jax.tree.map(lambda x: np.asarray(x, np.float64), nn.meta.unbox(params["params"]))
+  positions = p["positions"]
+  table = positions["position_embedding"][:length]
 
   def ln(x):
     mean = x.mean(-1, keepdims=True)
     var = ((x - mean) ** 2).mean(-1, keepdims=True)
-    return (x - mean) / jnp.sqrt(var + 1e-5) * p["norm"]["scale"].value + p["norm"]["bias"].value
+    return ((x - mean) / np.sqrt(var + 1e-5) * positions["norm"]["scale"]
+            + positions["norm"]["bias"])
 
   def proj(x, name):
-    return jnp.einsum("nd,dhk->nhk", ln(x), p[name]["kernel"].value) + p[name]["bias"].value
+    return np.einsum("nd,dhk->nhk", ln(x), positions[name]["kernel"]) + positions[name]["bias"]
 
   scale = 1 / math.sqrt(2 * DIMS["head_dim"])
-  v = jnp.einsum("ihk,jhk->hij", proj(table, "pos_query"), proj(table, "pos_key")) * scale
+  v = np.einsum("ihk,jhk->hij", proj(table, "pos_query"), proj(table, "pos_key")) * scale
   if relative:
-    buckets = relative_position_bucket(jnp.arange(length)[None] - jnp.arange(length)[:, None],
-                                       num_buckets=8, max_distance=6)
-    v = v + params["params"]["relative_bias"].value[:, buckets]
-  cls = params["params"]["cls_positions"].value
-  theta = jnp.sum(proj(cls, "pos_query") * proj(cls, "pos_key"), -1) * scale  # [2, H]
-  v = v.at[:, :, 0].set(theta[1][:, None])  # column first, then the row (reference code)
-  return v.at[:, 0, :].set(theta[0][:, None])
+    buckets = np.asarray(relative_position_bucket(
+        jnp.arange(length)[None] - jnp.arange(length)[:, None], num_buckets=8, max_distance=6))
+    v = v + p["relative_bias"][:, buckets]
+  cls = p["cls_positions"]
+  theta = np.sum(proj(cls, "pos_query") * proj(cls, "pos_key"), -1) * scale  # [2, H]
+  v[:, :, 0] = theta[1][:, None]  # column first, then the row (reference code)
+  v[:, 0, :] = theta[0][:, None]
+  return v
 
 
 @pytest.mark.parametrize("name", ["tupe_a", "tupe_r"])

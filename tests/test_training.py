@@ -23,18 +23,19 @@ from posenc_jax.training.objectives import weighted_cross_entropy
 from posenc_jax.training.optim import decay_mask, make_optimizer
 from posenc_jax.training.signals import StopSignals
 from tests import forked_cli
+from tests.conftest import optimised_env
 
 ROOT = pathlib.Path(__file__).parent.parent
 DRIVER = str(ROOT / "tests" / "drivers" / "train_driver.py")
 
 
-def run_driver(tmp_path, name, *args, check=True, **popen):
+def run_driver(tmp_path, name, *args, check=True, env=None, **popen):
   out = tmp_path / f"{name}.npz"
   cmd = [sys.executable, DRIVER, f"--out={out}", f"--workdir={tmp_path / name}", *args]
   if popen:
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
-  proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+                            text=True, env=env)
+  proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
   if check:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   return (np.load(out) if out.exists() else None), proc
@@ -247,9 +248,9 @@ def _train_argv(tmp_path, *overrides):
           *overrides]
 
 
-def _train_cli(tmp_path, *overrides, timeout=600):
+def _train_cli(tmp_path, *overrides, timeout=600, env=None):
   return subprocess.run([sys.executable, *_train_argv(tmp_path, *overrides)], cwd=ROOT,
-                        capture_output=True, text=True, timeout=timeout)
+                        capture_output=True, text=True, timeout=timeout, env=env)
 
 
 @pytest.mark.parametrize("overrides,message", [
@@ -277,7 +278,7 @@ def test_default_run_learns(tmp_path):
   proc = _train_cli(tmp_path, "--config.total_steps=80", "--config.log_every=10",
                     "--config.eval_every=80", "--config.checkpoint_every=40",
                     "--config.optimizer.warmup_steps=10", "--config.profile_steps=2",
-                    f"--config.compilation_cache_dir={tmp_path / 'xla'}")
+                    f"--config.compilation_cache_dir={tmp_path / 'xla'}", env=optimised_env())
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "first loss" in proc.stdout and "step 80/80" in proc.stdout
   assert "eval at step 80: loss " in proc.stdout  # the evaluation, on the console too
@@ -403,7 +404,7 @@ def test_translation_config_checks_lengths():
 def test_translation_training_learns_a_reversal_task(tmp_path):
   """Teacher-forced encoder-decoder training through the loop: past the unigram plateau."""
   result, proc = run_driver(tmp_path, "translation", "--translation", "--steps=500", "--batch=64",
-                            "--checkpoint_every=500")
+                            "--checkpoint_every=500", env=optimised_env())
   losses = result["losses"]
   assert losses[0] > 6.0 and losses[-1] < 2.6, losses[[0, -1]]
   assert "last loss" in proc.stdout

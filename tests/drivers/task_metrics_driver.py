@@ -28,7 +28,8 @@ def parse():
 
 
 ARGS = parse()
-os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={ARGS.devices}"
+FLAGS = os.environ.get("XLA_FLAGS", "")  # the tests' own (tests/conftest.py)
+os.environ["XLA_FLAGS"] = f"{FLAGS} --xla_force_host_platform_device_count={ARGS.devices}".strip()
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import jax  # noqa: E402

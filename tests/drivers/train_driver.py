@@ -41,7 +41,8 @@ def parse():
 
 
 ARGS = parse()
-os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={ARGS.devices}"
+FLAGS = os.environ.get("XLA_FLAGS", "")  # the tests' own (tests/conftest.py)
+os.environ["XLA_FLAGS"] = f"{FLAGS} --xla_force_host_platform_device_count={ARGS.devices}".strip()
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
