@@ -15,16 +15,9 @@ import tempfile
 # the level itself (XLA_FLAGS) keeps its own.
 # A subprocess that trains for hundreds of steps runs with XLA's own level instead
 # (optimised_env): there running dominates (the fine-tuning test: 135 s at -O3, 230 s at -O0).
+UNOPTIMISED = "--xla_backend_optimization_level=0"
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS"),
-                                                   "--xla_backend_optimization_level=0"]))
-
-
-def optimised_env() -> dict[str, str]:
-  """This process's environment with XLA's default code generation (``-O3``), for a
-  subprocess that runs many training steps."""
-  flags = os.environ["XLA_FLAGS"].replace("--xla_backend_optimization_level=0", "")
-  return {**os.environ, "XLA_FLAGS": f"{flags} --xla_backend_optimization_level=3".strip()}
+  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {UNOPTIMISED}".strip()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -32,6 +25,13 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from posenc_jax import build_scheme  # noqa: E402
+
+
+def optimised_env() -> dict[str, str]:
+  """This process's environment with XLA's default code generation (``-O3``), for a
+  subprocess that runs many training steps."""
+  flags = os.environ["XLA_FLAGS"].replace(UNOPTIMISED, "")
+  return {**os.environ, "XLA_FLAGS": f"{flags} --xla_backend_optimization_level=3".strip()}
 
 # Compiled programs persist in a folder of this test process (an xdist worker: its own, so
 # that no process reads an entry another is writing), never the user's cache: train.py's
