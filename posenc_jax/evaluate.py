@@ -159,13 +159,17 @@ def main(argv: Sequence[str] | None = None) -> dict:
   logging.set_verbosity(logging.WARNING)
   cli.quiet_library_tracebacks()
   cli.quiet_library_notices()
-  cli.start_tensorflow_quietly()
   from posenc_jax.evaluation import report  # noqa: PLC0415
   from posenc_jax.evaluation.runs import EvaluationError, evaluate_workdir  # noqa: PLC0415
   from posenc_jax.training.errors import USER_ERRORS  # noqa: PLC0415
+  from posenc_jax.training.input_pipeline import reads_tensorflow  # noqa: PLC0415
+  from posenc_jax.training.workdir import saved_config  # noqa: PLC0415
 
   out = args.out or os.path.join(args.workdir, "eval")
   try:
+    saved = saved_config(args.workdir)  # None: evaluate_workdir says what is missing
+    if saved is None or reads_tensorflow(saved.get("task", "")):
+      cli.start_tensorflow_quietly()
     document = evaluate_workdir(args.workdir, args.protocol, checkpoint=args.checkpoint,
                                 out=out, progress=lambda line: print(line, flush=True),
                                 **options)

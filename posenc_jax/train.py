@@ -56,7 +56,10 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO
   cli.quiet_library_tracebacks()
   cli.quiet_library_notices()
-  cli.start_tensorflow_quietly()
+  from posenc_jax.training.input_pipeline import reads_tensorflow  # noqa: PLC0415
+
+  if reads_tensorflow(_CONFIG.value.get("task", "")):
+    cli.start_tensorflow_quietly()
   initialise_distributed()
   from posenc_jax.training.overrides import check_overrides  # noqa: PLC0415
   from posenc_jax.training.errors import USER_ERRORS  # noqa: PLC0415

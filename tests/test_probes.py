@@ -2,7 +2,12 @@
 index)`` whatever the batch size, host count or resume step; answers right by construction,
 decoded by hand; lengths and depths as asked; the weighted causal-LM objective against a
 float64 computation; ``score`` against oracle models; a short real training run with
-scoring at twice its length; one-line errors."""
+scoring at twice its length; train.py and evaluate on a probe without TensorFlow; one-line
+errors."""
+
+import pathlib
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -281,6 +286,31 @@ def test_a_probe_trains_and_scores_at_twice_its_length(tmp_path):
                         examples=6, seed=9, batch_size=4)
   assert scored["examples"] == 6 and scored["length"] == 48
   assert 0 <= scored["accuracy"] <= scored["token_accuracy"] <= 1
+
+
+# Runs a module as its command line, then says whether TensorFlow was imported.
+_RUN_MODULE = ("import runpy, sys\n"
+               "sys.argv = sys.argv[1:]\n"
+               "try:\n"
+               "  runpy.run_module(sys.argv[0], run_name='__main__')\n"
+               "finally:\n"
+               "  print('tensorflow imported:', 'tensorflow' in sys.modules)\n")
+
+
+def test_train_and_evaluate_of_a_probe_never_import_tensorflow(tmp_path):
+  """A probe's batches are numpy: its commands skip TensorFlow's seconds of start-up."""
+  root, workdir = pathlib.Path(__file__).resolve().parents[1], str(tmp_path / "run")
+  commands = [["posenc_jax.train", "--config=configs/probe.py:bert_tiny,none,copy",
+               f"--workdir={workdir}", "--config.total_steps=2", "--config.seq_len=21",
+               "--config.optimizer.warmup_steps=0", "--config.eval_every=2",
+               "--config.checkpoint_every=2"],
+              ["posenc_jax.evaluate", f"--workdir={workdir}", "--protocol=probes",
+               "--lengths=21", "--examples=4"]]
+  for command in commands:
+    proc = subprocess.run([sys.executable, "-c", _RUN_MODULE, *command], cwd=root,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "tensorflow imported: False" in proc.stdout, proc.stdout[-2000:]
 
 
 @pytest.mark.parametrize("make, message", [

@@ -51,6 +51,12 @@ TASK_PREFIX = "probe:"  # config.task of a probe: probe:<name>
 HELD_OUT_SEED = 1_000_003  # the training config's evaluation batches use this seed
 
 
+def is_probe(task: str) -> bool:
+  """Whether ``task`` (a train config's ``task``) names a probe, whose batches this module
+  generates with numpy (every other task is read through seqio)."""
+  return str(task).startswith(TASK_PREFIX)
+
+
 class ProbeError(TrainConfigError):
   """An invalid probe name, parameter or length."""
 
@@ -317,7 +323,7 @@ def batches(spec: Probe, length: int, batch_size: int, seed: int, start: int = 0
 
 def config_probe(config) -> Probe:
   """The probe of a train config: task ``probe:<name>``, parameters ``config.probe``."""
-  name = config.task[len(TASK_PREFIX):] if config.task.startswith(TASK_PREFIX) else None
+  name = config.task[len(TASK_PREFIX):] if is_probe(config.task) else None
   if name not in PROBES:
     tasks = [TASK_PREFIX + n for n in PROBES]
     raise ProbeError(f"task: got {config.task!r}{nearest(config.task, tasks)} allowed: "

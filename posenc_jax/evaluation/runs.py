@@ -524,7 +524,7 @@ def probes_protocol(run: Run, *, lengths: Sequence[int] | None = None, examples:
   the scheme cannot reach, or too short for the probe, is ``n/a`` with the reason. Each row
   has ``chance``: the accuracy of guessing (:meth:`~posenc_jax.data.probes.Probe.chance`)."""
   config = run.config
-  if not str(config.task).startswith(probes.TASK_PREFIX):
+  if not probes.is_probe(config.task):
     raise EvaluationError(f"protocol: 'probes' needs a probe run (task "
                           f"{probes.TASK_PREFIX}<name>, configs/probe.py); {run.workdir} has "
                           f"task {config.task!r}")

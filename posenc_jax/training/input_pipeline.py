@@ -73,6 +73,13 @@ class InputIterator:
     self._checkpoint().read(prefix).assert_consumed()
 
 
+def reads_tensorflow(task: str) -> bool:
+  """Whether a run of ``task`` reads its batches through ``tf.data`` (every seqio task; a
+  probe's are generated with numpy): the commands start TensorFlow
+  (:func:`posenc_jax.cli.start_tensorflow_quietly`, seconds of import) only then."""
+  return not probes.is_probe(task)
+
+
 def _task(name: str):
   import tensorflow as tf  # noqa: PLC0415
 
@@ -95,7 +102,7 @@ def check_data_config(config: ml_collections.ConfigDict) -> None:
   """The task exists, has the token feature the objective packs, and its vocabulary fits the
   model (before anything compiles); a probe (``probe:<name>``, objective ``lm``) has valid
   parameters and fits ``seq_len``."""
-  if config.task.startswith(probes.TASK_PREFIX):
+  if probes.is_probe(config.task):
     _check_probe_config(config)
     return
   import seqio  # noqa: PLC0415
@@ -156,7 +163,7 @@ def check_examples(config: ml_collections.ConfigDict) -> None:
   Raises:
     TrainConfigError: one line, ``task`` or ``eval_every`` first.
   """
-  if config.task.startswith(probes.TASK_PREFIX):
+  if probes.is_probe(config.task):
     return
   problem = _split_problem(config, config.task, "train")
   if problem:
@@ -272,7 +279,7 @@ def make_batches(config: ml_collections.ConfigDict, split: str, start_step: int,
   :mod:`posenc_jax.data.probes`) are generated from the seed and the step, without state.
   """
   train = split == "train"
-  if config.task.startswith(probes.TASK_PREFIX):
+  if probes.is_probe(config.task):
     return _probe(config, split, start_step, shard_id, num_shards)
   if config.objective == "translation":
     ds = _translation(config, split, start_step, shard_id, num_shards)

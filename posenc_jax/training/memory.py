@@ -38,7 +38,7 @@ def input_buffers(config: ml_collections.ConfigDict, rows: int, length: int) -> 
   prefetched batches and, for pre-training (``mlm``, ``lm``) from a seqio task, the shuffle
   block (``shuffle_block * L * 8`` bytes, :mod:`posenc_jax.data.preprocessors`)."""
   shuffled = (config.objective in ("mlm", "lm")
-              and not config.task.startswith(probes.TASK_PREFIX))
+              and not probes.is_probe(config.task))
   return (PREFETCHED_BATCHES * rows * length * BATCH_FEATURES * 4
           + (SHUFFLE_BLOCK * length * 8 if shuffled else 0))
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import ml_collections
 
-from posenc_jax.data.probes import TASK_PREFIX
+from posenc_jax.data.probes import is_probe
 from posenc_jax.data.randomized_positions import TOKENS
 from posenc_jax.training.config import TrainConfigError
 from posenc_jax.training.workdir import ARCHITECTURE
@@ -14,7 +14,7 @@ from posenc_jax.training.workdir import ARCHITECTURE
 def _reads_pretraining_stream(config: ml_collections.ConfigDict) -> bool:
   """The run's training batches come from the pre-training stream (objectives mlm and lm,
   not a probe's generated batches): what ``data_sharding`` and ``cache_data`` shape."""
-  return config.objective in TOKENS and not str(config.task).startswith(TASK_PREFIX)
+  return config.objective in TOKENS and not is_probe(config.task)
 
 
 # Train config fields a run reads only in some settings, each with the test that it is read
