@@ -34,7 +34,7 @@ import time
 
 from absl import app, flags, logging
 
-from posenc_jax import cli, messages
+from posenc_jax import allocator, cli, messages
 from posenc_jax import usage as usage_lib
 
 _CONFIG = cli.define_config("config", None, "configs/compare.py:<experiment>")
@@ -192,6 +192,7 @@ def main(argv):
   from posenc_jax.comparison import collect, plan, report, run  # noqa: PLC0415
 
   logging.set_verbosity(logging.WARNING)  # JAX's backend lines before the cost is timed
+  allocator.keep_freed_buffers()  # the cost's steps, timed here
   folders, config, root = argv[1:], _CONFIG.value, _WORKDIR.value
   if folders and not _COLLECT.value:
     sys.exit(f"{PROG}: unexpected arguments {' '.join(folders)}; folders to read go after "

@@ -40,7 +40,7 @@ from typing import Any
 
 from absl import flags
 
-from posenc_jax import cli
+from posenc_jax import allocator, cli
 from posenc_jax import usage as usage_lib
 from posenc_jax.evaluation.runs import PROTOCOLS, parse_checkpoint
 from posenc_jax.evaluation.windows import WINDOWS
@@ -159,6 +159,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
   logging.set_verbosity(logging.WARNING)
   cli.quiet_library_tracebacks()
   cli.quiet_library_notices()
+  allocator.keep_freed_buffers()
   from posenc_jax.evaluation import report  # noqa: PLC0415
   from posenc_jax.evaluation.runs import EvaluationError, evaluate_workdir  # noqa: PLC0415
   from posenc_jax.training.errors import USER_ERRORS  # noqa: PLC0415

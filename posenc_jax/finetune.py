@@ -21,7 +21,7 @@ import sys
 
 from absl import app, flags, logging
 
-from posenc_jax import cli, usage
+from posenc_jax import allocator, cli, usage
 
 # The configs/ files it takes, listed by --help.
 CONFIGS = ("finetune_glue", "finetune_wordnet", "finetune_xtreme")
@@ -39,6 +39,7 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)
   cli.quiet_library_tracebacks()
   cli.quiet_library_notices()
+  allocator.keep_freed_buffers()
   cli.start_tensorflow_quietly()
   from posenc_jax.training.overrides import check_overrides  # noqa: PLC0415
   from posenc_jax.training.errors import USER_ERRORS  # noqa: PLC0415

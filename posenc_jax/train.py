@@ -24,7 +24,7 @@ import sys
 
 from absl import app, flags, logging
 
-from posenc_jax import cli, usage
+from posenc_jax import allocator, cli, usage
 
 # The configs/ files it takes, listed by --help.
 CONFIGS = ("pretrain", "lm", "translate", "probe")
@@ -56,6 +56,7 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO
   cli.quiet_library_tracebacks()
   cli.quiet_library_notices()
+  allocator.keep_freed_buffers()
   from posenc_jax.training.input_pipeline import reads_tensorflow  # noqa: PLC0415
 
   if reads_tensorflow(_CONFIG.value.get("task", "")):

@@ -24,7 +24,11 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from posenc_jax import build_scheme  # noqa: E402
+from posenc_jax import allocator, build_scheme  # noqa: E402
+
+# Freed host buffers stay in this process's heap for the next computation, as in the commands'
+# processes (posenc_jax.allocator).
+allocator.keep_freed_buffers()
 
 
 def optimised_env() -> dict[str, str]:
