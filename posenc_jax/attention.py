@@ -186,12 +186,16 @@ def _reference(q, k, v, terms, mask, causal, scale, dropout_rate=0.0, seed=None,
   return out
 
 
-def _kernel(kernel: route_plan.KernelPlan, q, k, v, offsets, rows, cols, mask, causal, scale,
-            segment_ids, precision, dropout_rate, seed):
-  """The Pallas kernel with the plan's settings; ``offsets``: the Toeplitz vectors; ``rows``,
-  ``cols``: the separable terms' vectors."""
+def _kernel(kernel: route_plan.KernelPlan, q, k, v, offsets, closed, rows, cols, mask, causal,
+            scale, segment_ids, precision, dropout_rate, seed):
+  """The Pallas kernel with the plan's settings; ``offsets``: the Toeplitz vectors;
+  ``closed``: the closed-form term's part (entry ``registers``) or None; ``rows``, ``cols``:
+  the separable terms' vectors."""
   return relative_flash_attention(
-      q, k, v, sum(offsets) if offsets else None, row_bias=sum(rows) if rows else None,
+      q, k, v, sum(offsets) if offsets else None,
+      offset_fn=closed.offset_fn if closed else None,
+      offset_params=closed.offset_params if closed else None,
+      row_bias=sum(rows) if rows else None,
       col_bias=sum(cols) if cols else None, mask=mask, q_segment_ids=segment_ids,
       kv_segment_ids=segment_ids, causal=causal, scale=scale, zero_first=kernel.zero_first,
       tiles=kernel.tiles, blocks=kernel.blocks,
@@ -208,6 +212,7 @@ def _execute(plan: route_plan.Plan, q, k, v, terms, mask, causal, scale, *, segm
     return _reference(q, k, v, terms, mask, causal, scale, dropout_rate, seed, segment_ids,
                       precision)
   q_parts, k_parts, dense, offsets, zero_first, rows, cols = [q], [k], [], [], [], [], []
+  closed = None
   for term, entry in zip(terms, plan.entries):
     if entry == "table":
       dense.append(term.logits(q, scale))
@@ -224,6 +229,8 @@ def _execute(plan: route_plan.Plan, q, k, v, terms, mask, causal, scale, *, segm
         cols.append(part.col)
       elif entry == "broadcast":
         dense.append(part.row[..., :, None] + part.col[..., None, :])
+      elif entry == "registers":  # the closed form, evaluated in the kernel's tiles
+        closed = part
       else:  # "kernel", "offsets": the Toeplitz vector, in the tiles or materialised
         offsets.append(part.offset_bias)
         zero_first.append(part.zero_first)
@@ -236,8 +243,8 @@ def _execute(plan: route_plan.Plan, q, k, v, terms, mask, causal, scale, *, segm
   q_len, k_len = q.shape[1], k.shape[1]
   if plan.runner == "splash":
     return _splash(q, k, v, mask, causal, scale, segment_ids)
-  kernel = lambda: _kernel(plan.kernel, q, k, v, offsets, rows, cols, mask,  # noqa: E731
-                           causal, scale, segment_ids, precision, dropout_rate, seed)
+  kernel = lambda: _kernel(plan.kernel, q, k, v, offsets, closed, rows, cols,  # noqa: E731
+                           mask, causal, scale, segment_ids, precision, dropout_rate, seed)
   if plan.runner == "kernel":
     return kernel()
   dense += [toeplitz_bias(o, q_len, k_len, z) for o, z in zip(offsets, zero_first)]

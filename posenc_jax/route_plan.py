@@ -23,7 +23,10 @@ What the plan decides, in order:
    fused route.
 2. **How each term enters** (:data:`ENTRIES`): a q/k transform has run already; a factored
    term folds into q/k; a Toeplitz term's offset vector goes to the Pallas kernel, which
-   builds its tiles; a separable term's row and column vectors (the forgetting gates) go to
+   builds its tiles (a closed-form one, ALiBi's or KERPLE's, is evaluated in the Triton
+   tiles from its parameters where it is the call's only Toeplitz term and the route table
+   has not measured the Hopper passes faster); a
+   separable term's row and column vectors (the forgetting gates) go to
    the kernel too, which adds them to its tiles in float32; dense terms are a bias. A
    batch-free Toeplitz or factored term is materialised once per call as a bias instead where
    the route table measured that faster (not with dropout or packed segments, which need the
@@ -68,9 +71,10 @@ MASK_KINDS = ("none", "key", "full")  # no mask, a [B, Lk] key mask, a mask broa
 # dense bias), "offsets" (a Toeplitz vector materialised as a bias: the kernel cannot run),
 # "table" (materialised once per call: the route table measured that faster), "vectors" (a
 # separable term's row and column vectors, added in the kernel's tiles), "broadcast" (the two
-# vectors broadcast to a dense bias: the kernel cannot run).
+# vectors broadcast to a dense bias: the kernel cannot run), "registers" (a closed-form
+# Toeplitz term evaluated in the kernel's tiles from its parameters: no vector).
 ENTRIES = ("logits", "transform", "fold", "kernel", "bias", "offsets", "table", "vectors",
-           "broadcast")
+           "broadcast", "registers")
 RUNNERS = ("reference", "kernel", "splash", "dot_product_attention")
 # How a mask reaches dot_product_attention: None (no mask), "mask" (as given, 4-D), "full"
 # (broadcast to [B, 1, Lq, Lk]), "lengths or kernel" / "lengths or full" (sequence lengths
@@ -110,6 +114,7 @@ class KernelPlan:
     bias: an offset vector goes in (Toeplitz terms); ``zero_first``: TUPE-R's reset.
     dropout: the kernel draws attention dropout.
     separable: a row and a column vector go in (separable terms).
+    closed: the bias is a closed form the tiles evaluate (``bias`` is then True).
   """
 
   tiles: str
@@ -120,6 +125,7 @@ class KernelPlan:
   zero_first: bool
   dropout: bool
   separable: bool = False
+  closed: bool = False
 
   def __str__(self) -> str:
     b = self.blocks
@@ -129,7 +135,8 @@ class KernelPlan:
                 f"backward {'Hopper' if self.backward == 'hopper' else passes}")
     launch = f", {b.num_warps} warps, {b.num_stages} stages" if b.num_warps else ""
     return (f"{passes}; blocks {b.block_q}x{b.block_k}, head dims {b.qk_dim}/{b.v_dim}"
-            f"{launch}; {'offset bias' if self.bias else 'no bias'}"
+            f"{launch}; "
+            f"{'closed-form bias' if self.closed else 'offset bias' if self.bias else 'no bias'}"
             f"{' (zero first row/column)' if self.zero_first else ''}"
             f"{', row/column vectors' if self.separable else ''}"
             f"{', dropout' if self.dropout else ''}")
@@ -231,10 +238,12 @@ def splash_fits(q_len: int, k_len: int) -> bool:
 
 
 def _kernel_plan(q_len: int, k_len: int, qk_dim: int, v_dim: int, dtype, *, bias: bool,
-                 zero_first: bool, dropout: bool, separable: bool, precision: str,
-                 device: Device, table: route_table.RouteTable) -> KernelPlan:
+                 zero_first: bool, dropout: bool, separable: bool, closed: bool,
+                 precision: str, device: Device, table: route_table.RouteTable) -> KernelPlan:
   """The kernel's tiles, passes and blocks at these shapes (q/k already folded); the Hopper
-  passes decline a separable term."""
+  passes decline a separable term. A closed form (``closed``: the call's one Toeplitz term
+  can be evaluated in the tiles) goes into the Triton tiles in place of their gather, except
+  where the route table has the Hopper passes (which read the vector) measured faster."""
   tiles = "roll" if device.platform == "tpu" else "gather"
   choose = lambda block_q=None: blocks.kernel_blocks(  # noqa: E731
       q_len, k_len, qk_dim, v_dim, itemsize=jnp.dtype(dtype).itemsize, has_bias=bias,
@@ -255,7 +264,8 @@ def _kernel_plan(q_len: int, k_len: int, qk_dim: int, v_dim: int, dtype, *, bias
     chosen = choose()
   return KernelPlan(tiles=tiles, forward="hopper" if hopper else "tiles",
                     backward="hopper" if both else "tiles", blocks=chosen, bias=bias,
-                    zero_first=zero_first, dropout=dropout, separable=separable)
+                    zero_first=zero_first, dropout=dropout, separable=separable,
+                    closed=closed and not hopper)
 
 
 def plan(q_shape: Sequence[int], k_shape: Sequence[int], v_shape: Sequence[int], dtype,
@@ -317,9 +327,14 @@ def plan(q_shape: Sequence[int], k_shape: Sequence[int], v_shape: Sequence[int],
     width += form.rank if entry == "fold" else 0
     if entry == "kernel":
       zero_firsts.add(form.zero_first)
+  kernel_terms = [n for n, e in enumerate(entries) if e == "kernel"]
+  if (len(kernel_terms) == 1 and forms[kernel_terms[0]].closed
+      and device.platform != "tpu"):
+    entries[kernel_terms[0]] = "registers"  # "offsets" below where the kernel does not run
   width += -width % 8
   dense = any(e in ("bias", "table") for e in entries)
-  toeplitz = "kernel" in entries
+  closed = "registers" in entries
+  toeplitz = "kernel" in entries or closed
   separable = "vectors" in entries
   key_mask = mask in ("none", "key")
   kernel_fits = not dense and key_mask and len(zero_firsts) <= 1
@@ -337,9 +352,10 @@ def plan(q_shape: Sequence[int], k_shape: Sequence[int], v_shape: Sequence[int],
     implementation = "xla" if why else "cudnn"
     if why and device.platform == "gpu":
       notes.append(f"no cuDNN: {why}")
-  kernel = lambda: _kernel_plan(  # noqa: E731
+  kernel = lambda closed=closed: _kernel_plan(  # noqa: E731
       q_len, k_len, width, v_dim, dtype, bias=toeplitz, zero_first=True in zero_firsts,
-      dropout=dropout, separable=separable, precision=precision, device=device, table=table)
+      dropout=dropout, separable=separable, closed=closed, precision=precision, device=device,
+      table=table)
   if dropout and not kernel_fits:
     return Plan("fused", "reference", ("logits",) * len(forms), names, head_dim,
                 points_of=points_of,
@@ -352,9 +368,20 @@ def plan(q_shape: Sequence[int], k_shape: Sequence[int], v_shape: Sequence[int],
   # Packed segments: cuDNN (through dot_product_attention) has no segment ids; the kernel has.
   # Dropout: cuDNN's mask is its own; the kernel draws the reference route's.
   if kernel_fits and (toeplitz or separable or implementation == "xla" or segments or dropout):
-    return Plan("fused", "kernel", tuple(entries), names, width, kernel=kernel(),
+    chosen_kernel = kernel()
+    if closed:
+      name = names[entries.index("registers")]
+      if chosen_kernel.closed:
+        notes.append(f"{name}'s bias is a closed form: the Triton tiles evaluate it from its "
+                     "parameters instead of gathering an offset vector")
+      else:
+        entries = ["kernel" if e == "registers" else e for e in entries]
+        notes.append(f"{name}'s bias is a closed form, but the route table has the Hopper "
+                     "passes (which read the offset vector) measured faster here")
+    return Plan("fused", "kernel", tuple(entries), names, width, kernel=chosen_kernel,
                 points_of=points_of, notes=tuple(notes))
-  entries = [{"kernel": "offsets", "vectors": "broadcast"}.get(e, e) for e in entries]
+  entries = [{"kernel": "offsets", "registers": "offsets", "vectors": "broadcast"}.get(e, e)
+             for e in entries]
   mask_4d = mask != "none" or segments
   fallback = None
   if implementation != "cudnn" or not mask_4d:
@@ -363,7 +390,7 @@ def plan(q_shape: Sequence[int], k_shape: Sequence[int], v_shape: Sequence[int],
     how = "full"
   else:
     how = "lengths or kernel" if kernel_fits else "lengths or full"
-    fallback = kernel() if kernel_fits else None
+    fallback = kernel(closed=False) if kernel_fits else None  # the vectors, as the entries say
   return Plan("fused", "dot_product_attention", tuple(entries), names, width,
               implementation=implementation, mask=how, kernel=fallback, points_of=points_of,
               notes=tuple(notes))

@@ -66,6 +66,8 @@ from posenc_jax.benchmarks.timing import seconds, timed, timed_against
 from posenc_jax.kernels import blocks, relative_flash, relative_flash_attention
 from posenc_jax.models.config import DTYPES
 from posenc_jax.route_plan import cudnn_unsupported
+from posenc_jax.schemes.alibi import LinearDistance
+from posenc_jax.schemes.kerple import KernelDistance
 from posenc_jax.terms import Factored, Toeplitz
 
 PROG = "posenc_jax.benchmarks.routes"
@@ -130,6 +132,9 @@ class Kernel(NamedTuple):
       that fit.
     tiles: the Triton kernels' bias tiles (a kernel variant: ``band``); None: the plan's.
     backward: the Pallas kernel's backward (``tiles`` or ``hopper``).
+    closed: ``(offset_fn, R)``: a closed-form bias evaluated in the tiles (a kernel variant),
+      its ``[H, R]`` parameters taken from the row's offset vector (``|x| + 0.1``, so that
+      the gradient reaches the vector as the other rows'); None: the vector.
   """
 
   name: str
@@ -141,6 +146,7 @@ class Kernel(NamedTuple):
   warpgroups: int | None = None
   tiles: str | None = None
   backward: str = "tiles"
+  closed: tuple[Callable, int] | None = None
 
   @property
   def bias_text(self) -> str:
@@ -148,6 +154,8 @@ class Kernel(NamedTuple):
       return "factored u.v, " + ("materialised [1, H, L, L]" if self.bias else "folded: D+R wide")
     text = ("offsets [H, 2L-1]" if self.family == "pallas" else "materialised [1, H, L, L]"
             ) if self.bias else "none"
+    if self.closed:
+      text = f"closed form {type(self.closed[0]).__name__} in the tiles, [H, {self.closed[1]}]"
     if self.forward == "hopper":
       text += ", Hopper forward" + (f", {self.warpgroups} warpgroup(s)" if self.warpgroups
                                     else "")
@@ -171,6 +179,10 @@ ATTENTION_KERNELS = (
     Kernel(HOPPER_ONE_ROW, "pallas", bias=True, request=None, forward="hopper", warpgroups=1),
     Kernel(route_table.HOPPER_BOTH_ROW, "pallas", bias=True, request=_kernel_toeplitz("both"),
            forward="hopper", backward="hopper"),
+    Kernel("pallas alibi closed", "pallas", bias=True, request=None,
+           closed=(LinearDistance(), 1)),
+    Kernel("pallas kerple closed", "pallas", bias=True, request=None,
+           closed=(KernelDistance("log"), 2)),
     Kernel("pallas toeplitz dropout", "pallas", bias=True, request=_kernel_toeplitz(),
            dropout=ATTENTION_DROPOUT),
     # Bias-free attention runs the kernel where dot_product_attention would run XLA's.
@@ -274,6 +286,11 @@ def attention_kernel(kernel: Kernel, q: jax.Array, *, causal: bool, rng: jax.Arr
   if request is None:
     if kernel.tiles == "band" and jax.default_backend() == "tpu":
       reason = "band tiles are the Triton kernels' (GPU); a TPU builds roll tiles"
+    if kernel.closed:
+      offset_fn, width = kernel.closed
+      return (lambda q, k, v, ob: relative_flash_attention(
+          q, k, v, offset_fn=offset_fn, offset_params=jnp.abs(ob[:, :width]) + 0.1,
+          causal=causal)), reason
     return (lambda q, k, v, ob: relative_flash_attention(
         q, k, v, ob, causal=causal, forward=kernel.forward, warpgroups=kernel.warpgroups,
         tiles=kernel.tiles, backward=kernel.backward)), reason

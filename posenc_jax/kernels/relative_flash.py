@@ -29,6 +29,15 @@ A separable term (``row_bias [B, H, Lq]``, ``col_bias [B, H, Lk]``: logit ``(i, 
 backward returns its gradients ``sum_j dS_ij`` (the query-block kernel) and ``sum_i dS_ij``
 (the key-block kernel). The Hopper passes take none.
 
+A closed-form bias (``offset_fn``, ``offset_params``: ALiBi's ``-m_h |j - i|``, KERPLE's
+``-r1 log(1 + r2 |j - i|)`` and ``-r1 |j - i|^r2``) is not turned into a vector at all: each
+tile is ``offset_fn.closed(params_h, j - i)``, computed from the tile's positions (iotas) and the
+head's few parameters, so no kernel reads an offset vector or a band, and nothing of size
+``L`` is built. The parameters' gradient is, per tile, the reduction ``sum_ij dS_ij
+d offset_fn / d params`` (``jax.vjp`` of the function in the tile), accumulated in registers
+by the query-block kernel into one ``[R_p]`` row per (example, head, query block) and summed
+outside; no atomics, no ``[H, 2L - 1]`` or ``[L, L]`` array. The Hopper passes take none yet.
+
 Masking: ``q_segment_ids [B, Lq]`` and ``kv_segment_ids [B, Lk]`` (packed
 sequences: a query sees only keys of its own segment), a ``mask [B, Lk]`` of
 keys (True = attend), and ``causal`` (``j > i`` masked, top-left aligned as
@@ -93,7 +102,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -133,6 +142,9 @@ class _Config:
   warpgroups: int | None = None  # the Hopper forward's consumer warpgroups (None: most that fit)
   backward: str = "tiles"  # "tiles" (relative_kernels' backward kernels) or "hopper"
   separable: bool = False  # a row and a column vector added to every logit (r_i + s_j)
+  closed: Any = None  # a closed-form offset function, its .closed(params, rel) in the tiles
+  num_params: int = 0  # R: the closed form's parameters per head
+  params_len: int = 0  # R_p: R padded to a power of two (the ref's width)
 
   @property
   def compiler_params(self):
@@ -146,7 +158,7 @@ class _Config:
   @property
   def reads_band(self) -> bool:
     """Whether the Triton kernels read bias tiles from a band (:func:`_band`)."""
-    return self.has_bias and self.tiles == "band"
+    return self.has_bias and self.tiles == "band" and self.closed is None
 
   @property
   def window(self) -> int:
@@ -157,7 +169,10 @@ class _Config:
   @property
   def offset_len(self) -> int:
     """``Loff_p``: the padded offset vector's length, a power of two long enough for every
-    offset (``Lq_p + Lk_p - 1``) and for the last tile's whole window."""
+    offset (``Lq_p + Lk_p - 1``) and for the last tile's whole window; with a closed form,
+    ``R_p`` (the ref holds the head's parameters)."""
+    if self.closed is not None:
+      return self.params_len
     bq, bk = self.blocks.block_q, self.blocks.block_k
     return next_pow2(self.q_len + self.k_len - (bq + bk) + self.window)
 
@@ -276,12 +291,12 @@ def _backward(cfg, q, k, v, ob, qseg, kseg, row, col, seed, out, lse, do):
   if cfg.separable:
     out_shapes.append(jax.ShapeDtypeStruct(row.shape, jnp.float32))
     out_specs.append(specs.row)
-  if cfg.has_bias and not cfg.reads_band:  # per query block: the offset-bias gradient (and
-    # the gather's scratch)
+  if cfg.has_bias and not cfg.reads_band:  # per query block: the offset-bias (or the closed
+    # form's parameters') gradient, and the gather's scratch
     loff = cfg.offset_len
     out_shapes.append(jax.ShapeDtypeStruct((b, h, nq, 1, loff), jnp.float32))
     out_specs.append(pl.BlockSpec((None, None, None, 1, loff), lambda b, h, i: (b, h, i, 0, 0)))
-    if cfg.tiles == "gather":
+    if cfg.tiles == "gather" and cfg.closed is None:
       out_shapes.append(jax.ShapeDtypeStruct((b, h, nq, bq, bk), jnp.float32))
       out_specs.append(pl.BlockSpec((None, None, None, bq, bk), lambda b, h, i: (b, h, i, 0, 0)))
   dq, *rest = pl.pallas_call(
@@ -376,12 +391,14 @@ def hopper_takes(dtype, blocks: KernelBlocks, *, has_bias: bool, backward: bool)
 
 
 def _hopper_problem(dtype, blocks: KernelBlocks, *, has_bias: bool, forward: str,
-                    backward: str, warpgroups: int | None, separable: bool = False) -> str | None:
-  """The one-line error for Hopper passes (and ``warpgroups``) these blocks or a separable
-  term cannot take, or None."""
-  if separable and "hopper" in (forward, backward):
-    return (f"{'forward' if forward == 'hopper' else 'backward'}: 'hopper' takes no row_bias "
-            "or col_bias; use 'tiles'")
+                    backward: str, warpgroups: int | None, separable: bool = False,
+                    closed: bool = False) -> str | None:
+  """The one-line error for Hopper passes (and ``warpgroups``) these blocks, a separable
+  term or a closed form cannot take, or None."""
+  for taken, what in ((separable, "row_bias or col_bias"), (closed, "closed-form offset_fn")):
+    if taken and "hopper" in (forward, backward):
+      return (f"{'forward' if forward == 'hopper' else 'backward'}: 'hopper' takes no {what}; "
+              "use 'tiles'")
   got = (f"got {jnp.dtype(dtype).name}, head dims {blocks.qk_dim}/{blocks.v_dim}, blocks "
          f"{blocks.block_q}x{blocks.block_k}")
   if forward == "hopper" and not hopper_takes(dtype, blocks, has_bias=has_bias, backward=False):
@@ -419,6 +436,8 @@ def relative_flash_attention(
     v: Array,
     offset_bias: Array | None = None,
     *,
+    offset_fn: Any = None,
+    offset_params: Array | None = None,
     row_bias: Array | None = None,
     col_bias: Array | None = None,
     mask: Array | None = None,
@@ -448,6 +467,16 @@ def relative_flash_attention(
     offset_bias: ``[H|1, Lq + Lk - 1]`` bias of each offset ``rel = j - i``
       (:func:`posenc_jax.terms.offsets`), or None for plain flash attention (no positional
       term).
+    offset_fn, offset_params: a closed-form Toeplitz bias instead of ``offset_bias``:
+      ``offset_fn.closed(params, rel)`` of the head's ``R`` parameters ``params`` (a tuple
+      of float32 arrays broadcastable against ``rel``: here ``[1, 1]`` each, from
+      ``offset_params [H|1, R]``) and an int32 array of offsets ``rel = j - i``,
+      elementwise in ``rel`` (ALiBi's :class:`~posenc_jax.schemes.alibi.LinearDistance`,
+      KERPLE's :class:`~posenc_jax.schemes.kerple.KernelDistance`); a hashable object whose
+      ``closed`` is made of jnp operations. The kernels evaluate it on each tile from the positions, reading no
+      vector, and the parameters' gradient is a per-tile reduction in the query-block
+      kernel (``jax.vjp`` of ``offset_fn`` in the tile), summed outside over examples and
+      blocks. Not with the Hopper passes.
     row_bias, col_bias: ``[B|1, H|1, Lq]`` and ``[B|1, H|1, Lk]``, a separable term: logit
       ``(i, j)`` gets ``row_bias[b, h, i] + col_bias[b, h, j]``, added to each tile in
       float32 whatever q's dtype (the forgetting gates' ``c_i - c_j``, whose parts grow
@@ -494,8 +523,8 @@ def relative_flash_attention(
     interpret: Pallas interpret mode; None picks it on the CPU backend.
 
   Returns:
-    ``[B, Lq, H, Dv]``, differentiable in q, k, v, ``offset_bias``, ``row_bias`` and
-    ``col_bias``.
+    ``[B, Lq, H, Dv]``, differentiable in q, k, v, ``offset_bias``, ``offset_params``,
+    ``row_bias`` and ``col_bias``.
   """
   b, lq, h, d = q.shape
   lk, dv = k.shape[1], v.shape[-1]
@@ -506,14 +535,22 @@ def relative_flash_attention(
                                   or offset_bias.shape[1] != lq + lk - 1):
     raise ValueError(f"offset_bias: got shape {offset_bias.shape}; expected "
                      f"[{h} or 1, Lq + Lk - 1 = {lq + lk - 1}]")
+  if (offset_fn is None) != (offset_params is None) or (
+      offset_fn is not None and offset_bias is not None):
+    raise ValueError("offset_fn, offset_params: give both (a closed form) or neither, and not "
+                     "with offset_bias")
+  if offset_params is not None and (offset_params.ndim != 2
+                                    or offset_params.shape[0] not in (1, h)):
+    raise ValueError(f"offset_params: got shape {offset_params.shape}; expected [{h} or 1, R]")
   if tiles is None:
     tiles = "roll" if jax.default_backend() == "tpu" else "gather"
   for name, value in (("forward", forward), ("backward", backward)):
     if value not in ("tiles", "hopper"):
       raise ValueError(f"{name}: got {value!r}; allowed: tiles, hopper")
+  has_bias = offset_bias is not None or offset_fn is not None
   if blocks is None:
     blocks = kernel_blocks(lq, lk, d, dv, itemsize=max(x.dtype.itemsize for x in (q, k, v)),
-                           has_bias=offset_bias is not None, tiles=tiles, precision=precision,
+                           has_bias=has_bias, tiles=tiles, precision=precision,
                            block_q=(hopper_flash.BLOCK_Q if forward == "hopper" and block_q is None
                                     else block_q), block_k=block_k)
   if (q_segment_ids is None) != (kv_segment_ids is None):
@@ -528,7 +565,6 @@ def relative_flash_attention(
   seed = (jnp.zeros((1, 1), jnp.int32) if dropout_seed is None
           else jnp.reshape(dropout_seed, (1, 1)).astype(jnp.int32))
 
-  has_bias = offset_bias is not None
   separable = row_bias is not None or col_bias is not None
   for name, vector, length in (("row_bias", row_bias, lq), ("col_bias", col_bias, lk)):
     if vector is not None and (vector.ndim != 3 or vector.shape[0] not in (1, b)
@@ -536,7 +572,8 @@ def relative_flash_attention(
       raise ValueError(f"{name}: got shape {vector.shape}; expected [{b} or 1, {h} or 1, "
                        f"{length}]")
   problem = _hopper_problem(q.dtype, blocks, has_bias=has_bias, forward=forward,
-                            backward=backward, warpgroups=warpgroups, separable=separable)
+                            backward=backward, warpgroups=warpgroups, separable=separable,
+                            closed=offset_fn is not None)
   if problem:
     raise ValueError(problem)
   lq_p, lk_p = round_up(lq, blocks.block_q), round_up(lk, blocks.block_k)
@@ -544,7 +581,9 @@ def relative_flash_attention(
                 causal=causal, scale=float(scale), precision=precision,
                 dropout_rate=float(dropout_rate), blocks=blocks,
                 q_len=lq_p, k_len=lk_p, interpret=bool(interpret), forward=forward,
-                warpgroups=warpgroups, backward=backward, separable=separable)
+                warpgroups=warpgroups, backward=backward, separable=separable, closed=offset_fn,
+                num_params=0 if offset_params is None else offset_params.shape[1],
+                params_len=0 if offset_params is None else next_pow2(offset_params.shape[1]))
   loff = cfg.offset_len
 
   def heads_major(x, length, width):
@@ -564,7 +603,10 @@ def relative_flash_attention(
     kseg = jnp.where(mask.astype(bool), kseg, _K_PAD)
   qseg = jnp.pad(qseg, ((0, 0), (0, lq_p - lq)), constant_values=_Q_PAD)[:, :, None]
   kseg = jnp.pad(kseg, ((0, 0), (0, lk_p - lk)), constant_values=_K_PAD)[:, None, :]
-  if offset_bias is None:
+  if offset_params is not None:  # [H, 1, R_p]: each head's parameters, zero-padded
+    params = jnp.broadcast_to(offset_params.astype(jnp.float32), (h, offset_params.shape[1]))
+    ob = jnp.pad(params, ((0, 0), (0, loff - params.shape[1])))
+  elif offset_bias is None:
     ob = jnp.zeros((1, loff), jnp.float32)
   else:
     # Offset o = rel + Lq - 1 moves to rel + Lq_p - 1; the padding is masked.

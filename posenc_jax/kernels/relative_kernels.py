@@ -13,6 +13,7 @@ relative_flash's static ``_Config``; the ``pallas_call`` wrappers and the custom
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -90,8 +91,33 @@ def _dropout(cfg, stream, qi, kj):
   return dropout_multiplier(*stream, *_positions(cfg, qi, kj), cfg.dropout_rate)
 
 
+def _closed_params(cfg, ob_ref):
+  """The head's ``cfg.num_params`` closed-form parameters, each read as its own ``[1, 1]``
+  float32 block of the ``[1, R_p]`` ref (Triton lowers no slice of a loaded array)."""
+  return tuple(ob_ref[:, pl.ds(r, 1)].astype(jnp.float32) for r in range(cfg.num_params))
+
+
+def _closed_tile(cfg, params, i, j):
+  """``[bq, bk]`` float32 tile of the closed-form bias ``offset_fn.closed(params, j - i)``,
+  evaluated from the tile's positions (iotas) and the head's ``[1, 1]`` parameters."""
+  return cfg.closed.closed(params, j - i).astype(jnp.float32)
+
+
+def _closed_gradient(cfg, params, i, j, dbias):
+  """The tile's part of each parameter's gradient, ``sum_ij dbias_ij d bias_ij / d p``, each
+  ``[1, 1]``: ``jax.vjp`` of the closed form at parameters broadcast to the tile (elementwise,
+  no transposed broadcast), then the tile summed one axis at a time, in registers."""
+  tiled = tuple(jnp.broadcast_to(p, dbias.shape) for p in params)
+  _, pullback = jax.vjp(lambda *p: _closed_tile(cfg, p, i, j), *tiled)
+  return tuple(jnp.sum(jnp.sum(g, axis=1, keepdims=True), axis=0, keepdims=True)
+               for g in pullback(dbias))
+
+
 def _bias_tile(cfg, ob_ref, i, j, qi, kj):
   """``[bq, bk]`` float32 tile ``ob[j - i + Lq_p - 1]`` from the ``[1, Loff_p]`` ref.
+
+  With a closed form (``cfg.closed``) the ref holds the head's ``[1, R_p]`` parameters
+  instead, and the tile is :func:`_closed_tile`: no vector is read, whatever ``cfg.tiles``.
 
   ``gather``: an in-kernel gather (Triton loads through a pointer tensor).
   ``band``: columns ``window_start + [0, bk)`` of the ``[bq, Loff_p]`` band ref, a block load.
@@ -99,6 +125,8 @@ def _bias_tile(cfg, ob_ref, i, j, qi, kj):
   blocks being multiples of 128) broadcast to every row, row ``r`` rotated by
   ``W - (bq - 1) + r`` (one strided roll), then its first ``bk`` columns.
   """
+  if cfg.closed is not None:
+    return _closed_tile(cfg, _closed_params(cfg, ob_ref), i, j)
   if cfg.tiles == "gather":
     return ob_ref[0, j - i + (cfg.q_len - 1)].astype(jnp.float32)
   if cfg.tiles == "band":  # ob_ref is the [bq, Loff_p] band (relative_flash._band)
@@ -163,7 +191,8 @@ def _num_k_blocks(cfg, qi):
 # ---------------------------------------------------------------------------
 # Kernels. Refs are one (batch, head) slice, every array 2-D: q [bq or Lq_p, Dqk_p],
 # k [Lk_p or bk, Dqk_p], v [Lk_p or bk, Dv_p], out/do [bq or Lq_p, Dv_p], offset bias
-# [1, Loff_p], query segment ids, the separable term's row vector and lse/delta columns
+# [1, Loff_p] (a closed form: the head's parameters [1, R_p]), query segment ids, the
+# separable term's row vector and lse/delta columns
 # [bq or Lq_p, 1], key segment ids and the column vector rows [1, Lk_p or bk], the dropout
 # seed [1, 1] (read only with dropout).
 
@@ -207,7 +236,8 @@ def dq_kernel(cfg, q_ref, k_ref, v_ref, ob_ref, qseg_ref, kseg_ref, row_ref, col
   The next of ``grads``, ``dob_ref`` ``[1, Loff_p]``, accumulates the diagonal sums of every
   logit cotangent tile of this query block (then ``ds_ref`` ``[bq, bk]``: the gather
   mode's scratch, see :func:`_diagonal_sums`). Band tiles leave the bias gradient to
-  :func:`dbias_kernel`.
+  :func:`dbias_kernel`. With a closed form, ``dob_ref`` ``[1, R_p]`` accumulates each tile's
+  :func:`_closed_gradient` instead, parameter by parameter (no scratch, no diagonal sums).
   """
   dr_ref, *grads = grads if cfg.separable else (None, *grads)
   dob_ref, ds_ref = (*grads, None, None)[:2]
@@ -216,6 +246,7 @@ def dq_kernel(cfg, q_ref, k_ref, v_ref, ob_ref, qseg_ref, kseg_ref, row_ref, col
   q, do, qseg, row = q_ref[...], do_ref[...], qseg_ref[...], row_ref[...]
   lse, delta = lse_ref[...], delta_ref[...]
   stream = _stream(cfg, seed_ref)
+  params = _closed_params(cfg, ob_ref) if cfg.closed is not None else None
   if dob_ref is not None:
     dob_ref[...] = jnp.zeros(dob_ref.shape, jnp.float32)
 
@@ -226,9 +257,14 @@ def dq_kernel(cfg, q_ref, k_ref, v_ref, ob_ref, qseg_ref, kseg_ref, row_ref, col
     _, _, ds = _cotangent(cfg, q, k, v_ref[cols, :], do, ob_ref, qseg, kseg_ref[:, cols], row,
                           col_ref[:, cols], lse, delta, stream, qi, kj)
     if dob_ref is not None:
-      window = (slice(None), pl.ds(cfg.window_start(qi, kj), cfg.window))
-      dbias = _cls_reset(cfg, ds, *_positions(cfg, qi, kj))
-      dob_ref[window] = dob_ref[window] + _diagonal_sums(cfg, dbias, ds_ref)
+      i, j = _positions(cfg, qi, kj)
+      dbias = _cls_reset(cfg, ds, i, j)
+      if cfg.closed is not None:
+        for r, grad in enumerate(_closed_gradient(cfg, params, i, j, dbias)):
+          dob_ref[:, pl.ds(r, 1)] = dob_ref[:, pl.ds(r, 1)] + grad
+      else:
+        window = (slice(None), pl.ds(cfg.window_start(qi, kj), cfg.window))
+        dob_ref[window] = dob_ref[window] + _diagonal_sums(cfg, dbias, ds_ref)
     if cfg.separable:
       dr = dr + jnp.sum(ds, axis=1, keepdims=True)
     return dq + _dot(cfg, ds.astype(k.dtype), k, (1, 0)), dr

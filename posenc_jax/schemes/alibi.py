@@ -54,9 +54,15 @@ class LinearDistance:
 
   causal: bool = False
 
-  def __call__(self, slopes: Array, rel: Array) -> Array:
+  def closed(self, params: tuple[Array], rel: Array) -> Array:
+    """The bias from ``params = (m,)`` (broadcastable against ``rel``, any shape): what the
+    kernel evaluates in its tiles."""
+    (slopes,) = params
     distance = jnp.maximum(-rel, 0) if self.causal else jnp.abs(rel)
     return -slopes * distance.astype(jnp.float32)
+
+  def __call__(self, slopes: Array, rel: Array) -> Array:
+    return self.closed((slopes,), rel)
 
 
 class Alibi(Scheme):

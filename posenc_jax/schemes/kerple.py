@@ -59,12 +59,17 @@ class KernelDistance:
 
   form: str = "log"
 
-  def __call__(self, table: Array, rel: Array) -> Array:
-    r1, r2 = table[..., 0:1], table[..., 1:2]
-    distance = jnp.abs(rel).astype(table.dtype)
+  def closed(self, params: tuple[Array, Array], rel: Array) -> Array:
+    """The bias from ``params = (r1, r2)`` (broadcastable against ``rel``, any shape): what
+    the kernel evaluates in its tiles."""
+    r1, r2 = params
+    distance = jnp.abs(rel).astype(r1.dtype)
     if self.form == "log":
       return -r1 * jnp.log1p(r2 * distance)
     return -r1 * jnp.power(distance, r2)
+
+  def __call__(self, table: Array, rel: Array) -> Array:
+    return self.closed((table[..., 0:1], table[..., 1:2]), rel)
 
 
 class Kerple(Scheme):

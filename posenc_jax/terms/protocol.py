@@ -33,6 +33,9 @@ class FusedPart:
       ``j - i`` (:func:`offsets`), built into the tiles by
       the flash kernel; :func:`toeplitz_bias` materialises it.
     zero_first: the offset bias is zero in row 0 and column 0 (TUPE-R).
+    offset_fn, offset_params: a closed-form Toeplitz term's function and ``[H|1, R]``
+      parameters (``offset_bias == offset_fn(offset_params, offsets)``), which the kernel
+      evaluates in its tiles instead of reading ``offset_bias``; else None.
     row, col: ``[B|1, H|1, Lq]`` and ``[B|1, H|1, Lk]`` float32, a separable term
       ``r_i + s_j`` that the flash kernel adds to each tile in float32.
   """
@@ -42,6 +45,8 @@ class FusedPart:
   k_extra: Array | None = None
   offset_bias: Array | None = None
   zero_first: bool = False
+  offset_fn: Any = None
+  offset_params: Array | None = None
   row: Array | None = None
   col: Array | None = None
 
@@ -64,6 +69,9 @@ class TermForm:
       instead; else None.
     rank: columns folded into q and k (``entry == "fold"``).
     zero_first: the Toeplitz vector is zero in row 0 and column 0 (TUPE-R's [CLS] reset).
+    closed: a Toeplitz term whose offset function is a closed form of the offset and a few
+      parameters per head (it has a ``closed`` method: ALiBi, KERPLE), which the kernel can
+      evaluate in its tiles (:class:`FusedPart`'s ``offset_fn``).
   """
 
   name: str
@@ -72,6 +80,7 @@ class TermForm:
   table_form: str | None = None
   rank: int = 0
   zero_first: bool = False
+  closed: bool = False
 
 
 class Term:

@@ -32,7 +32,10 @@ class Toeplitz(Term):
       :class:`SchemeTerms`).
     offset_fn: ``(table [..., R], rel int32 [N]) -> [..., N]``, the bias of
       each offset ``rel = j - i``; a hashable callable (static), defined by
-      the scheme.
+      the scheme. One with a method ``closed(params, rel)``, the same bias from the table's
+      ``R`` columns as a tuple of arrays broadcastable against ``rel`` (any shape), is a
+      closed form that the kernel evaluates in its tiles
+      (:class:`~posenc_jax.terms.protocol.TermForm`'s ``closed``).
     zero_first: zero row 0 and column 0 (TUPE-R inside the [CLS] reset).
     q_offset: absolute position of query row 0 (int scalar, may be traced);
       None means 0. :meth:`slice_queries` sets it for decoding.
@@ -95,11 +98,14 @@ class Toeplitz(Term):
   def fused_form(self):
     if self.q_offset is not None or self.position_ids is not None:
       return self._form(entry="bias")
-    return self._form(entry="toeplitz", table_form="toeplitz", zero_first=self.zero_first)
+    return self._form(entry="toeplitz", table_form="toeplitz", zero_first=self.zero_first,
+                      closed=callable(getattr(self.offset_fn, "closed", None)))
 
   def fused(self, q, scale):
     if self.q_offset is not None or self.position_ids is not None:
       # A decoding step (the kernel counts rows from 0) or per-token positions: dense.
       return self.materialise(*self._lengths(q)).fused(q, scale)
+    closed = self.fused_form().closed  # the plan picks the vector or the closed form
     return FusedPart(offset_bias=self.offset_values(*self._lengths(q)),
-                     zero_first=self.zero_first)
+                     zero_first=self.zero_first, offset_fn=self.offset_fn if closed else None,
+                     offset_params=self.table if closed else None)
