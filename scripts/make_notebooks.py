@@ -618,7 +618,7 @@ if SMALL:
                            seq_len=16, optimizer=dict(warmup_steps=5)))
   config.lengths = "16,64,256"
   config.evaluate.tokens = 1024
-  config.cost.lengths = "16"
+  config.cost.update(dict(lengths="16", batch=2, repeats=2))
 elif not ACCELERATOR:  # a CPU runtime: one seed, 200 steps (about 6 minutes on 2 cores)
   config.seeds = "0"
   config.train.update(dict(total_steps=200, eval_every=200, checkpoint_every=200))

@@ -302,11 +302,11 @@ def _drop_root_override() -> list[str]:
   return ["setpriv", f"--bounding-set={caps}", f"--inh-caps={caps}"]
 
 
-def _cli(tmp_path, *args, prefix=(), code=None):
-  """The last stderr line of train.py (``code``: a script that runs it) with ``args``, which
-  must exit 1 without a traceback: forked from tests/forked_cli.py's server, or under
-  ``prefix`` (the user's capabilities changed) a process of its own."""
-  argv = ["train.py", "--config=configs/pretrain.py", f"--workdir={tmp_path / 'run'}", *args]
+def _cli(tmp_path, *args, prefix=(), code=None, config="configs/pretrain.py"):
+  """The last stderr line of train.py (``code``: a script that runs it) with ``config`` and
+  ``args``, which must exit 1 without a traceback: forked from tests/forked_cli.py's server,
+  or under ``prefix`` (the user's capabilities changed) a process of its own."""
+  argv = ["train.py", f"--config={config}", f"--workdir={tmp_path / 'run'}", *args]
   if code is not None:
     argv[0] = str(tmp_path / "train_script.py")
     pathlib.Path(argv[0]).write_text(code)
@@ -371,9 +371,10 @@ def test_cli_checkpoints_folder_made_read_only_mid_run(tmp_path):
           "sys.argv = ['train.py'] + sys.argv[1:]; from posenc_jax.train import run; run()")
   start = time.monotonic()
   try:
+    # A probe run: its checkpoints are saved the same way, and it starts without TensorFlow.
     last = _cli(tmp_path, "--config.total_steps=6", "--config.checkpoint_every=2",
                 "--config.eval_every=0", "--config.optimizer.warmup_steps=1",
-                prefix=prefix, code=code)
+                prefix=prefix, code=code, config="configs/probe.py:bert_tiny,rope,copy")
   finally:
     checkpoints.chmod(0o755)
   assert time.monotonic() - start < 120
