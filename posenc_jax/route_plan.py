@@ -25,9 +25,9 @@ What the plan decides, in order:
    term folds into q/k; a Toeplitz term's offset vector goes to the Pallas kernel, which
    builds its tiles (a closed-form one, ALiBi's or KERPLE's, is evaluated in the Triton
    tiles from its parameters where it is the call's only Toeplitz term and the route table
-   has not measured the Hopper passes faster); a
-   separable term's row and column vectors (the forgetting gates) go to
-   the kernel too, which adds them to its tiles in float32; dense terms are a bias. A
+   has not measured the Hopper passes faster); a separable term's row and column vectors
+   (the forgetting gates) go to the kernel too, which adds them to its tiles in float32;
+   dense terms are a bias. A
    batch-free Toeplitz or factored term is materialised once per call as a bias instead where
    the route table measured that faster (not with dropout or packed segments, which need the
    kernel).

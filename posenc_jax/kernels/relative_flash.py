@@ -144,7 +144,6 @@ class _Config:
   separable: bool = False  # a row and a column vector added to every logit (r_i + s_j)
   closed: Any = None  # a closed-form offset function, its .closed(params, rel) in the tiles
   num_params: int = 0  # R: the closed form's parameters per head
-  params_len: int = 0  # R_p: R padded to a power of two (the ref's width)
 
   @property
   def compiler_params(self):
@@ -170,9 +169,9 @@ class _Config:
   def offset_len(self) -> int:
     """``Loff_p``: the padded offset vector's length, a power of two long enough for every
     offset (``Lq_p + Lk_p - 1``) and for the last tile's whole window; with a closed form,
-    ``R_p`` (the ref holds the head's parameters)."""
+    ``R_p``, R padded to a power of two (the ref holds the head's parameters)."""
     if self.closed is not None:
-      return self.params_len
+      return next_pow2(self.num_params)
     bq, bk = self.blocks.block_q, self.blocks.block_k
     return next_pow2(self.q_len + self.k_len - (bq + bk) + self.window)
 
@@ -473,10 +472,10 @@ def relative_flash_attention(
       ``offset_params [H|1, R]``) and an int32 array of offsets ``rel = j - i``,
       elementwise in ``rel`` (ALiBi's :class:`~posenc_jax.schemes.alibi.LinearDistance`,
       KERPLE's :class:`~posenc_jax.schemes.kerple.KernelDistance`); a hashable object whose
-      ``closed`` is made of jnp operations. The kernels evaluate it on each tile from the positions, reading no
-      vector, and the parameters' gradient is a per-tile reduction in the query-block
-      kernel (``jax.vjp`` of ``offset_fn`` in the tile), summed outside over examples and
-      blocks. Not with the Hopper passes.
+      ``closed`` is made of jnp operations. The kernels evaluate it on each tile from the
+      positions, reading no vector, and the parameters' gradient is a per-tile reduction in
+      the query-block kernel (``jax.vjp`` of ``offset_fn`` in the tile), summed outside over
+      examples and blocks. Not with the Hopper passes.
     row_bias, col_bias: ``[B|1, H|1, Lq]`` and ``[B|1, H|1, Lk]``, a separable term: logit
       ``(i, j)`` gets ``row_bias[b, h, i] + col_bias[b, h, j]``, added to each tile in
       float32 whatever q's dtype (the forgetting gates' ``c_i - c_j``, whose parts grow
@@ -582,8 +581,7 @@ def relative_flash_attention(
                 dropout_rate=float(dropout_rate), blocks=blocks,
                 q_len=lq_p, k_len=lk_p, interpret=bool(interpret), forward=forward,
                 warpgroups=warpgroups, backward=backward, separable=separable, closed=offset_fn,
-                num_params=0 if offset_params is None else offset_params.shape[1],
-                params_len=0 if offset_params is None else next_pow2(offset_params.shape[1]))
+                num_params=0 if offset_params is None else offset_params.shape[1])
   loff = cfg.offset_len
 
   def heads_major(x, length, width):
