@@ -42,13 +42,18 @@ SCORES = {("bert", 0): (0.5, 0.8), ("bert", 1): (0.7, 0.9), ("bert", 2): (0.6, 0
 TASKS = ("wordnet_supersense", "wordnet_hypernym")
 
 
-def fake_run(folder, scheme, seed, *, task, objective, best=None, evals=()):
-  """A workdir as train.py / finetune.py / evaluate leave it: config.json, best.json,
+def fake_run(folder, scheme, seed, *, task, objective, best=None, evals=(), total_steps=300,
+             final_step=True):
+  """A workdir as train.py / finetune.py / evaluate leave it: config.json, its final step's
+  folder under checkpoints/ (empty; ``final_step``), best.json,
   eval/<protocol>-<settings>.json for each document of ``evals``."""
   folder.mkdir(parents=True, exist_ok=True)
+  if final_step:
+    (folder / "checkpoints" / str(total_steps)).mkdir(parents=True, exist_ok=True)
   model = resolved_model(preset_config(f"bert_tiny,{scheme}").model)
   config = {"model": model, "seed": seed, "task": task, "objective": objective,
-            "total_steps": 300, "best_metric": "task_accuracy" if best is not None else None}
+            "total_steps": total_steps,
+            "best_metric": "task_accuracy" if best is not None else None}
   (folder / "config.json").write_text(json.dumps(config))
   if best is not None:
     (folder / "best.json").write_text(json.dumps({"step": 50, "metric": "task_accuracy",
@@ -322,7 +327,7 @@ def test_a_finished_cell_keeps_its_final_params_only_unless_told_to_keep_all(tmp
   def trained_cell(cell, log):  # train.py's checkpoints (tiny, with an optimizer state)
     log.write_text("fake\n")
     fake_run(log.parent / "train", cell.scheme, cell.seed, task="wordnet_glosses_lm",
-             objective="lm", evals=[extrapolation()])
+             objective="lm", evals=[extrapolation()], total_steps=2, final_step=False)
     saved[cell.folder] = _trained(log.parent / "train")
 
   (cell,) = plan.cells(config, str(tmp_path / "params"))

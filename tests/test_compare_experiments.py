@@ -119,6 +119,7 @@ def test_a_finished_cell_runs_only_the_evaluations_it_lacks(tmp_path, monkeypatc
   config.schemes = "alibi"
   ran = []
   monkeypatch.setattr(run, "cell_records", lambda cell: [])  # the tables are not at issue
+  monkeypatch.setattr(run, "keep_final_params", lambda cell, prefix, say: None)
 
   def fake(cell, log):  # writes what train.py and each evaluate step would
     log.write_text("fake\n")
@@ -142,8 +143,52 @@ def test_a_finished_cell_runs_only_the_evaluations_it_lacks(tmp_path, monkeypatc
   lines = []
   run.run_grid(plan.cells(config, str(tmp_path)), fake, say=lines.append)
   assert ran[2:] == ["evaluate extrapolation (sliding)"]
-  assert lines == [f"[1/1] alibi/seed0: finished before; running its 1 new evaluation(s), output "
+  assert lines == [f"[1/1] alibi/seed0: finished before; running its 1 new step(s), output "
                    f"in {tmp_path}/alibi/seed0/log.txt", "[1/1] alibi/seed0: done in 0 s"]
+
+
+def test_a_task_added_to_a_finished_grid_trains_and_evaluates_only_the_new_task(tmp_path,
+                                                                                monkeypatch):
+  """synthetic on copy, then on copy and reverse: the second run trains reverse alone; a
+  kill inside the new training leaves a run that is not at its end, which runs again."""
+  from posenc_jax.comparison import run
+  from posenc_jax.evaluation.report import settings_key
+  from posenc_jax.evaluation.runs import protocol_settings
+
+  config = get_config("synthetic")
+  config.schemes, config.seeds = "none", "0"
+  ran, kill = [], []
+  monkeypatch.setattr(run, "cell_records", lambda cell: [])
+  monkeypatch.setattr(run, "keep_final_params", lambda cell, prefix, say: None)
+
+  def fake(cell, log):
+    log.write_text("fake\n")
+    for step in cell.steps:
+      ran.append(f"{step.name} {pathlib.Path(step.workdir).name}")
+      workdir = pathlib.Path(step.workdir)
+      if step.evaluation is None:
+        if kill:  # killed before its final step was saved
+          (workdir / "config.json").parent.mkdir(parents=True)
+          (workdir / "config.json").write_text('{"model": {}, "total_steps": 300}')
+          raise run.CellFailed("train exited -15: killed")
+        fake_run(workdir, "none", 0, task=f"probe:{workdir.name}", objective="lm")
+        continue
+      protocol, options = step.evaluation
+      settings = protocol_settings(protocol, {"objective": "lm"}, **options)
+      (workdir / "eval").mkdir(exist_ok=True)
+      (workdir / "eval" / f"{protocol}-{settings_key(settings)}.json").write_text("{}")
+
+  run.run_grid(plan.cells(config, str(tmp_path)), fake, say=lambda line: None)
+  assert ran == ["train copy copy", "evaluate probes copy"]
+  config.tasks = "copy,reverse"
+  kill.append(True)
+  _, failed = run.run_grid(plan.cells(config, str(tmp_path)), fake, say=lambda line: None)
+  assert ran[2:] == ["train reverse reverse"] and len(failed) == 1
+  kill.clear()
+  run.run_grid(plan.cells(config, str(tmp_path)), fake, say=lambda line: None)
+  assert ran[3:] == ["train reverse reverse", "evaluate probes reverse"]
+  run.run_grid(plan.cells(config, str(tmp_path)), fake, say=lambda line: None)
+  assert len(ran) == 5  # all there: nothing runs
 
 
 def test_help_shows_the_experiments_own_fields_variants_and_how_to_strengthen_it():

@@ -3,13 +3,13 @@ posenc_jax.train``, ``posenc_jax.finetune``, ``posenc_jax.evaluate``) whose outp
 ``<cell>/log.txt``, so that a crashing cell is reported and the others go on.
 
 A cell that completes gets ``<cell>/cell.json`` (written atomically: its records, read from
-its workdirs by :mod:`~posenc_jax.comparison.collect`); a rerun skips it and reads its
-records from its workdirs again (an evaluation added since counts). An unfinished cell runs
-again: train.py and finetune.py resume from their checkpoints. Once a cell is finished (its
-``cell.json`` written), its training runs keep their final parameters only
-(:func:`keep_final_params`), so a kill at any point leaves no cell that needs what was
-dropped: before ``cell.json`` the cell resumes whole, after it the next run finishes the
-compaction.
+its workdirs by :mod:`~posenc_jax.comparison.collect`); a rerun runs only the steps added
+to it since (a task, a window kind: :func:`missing_steps`) and reads its records from its
+workdirs again. An unfinished cell runs again: train.py and finetune.py resume from their
+checkpoints. Once a cell is finished (its ``cell.json`` written), its training runs keep
+their final parameters only (:func:`keep_final_params`), so a kill at any point leaves no
+cell that needs what was dropped: before ``cell.json`` the cell resumes whole, after it the
+next run finishes the compaction.
 """
 
 from __future__ import annotations
@@ -122,12 +122,23 @@ def evaluation_file(step: Step) -> epath.Path | None:
   return epath.Path(step.workdir) / "eval" / f"{protocol}-{settings_key(settings)}.json"
 
 
-def missing_evaluations(cell: Cell) -> list[Step]:
-  """The evaluate steps of a finished ``cell`` whose file is not there."""
+def missing_steps(cell: Cell) -> list[Step]:
+  """The steps of a finished ``cell`` whose output is not there: a training step whose run
+  did not train to its end (:func:`~posenc_jax.training.workdir.trained_to_the_end`: a task
+  added to the experiment since, or its run killed) and an evaluate step whose file is
+  missing (a window kind added). A run whose checkpoints were all removed after it was
+  evaluated (files under ``eval/``) counts as trained."""
+  from posenc_jax.training.workdir import has_checkpoints, trained_to_the_end  # noqa: PLC0415
+
   missing = []
   for step in cell.steps:
-    path = evaluation_file(step)
-    if step.evaluation is not None and (path is None or not path.exists()):
+    if step.evaluation is None:
+      evaluated = any((epath.Path(step.workdir) / "eval").glob("*.json"))
+      done = trained_to_the_end(step.workdir) or (evaluated and not has_checkpoints(step.workdir))
+    else:
+      path = evaluation_file(step)
+      done = path is not None and path.exists()
+    if not done:
       missing.append(step)
   return missing
 
@@ -157,7 +168,7 @@ def cell_records(cell: Cell) -> list[dict[str, Any]]:
 def run_grid(cells: list[Cell], run_cell: Callable[[Cell, epath.Path], None] = run_steps,
              say: Callable[[str], None] = progress) -> tuple[list[dict[str, Any]], list[dict]]:
   """Runs every cell without a ``cell.json`` through ``run_cell(cell, log_path)`` (and, of
-  a finished cell, the evaluations it lacks: :func:`missing_evaluations`), one progress line
+  a finished cell, the steps it lacks: :func:`missing_steps`), one progress line
   each, then keeps each finished cell's final parameters only (:func:`keep_final_params`);
   returns the records of all finished cells and the failed cells (``{"cell", "reason",
   "log"}``).
@@ -172,7 +183,7 @@ def run_grid(cells: list[Cell], run_cell: Callable[[Cell, epath.Path], None] = r
     prefix = f"[{index}/{len(cells)}] {cell.name}"
     before = 0.0
     if marker.exists():
-      missing = missing_evaluations(cell)
+      missing = missing_steps(cell)
       if not missing:
         records += cell_records(cell)
         say(f"{prefix}: finished before ({marker}), not rerun")
@@ -180,7 +191,7 @@ def run_grid(cells: list[Cell], run_cell: Callable[[Cell, epath.Path], None] = r
         continue
       before = recorded_seconds(marker)
       todo = dataclasses.replace(cell, steps=tuple(missing))
-      say(f"{prefix}: finished before; running its {len(missing)} new evaluation(s), output in "
+      say(f"{prefix}: finished before; running its {len(missing)} new step(s), output in "
           f"{log}")
     else:
       todo = cell

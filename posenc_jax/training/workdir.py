@@ -234,6 +234,15 @@ def has_checkpoints(workdir: str) -> bool:
   return directory.is_dir() and any(p.name.isdigit() for p in directory.iterdir())
 
 
+def trained_to_the_end(workdir: str) -> bool:
+  """Whether ``workdir``'s run finished training: its ``config.json``'s ``total_steps`` is a
+  complete saved step (``checkpoints/<total_steps>``; Orbax writes a step under a temporary
+  name and renames it when complete), whole or kept as final parameters only."""
+  config = saved_config(workdir)
+  steps = config.get("total_steps") if config else None
+  return isinstance(steps, int) and (epath.Path(workdir) / "checkpoints" / str(steps)).is_dir()
+
+
 def claim(workdir: str, config: ml_collections.ConfigDict) -> None:
   """Checks that ``config`` may run in ``workdir`` and records it in ``config.json``.
 
