@@ -27,10 +27,9 @@ What the plan decides, in order:
    tiles from its parameters where it is the call's only Toeplitz term and the route table
    has not measured the Hopper passes faster); a separable term's row and column vectors
    (the forgetting gates) go to the kernel too, which adds them to its tiles in float32;
-   dense terms are a bias. A
-   batch-free Toeplitz or factored term is materialised once per call as a bias instead where
-   the route table measured that faster (not with dropout or packed segments, which need the
-   kernel).
+   dense terms are a bias. A batch-free Toeplitz or factored term is materialised once per
+   call as a bias instead where the route table measured that faster (not with dropout or
+   packed segments, which need the kernel).
 3. **What runs** (:data:`RUNNERS`): the Pallas kernel (Triton gather tiles on GPU and CPU,
    Mosaic roll tiles on TPU; the Hopper forward and backward where the table measured them
    fastest and they fit; never with a separable term) for Toeplitz and separable terms

@@ -168,7 +168,7 @@ def test_a_task_added_to_a_finished_grid_trains_and_evaluates_only_the_new_task(
       workdir = pathlib.Path(step.workdir)
       if step.evaluation is None:
         if kill:  # killed before its final step was saved
-          (workdir / "config.json").parent.mkdir(parents=True)
+          workdir.mkdir(parents=True)
           (workdir / "config.json").write_text('{"model": {}, "total_steps": 300}')
           raise run.CellFailed("train exited -15: killed")
         fake_run(workdir, "none", 0, task=f"probe:{workdir.name}", objective="lm")

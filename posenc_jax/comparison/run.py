@@ -133,8 +133,9 @@ def missing_steps(cell: Cell) -> list[Step]:
   missing = []
   for step in cell.steps:
     if step.evaluation is None:
-      evaluated = any((epath.Path(step.workdir) / "eval").glob("*.json"))
-      done = trained_to_the_end(step.workdir) or (evaluated and not has_checkpoints(step.workdir))
+      done = trained_to_the_end(step.workdir) or (
+          not has_checkpoints(step.workdir)
+          and any((epath.Path(step.workdir) / "eval").glob("*.json")))
     else:
       path = evaluation_file(step)
       done = path is not None and path.exists()
@@ -168,8 +169,8 @@ def cell_records(cell: Cell) -> list[dict[str, Any]]:
 def run_grid(cells: list[Cell], run_cell: Callable[[Cell, epath.Path], None] = run_steps,
              say: Callable[[str], None] = progress) -> tuple[list[dict[str, Any]], list[dict]]:
   """Runs every cell without a ``cell.json`` through ``run_cell(cell, log_path)`` (and, of
-  a finished cell, the steps it lacks: :func:`missing_steps`), one progress line
-  each, then keeps each finished cell's final parameters only (:func:`keep_final_params`);
+  a finished cell, the steps it lacks: :func:`missing_steps`), one progress line each,
+  then keeps each finished cell's final parameters only (:func:`keep_final_params`);
   returns the records of all finished cells and the failed cells (``{"cell", "reason",
   "log"}``).
 
