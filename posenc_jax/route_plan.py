@@ -237,12 +237,13 @@ def splash_fits(q_len: int, k_len: int) -> bool:
 
 
 def _kernel_plan(q_len: int, k_len: int, qk_dim: int, v_dim: int, dtype, *, bias: bool,
-                 zero_first: bool, dropout: bool, separable: bool, closed: bool,
+                 zero_first: bool, dropout: bool, separable: bool, closed: str | None,
                  precision: str, device: Device, table: route_table.RouteTable) -> KernelPlan:
   """The kernel's tiles, passes and blocks at these shapes (q/k already folded); the Hopper
-  passes decline a separable term. A closed form (``closed``: the call's one Toeplitz term
-  can be evaluated in the tiles) goes into the Triton tiles in place of their gather, except
-  where the route table has the Hopper passes (which read the vector) measured faster."""
+  passes decline a separable term. A closed form (``closed``: the name of the call's one
+  Toeplitz term's, which the tiles can evaluate) goes into the Triton tiles in place of
+  their gather, except where the route table has the Hopper passes (which read the vector)
+  measured faster than the Triton kernel, and than that closed form where it measured it."""
   tiles = "roll" if device.platform == "tpu" else "gather"
   choose = lambda block_q=None: blocks.kernel_blocks(  # noqa: E731
       q_len, k_len, qk_dim, v_dim, itemsize=jnp.dtype(dtype).itemsize, has_bias=bias,
@@ -257,14 +258,14 @@ def _kernel_plan(q_len: int, k_len: int, qk_dim: int, v_dim: int, dtype, *, bias
         dtype, chosen, has_bias=True, backward=backward)
     hopper = takes(False) and table.hopper_way(
         dtype=jnp.dtype(dtype).name, length=math.sqrt(q_len * k_len), head_dim=v_dim,
-        device=device.kind, compute_capability=device.compute_capability)
+        device=device.kind, compute_capability=device.compute_capability, closed=closed)
     both = hopper == "both" and takes(True)
   if not hopper:
     chosen = choose()
   return KernelPlan(tiles=tiles, forward="hopper" if hopper else "tiles",
                     backward="hopper" if both else "tiles", blocks=chosen, bias=bias,
                     zero_first=zero_first, dropout=dropout, separable=separable,
-                    closed=closed and not hopper)
+                    closed=closed is not None and not hopper)
 
 
 def plan(q_shape: Sequence[int], k_shape: Sequence[int], v_shape: Sequence[int], dtype,
@@ -310,12 +311,17 @@ def plan(q_shape: Sequence[int], k_shape: Sequence[int], v_shape: Sequence[int],
   if points_of not in (None, device.kind):
     notes.append(f"{device.kind} has no route-table points of its own: it reads {points_of}'s, "
                  f"of the same compute capability {device.compute_capability}")
+  # A lone Toeplitz term in closed form can run in the Triton tiles ("registers" below).
+  toeplitz_forms = [f for f in forms if f.entry == "toeplitz"]
+  closed = (toeplitz_forms[0].closed if len(toeplitz_forms) == 1 and device.platform != "tpu"
+            else None)
   for form in forms:
     # Dropout and packed segments need the kernel (cuDNN draws its own mask, takes no ids).
     if (not dropout and not segments and form.table_form is not None
         and table.materialise(form.table_form, dtype=dtype_name, length=length,
                               head_dim=head_dim, rank=form.rank, device=device.kind,
-                              compute_capability=device.compute_capability)):
+                              compute_capability=device.compute_capability,
+                              closed=closed if form.entry == "toeplitz" else None)):
       entries.append("table")
       notes.append(f"the route table has {form.name} materialised at L={length:g} on "
                    f"{points_of} {dtype_name}")
@@ -326,14 +332,13 @@ def plan(q_shape: Sequence[int], k_shape: Sequence[int], v_shape: Sequence[int],
     width += form.rank if entry == "fold" else 0
     if entry == "kernel":
       zero_firsts.add(form.zero_first)
-  kernel_terms = [n for n, e in enumerate(entries) if e == "kernel"]
-  if (len(kernel_terms) == 1 and forms[kernel_terms[0]].closed
-      and device.platform != "tpu"):
-    entries[kernel_terms[0]] = "registers"  # "offsets" below where the kernel does not run
+  if closed and "kernel" in entries:
+    entries[entries.index("kernel")] = "registers"  # "offsets" below where the kernel does not run
+  else:
+    closed = None
   width += -width % 8
   dense = any(e in ("bias", "table") for e in entries)
-  closed = "registers" in entries
-  toeplitz = "kernel" in entries or closed
+  toeplitz = "kernel" in entries or closed is not None
   separable = "vectors" in entries
   key_mask = mask in ("none", "key")
   kernel_fits = not dense and key_mask and len(zero_firsts) <= 1
@@ -389,7 +394,7 @@ def plan(q_shape: Sequence[int], k_shape: Sequence[int], v_shape: Sequence[int],
     how = "full"
   else:
     how = "lengths or kernel" if kernel_fits else "lengths or full"
-    fallback = kernel(closed=False) if kernel_fits else None  # the vectors, as the entries say
+    fallback = kernel(closed=None) if kernel_fits else None  # the vectors, as the entries say
   return Plan("fused", "dot_product_attention", tuple(entries), names, width,
               implementation=implementation, mask=how, kernel=fallback, points_of=points_of,
               notes=tuple(notes))

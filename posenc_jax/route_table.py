@@ -76,6 +76,9 @@ BENCH_ROWS = {"toeplitz": ("pallas toeplitz", ("cudnn bias", "xla bias")),
 HOPPER_ROW = "pallas toeplitz hopper fwd"
 HOPPER_BOTH_ROW = "pallas toeplitz hopper"
 HOPPER_WAYS = (False, True, "both")  # forced(hopper=...): Triton, Hopper forward, both passes
+# The benchmarks.routes row of each closed form in the Triton tiles (``CLOSED_ROW.format(name)``,
+# ``name`` an offset function's ``closed_form``): a fourth way, for that closed form alone.
+CLOSED_ROW = "pallas {} closed"
 
 
 class RouteTableError(ValueError):
@@ -89,8 +92,11 @@ class Point(NamedTuple):
   ``rank`` is 0 for Toeplitz terms. ``source`` says where the figures come from.
   ``hopper_ms``: Toeplitz only, where measured: the kernel with its Hopper forward
   (:mod:`posenc_jax.kernels.hopper_flash`), and with ``hopper_backward`` its Hopper backward
-  too (whichever of the two was faster), else None. ``compute_capability``: the device's
-  CUDA compute capability (``"9.0"``), None where it has none or it was not recorded.
+  too (whichever of the two was faster), else None. ``closed_ms``: Toeplitz only, ``(name,
+  ms)`` pairs of the closed forms measured in the Triton tiles (``alibi``, ``kerple_log``: an
+  offset function's ``closed_form``; a JSON object in the file), a way for that closed form
+  alone. ``compute_capability``: the device's CUDA compute capability (``"9.0"``), None
+  where it has none or it was not recorded.
   """
 
   device: str
@@ -107,21 +113,18 @@ class Point(NamedTuple):
   hopper_ms: float | None = None
   hopper_backward: bool = False
   compute_capability: str | None = None
+  closed_ms: tuple[tuple[str, float], ...] = ()
 
   @property
   def key(self) -> tuple:
     return self[:8]
 
-  @property
-  def fastest(self) -> str:
-    """The fastest way: ``default``, ``materialised`` or ``hopper``."""
+  def fastest(self, closed: str | None = None) -> str:
+    """The fastest way: ``default``, ``materialised``, ``hopper``, or ``closed`` where the
+    term is the closed form named ``closed`` and this point measured it."""
     ways = {"default": self.default_ms, "materialised": self.materialised_ms,
-            "hopper": self.hopper_ms}
+            "hopper": self.hopper_ms, "closed": dict(self.closed_ms).get(closed)}
     return min((ms, way) for way, ms in ways.items() if ms is not None)[1]
-
-  @property
-  def materialise(self) -> bool:
-    return self.fastest == "materialised"
 
 
 _POSITIVE_INTS = ("batch", "length", "heads", "head_dim")
@@ -156,14 +159,20 @@ def parse_point(entry: Any, where: str) -> Point:
   if entry.get("hopper_ms") is not None and entry["form"] != "toeplitz":
     raise ValueError(f"{where}.hopper_ms: got {entry['hopper_ms']!r} for a {entry['form']} "
                      "term; only toeplitz terms have a Hopper way")
-  for field in ("default_ms", "materialised_ms", "hopper_ms"):
-    value = entry.get(field)
+  closed = entry.get("closed_ms", {})
+  if not isinstance(closed, Mapping) or closed and entry["form"] != "toeplitz":
+    raise ValueError(f"{where}.closed_ms: got {closed!r}; expected an object of closed forms' "
+                     "ms (alibi, kerple_log...), for a toeplitz term only")
+  for field, value in (("default_ms", entry.get("default_ms")),
+                       ("materialised_ms", entry.get("materialised_ms")),
+                       ("hopper_ms", entry.get("hopper_ms")),
+                       *((f"closed_ms.{name}", ms) for name, ms in closed.items())):
     if field == "hopper_ms" and value is None:
       continue
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not (
         math.isfinite(value) and value > 0):
       raise ValueError(f"{where}.{field}: got {value!r}; expected a positive number of ms")
-  return Point(**entry)
+  return Point(**{**entry, "closed_ms": tuple(sorted(closed.items()))})
 
 
 def read(path: str | os.PathLike) -> list[Point]:
@@ -199,9 +208,9 @@ def write(path: str | os.PathLike, points: Iterable[Point]) -> list[Point]:
   path = pathlib.Path(path).expanduser()
   table = merged(read(path), points)
   document = {"format": FORMAT, "points": [
-      {f: x for f, x in p._asdict().items()
+      {f: dict(x) if f == "closed_ms" else x for f, x in p._asdict().items()
        if not (f in ("hopper_ms", "compute_capability") and x is None
-               or f == "hopper_backward" and not x)}
+               or f in ("hopper_backward", "closed_ms") and not x)}
       for p in sorted(table, key=lambda p: p.key)]}
   temporary = path.with_name(path.name + ".tmp")
   temporary.write_text(json.dumps(document, indent=2) + "\n")
@@ -314,7 +323,8 @@ class RouteTable:
     return min(same, key=distance)
 
   def materialise(self, form: str, *, dtype: str, length: float, head_dim: int, device: str,
-                  rank: int = 0, compute_capability: str | None = None) -> bool:
+                  rank: int = 0, compute_capability: str | None = None,
+                  closed: str | None = None) -> bool:
     """Whether the fused route materialises a batch-free ``form`` term at this shape.
 
     Args:
@@ -325,6 +335,8 @@ class RouteTable:
       device: the device kind (``NVIDIA H100 80GB HBM3``...); ``compute_capability``: its
         CUDA compute capability (``"9.0"``; None: none), whose points it reads without
         points of its own (:meth:`whose`).
+      closed: the name of the closed form the tiles would evaluate for this term (its
+        measured cost is then a way too: :meth:`Point.fastest`), else None.
 
     Returns:
       The forced way where ``form`` is forced, else that of the nearest point of the same
@@ -335,20 +347,22 @@ class RouteTable:
       return way
     point = self.nearest(form, dtype=dtype, length=length, head_dim=head_dim, rank=rank,
                          device=device, compute_capability=compute_capability)
-    return point is not None and point.materialise
+    return point is not None and point.fastest(closed) == "materialised"
 
   def hopper_way(self, *, dtype: str, length: float, head_dim: int, device: str,
-                 compute_capability: str | None = None) -> bool | str:
+                 compute_capability: str | None = None,
+                 closed: str | None = None) -> bool | str:
     """Which passes of the fused route's Toeplitz kernel run on Hopper kernels: False
     (none), True (the forward) or ``"both"`` (forward and backward). The forced ``hopper``
-    way, else the Hopper way of the nearest Toeplitz point (as :meth:`materialise`) where
-    it was the fastest way, else False."""
+    way, else the Hopper way of the nearest Toeplitz point (as :meth:`materialise`, with
+    the closed form ``closed`` as a way where it measured it) where it was the fastest way,
+    else False."""
     way = dict(self.forced).get("hopper")
     if way is not None:
       return way
     point = self.nearest("toeplitz", dtype=dtype, length=length, head_dim=head_dim,
                          device=device, compute_capability=compute_capability)
-    if point is None or point.fastest != "hopper":
+    if point is None or point.fastest(closed) != "hopper":
       return False
     return "both" if point.hopper_backward else True
 
@@ -410,20 +424,21 @@ def _device(device: str | None, compute_capability: str | None) -> dict[str, str
 
 def materialise(form: str, *, dtype: str, length: float, head_dim: int, rank: int = 0,
                 device: str | None = None, compute_capability: str | None = None,
-                table: Iterable[Point] | None = None) -> bool:
+                closed: str | None = None, table: Iterable[Point] | None = None) -> bool:
   """:meth:`RouteTable.materialise` of the :func:`current` table (``table``: these points
   instead, under the current forced ways) on ``device`` of ``compute_capability`` (None:
   this device, :func:`device_kind`)."""
   return _asked(table).materialise(form, dtype=dtype, length=length, head_dim=head_dim,
-                                   rank=rank, **_device(device, compute_capability))
+                                   rank=rank, closed=closed,
+                                   **_device(device, compute_capability))
 
 
 def hopper_way(*, dtype: str, length: float, head_dim: int, device: str | None = None,
-               compute_capability: str | None = None,
+               compute_capability: str | None = None, closed: str | None = None,
                table: Iterable[Point] | None = None) -> bool | str:
   """:meth:`RouteTable.hopper_way` of the :func:`current` table, as :func:`materialise`."""
   return _asked(table).hopper_way(dtype=dtype, length=length, head_dim=head_dim,
-                                  **_device(device, compute_capability))
+                                  closed=closed, **_device(device, compute_capability))
 
 
 def points_from_attention(document: Mapping[str, Any], source: str = "") -> tuple[
@@ -431,6 +446,7 @@ def points_from_attention(document: Mapping[str, Any], source: str = "") -> tupl
   """The points one ``benchmarks.routes`` JSON document measured, and for each form it
   could not, a line saying why (a row that did not run)."""
   rows = {row["kernel"]: row for row in document["rows"]}
+  prefix, suffix = CLOSED_ROW.split("{}")
   found, missing = [], []
   for form, (default, materialised) in BENCH_ROWS.items():
     if form == "factored" and not document.get("rank"):
@@ -446,13 +462,16 @@ def points_from_attention(document: Mapping[str, Any], source: str = "") -> tupl
     hopper = min(((rows[name]["fwd_bwd_ms"], both)
                   for name, both in ((HOPPER_ROW, False), (HOPPER_BOTH_ROW, True))
                   if form == "toeplitz" and ran(name)), default=(None, False))
+    closed = [(name[len(prefix):-len(suffix)], rows[name]["fwd_bwd_ms"]) for name in rows
+              if form == "toeplitz" and name.startswith(prefix) and name.endswith(suffix)
+              and ran(name)]
     found.append(Point(device=document["device"], dtype=document["dtype"], form=form,
                        batch=document["batch"], length=document["length"],
                        heads=document["heads"], head_dim=document["head_dim"],
                        rank=document.get("rank", 0) if form == "factored" else 0,
                        default_ms=rows[default]["fwd_bwd_ms"],
                        materialised_ms=rows[way]["fwd_bwd_ms"], hopper_ms=hopper[0],
-                       hopper_backward=hopper[1],
+                       hopper_backward=hopper[1], closed_ms=tuple(sorted(closed)),
                        compute_capability=document.get("compute_capability"),
                        source=source or f"bench --attention ({way})"))
   return found, missing

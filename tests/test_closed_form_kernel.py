@@ -149,7 +149,8 @@ def _forms(*offset_fns):
 def test_closed_forms_are_declared_by_their_offset_function():
   from posenc_jax.schemes.t5 import BucketedOffsets  # noqa: PLC0415
 
-  assert [f.closed for f in _forms(LinearDistance(), KernelDistance("power"))] == [True, True]
+  assert [f.closed for f in _forms(LinearDistance(True), KernelDistance("power"))] == [
+      "alibi", "kerple_power"]
   assert not _forms(BucketedOffsets())[0].closed
 
 
@@ -168,6 +169,29 @@ def test_where_the_table_has_the_hopper_passes_faster_the_vector_goes_to_them():
   assert plan.entries == ("kernel",) and not plan.kernel.closed
   assert (plan.kernel.forward, plan.kernel.backward) == ("hopper", "hopper")
   assert "Hopper passes (which read the offset vector) measured faster" in str(plan)
+
+
+def test_a_closed_form_measured_faster_than_the_hopper_passes_stays_in_the_tiles():
+  """An H200 point measured at 8k (docs/results/h200-2026-11-28.md): ALiBi's closed form
+  (7.94 ms) beats the Hopper passes (11.07 ms) and stays in the tiles; KERPLE's (12.60 ms)
+  does not, and its vector goes to the Hopper passes; KERPLE's power form, not measured,
+  follows the Hopper passes as before."""
+  h200 = route_plan.Device("gpu", "NVIDIA H200", "9.0")
+  point = route_table.Point(
+      device="NVIDIA H200", dtype="bfloat16", form="toeplitz", batch=2, length=8192,
+      heads=12, head_dim=64, rank=0, default_ms=18.15, materialised_ms=13.71,
+      hopper_ms=11.07, hopper_backward=True, compute_capability="9.0",
+      closed_ms=(("alibi", 7.94), ("kerple_log", 12.60)))
+  table = route_table.RouteTable((point,))
+  shape = (2, 8192, 12, 64)
+  plans = {fn.closed_form: route_plan.plan(shape, shape, shape, "bfloat16", _forms(fn),
+                                           mask="key", device=h200, table=table)
+           for fn in (LinearDistance(), KernelDistance("log"), KernelDistance("power"))}
+  assert plans["alibi"].entries == ("registers",) and plans["alibi"].kernel.closed
+  assert plans["alibi"].kernel.forward == "tiles"
+  for name in ("kerple_log", "kerple_power"):
+    assert plans[name].entries == ("kernel",) and not plans[name].kernel.closed
+    assert (plans[name].kernel.forward, plans[name].kernel.backward) == ("hopper", "hopper")
 
 
 @pytest.mark.parametrize("device, forms, entries", [

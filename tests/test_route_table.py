@@ -107,7 +107,8 @@ def test_write_merges_by_key_atomically(tmp_path):
 def _table_file(tmp_path, entry=None, document=None):
   path = tmp_path / "routes.json"
   if document is None:
-    document = {"format": 1, "points": [{**point(512, 1.0, 2.0)._asdict(), **(entry or {})}]}
+    fields = {f: x for f, x in point(512, 1.0, 2.0)._asdict().items() if f != "closed_ms"}
+    document = {"format": 1, "points": [{**fields, **(entry or {})}]}
   path.write_text(document if isinstance(document, str) else json.dumps(document))
   return path
 
@@ -132,6 +133,12 @@ def _table_file(tmp_path, entry=None, document=None):
      r"hopper_ms"),
     ({"hopper_ms": 1.0, "hopper_backward": 1}, None,
      r"points\[0\].hopper_backward: got 1; expected true or false"),
+    ({"closed_ms": {"alibi": 0}}, None,
+     r"points\[0\].closed_ms.alibi: got 0; expected a positive number of ms"),
+    ({"closed_ms": [["alibi", 1.0]]}, None,
+     r"points\[0\].closed_ms: got \[\['alibi', 1.0\]\]; expected an object of closed forms'"),
+    ({"form": "factored", "closed_ms": {"alibi": 1.0}}, None,
+     r"points\[0\].closed_ms: got \{'alibi': 1.0\}; .* for a toeplitz term only"),
 ])
 def test_a_malformed_table_is_one_line(tmp_path, entry, document, message):
   path = _table_file(tmp_path, entry, document)
@@ -275,7 +282,7 @@ def test_the_bench_writes_a_point_that_attend_follows(tmp_path, monkeypatch):
   for form, p in points.items():
     assert (p.device, p.dtype, p.length, p.heads, p.head_dim) == ("cpu", "float32", 32, 2, 16)
     assert p.rank == (8 if form == "factored" else 0)
-    way = "materialised" if p.materialise else "default"
+    way = p.fastest()
     assert (f"route table {path}: {form} at L=32{' rank 8' if p.rank else ''} on cpu float32: "
             f"default {p.default_ms:.3f} ms, materialised {p.materialised_ms:.3f} ms -> {way}"
             ) in proc.stdout
@@ -287,8 +294,8 @@ def test_the_bench_writes_a_point_that_attend_follows(tmp_path, monkeypatch):
       lambda q: attend(q, q, q, terms, route="fused"), q)
   assert fused(st.for_layer(0)) == fused([Factored(u, u)]) == 1  # no table: the kernel
   monkeypatch.setenv(route_table.ENV, str(path))
-  assert fused(st.for_layer(0)) == (0 if points["toeplitz"].materialise else 1)
-  assert fused([Factored(u, u)]) == (0 if points["factored"].materialise else 1)
+  assert fused(st.for_layer(0)) == (0 if points["toeplitz"].fastest() == "materialised" else 1)
+  assert fused([Factored(u, u)]) == (0 if points["factored"].fastest() == "materialised" else 1)
 
 
 def test_a_bad_route_table_file_stops_the_bench_before_any_work(tmp_path):
@@ -399,7 +406,7 @@ def test_the_bench_rows_give_the_hopper_figure():
               "head_dim": 64, "rows": rows}
   (found,), _ = route_table.points_from_attention(document)
   assert (found.default_ms, found.materialised_ms, found.hopper_ms) == (2.0, 3.0, 1.5)
-  assert found.fastest == "hopper" and not found.hopper_backward
+  assert found.fastest() == "hopper" and not found.hopper_backward
   assert found.compute_capability is None  # not recorded by the run
   (found,), _ = route_table.points_from_attention({**document, "compute_capability": "9.0"})
   assert found.compute_capability == "9.0"
@@ -408,7 +415,40 @@ def test_the_bench_rows_give_the_hopper_figure():
   assert (found.hopper_ms, found.hopper_backward) == (1.2, True)
   rows[1]["fwd_bwd_ms"] = rows[-1]["fwd_bwd_ms"] = None  # not run (not a Hopper GPU)
   (found,), _ = route_table.points_from_attention(document)
-  assert found.hopper_ms is None and found.fastest == "default"
+  assert found.hopper_ms is None and found.fastest() == "default"
+
+
+def test_a_closed_form_measured_in_the_tiles_is_a_way_for_that_form_alone(tmp_path):
+  """The bench's closed-form rows (``pallas alibi closed``...) become the point's
+  ``closed_ms``; a closed form measured faster than every other way keeps its term out of
+  the Hopper passes and of materialising, for that closed form only; one not measured, or
+  measured slower, leaves the choice as before. The file keeps them as an object."""
+  rows = [{"kernel": name, "fwd_bwd_ms": ms} for name, ms in (
+      ("pallas toeplitz", 18.2), (route_table.HOPPER_BOTH_ROW, 11.1), ("cudnn bias", 13.7),
+      (route_table.CLOSED_ROW.format("alibi"), 7.9),
+      (route_table.CLOSED_ROW.format("kerple_log"), 12.6), ("pallas no bias", 6.9))]
+  rows.append({"kernel": route_table.CLOSED_ROW.format("kerple_power"), "fwd_bwd_ms": None})
+  document = {"device": "H200", "dtype": "bfloat16", "batch": 2, "length": 8192, "heads": 12,
+              "head_dim": 64, "rows": rows}
+  (found,), _ = route_table.points_from_attention(document)
+  assert found.closed_ms == (("alibi", 7.9), ("kerple_log", 12.6))
+  assert [found.fastest(name) for name in (None, "alibi", "kerple_log", "kerple_power")] == [
+      "hopper", "closed", "hopper", "hopper"]
+  ask = lambda closed: (  # noqa: E731
+      route_table.hopper_way(dtype="bfloat16", length=8192, head_dim=64, device="H200",
+                             closed=closed, table=[found]),
+      route_table.materialise("toeplitz", dtype="bfloat16", length=8192, head_dim=64,
+                              device="H200", closed=closed, table=[found]))
+  assert ask("alibi") == (False, False) and ask("kerple_log") == ("both", False)
+  assert ask(None) == ask("kerple_power") == ("both", False)
+  cheaper_bias = found._replace(materialised_ms=7.0)  # materialised beats the closed form
+  assert route_table.materialise("toeplitz", dtype="bfloat16", length=8192, head_dim=64,
+                                 device="H200", closed="alibi", table=[cheaper_bias])
+  path = tmp_path / "routes.json"
+  route_table.write(path, [found, point(512, 1.0, 2.0)])
+  assert [p.get("closed_ms") for p in json.loads(path.read_text())["points"]] == [
+      None, {"alibi": 7.9, "kerple_log": 12.6}]  # sorted by device: H100, H200
+  assert sorted(route_table.read(path)) == sorted([found, point(512, 1.0, 2.0)])
 
 
 def test_the_fused_route_runs_the_hopper_kernels_where_the_table_says():

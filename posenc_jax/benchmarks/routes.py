@@ -179,10 +179,9 @@ ATTENTION_KERNELS = (
     Kernel(HOPPER_ONE_ROW, "pallas", bias=True, request=None, forward="hopper", warpgroups=1),
     Kernel(route_table.HOPPER_BOTH_ROW, "pallas", bias=True, request=_kernel_toeplitz("both"),
            forward="hopper", backward="hopper"),
-    Kernel("pallas alibi closed", "pallas", bias=True, request=None,
-           closed=(LinearDistance(), 1)),
-    Kernel("pallas kerple closed", "pallas", bias=True, request=None,
-           closed=(KernelDistance("log"), 2)),
+    *(Kernel(route_table.CLOSED_ROW.format(fn.closed_form), "pallas", bias=True, request=None,
+             closed=(fn, width)) for fn, width in ((LinearDistance(), 1),
+                                                    (KernelDistance("log"), 2))),
     Kernel("pallas toeplitz dropout", "pallas", bias=True, request=_kernel_toeplitz(),
            dropout=ATTENTION_DROPOUT),
     # Bias-free attention runs the kernel where dot_product_attention would run XLA's.
@@ -474,10 +473,12 @@ def add_route_points(path: str, document: dict) -> None:
   route_table.write(path, found)
   for point in found:
     hopper = "" if point.hopper_ms is None else f", hopper {point.hopper_ms:.3f} ms"
+    closed = "".join(f"; {name} closed {ms:.3f} ms -> {point.fastest(name)}"
+                     for name, ms in point.closed_ms)
     print(f"route table {path}: {point.form} at L={point.length}"
           f"{f' rank {point.rank}' if point.rank else ''} on {point.device} {point.dtype}: "
           f"default {point.default_ms:.3f} ms, materialised {point.materialised_ms:.3f} ms"
-          f"{hopper} -> {point.fastest}")
+          f"{hopper} -> {point.fastest()}{closed}")
   for line in missing:
     print(f"route table {path}: {line}")
 

@@ -54,6 +54,12 @@ class LinearDistance:
 
   causal: bool = False
 
+  @property
+  def closed_form(self) -> str:
+    """The closed form's name in the route table (:class:`posenc_jax.route_table.Point`'s
+    ``closed_ms``): the causal form costs the same."""
+    return "alibi"
+
   def closed(self, params: tuple[Array], rel: Array) -> Array:
     """The bias from ``params = (m,)`` (broadcastable against ``rel``, any shape): what the
     kernel evaluates in its tiles."""

@@ -59,6 +59,12 @@ class KernelDistance:
 
   form: str = "log"
 
+  @property
+  def closed_form(self) -> str:
+    """The closed form's name in the route table (:class:`posenc_jax.route_table.Point`'s
+    ``closed_ms``): ``kerple_log`` or ``kerple_power``."""
+    return f"kerple_{self.form}"
+
   def closed(self, params: tuple[Array, Array], rel: Array) -> Array:
     """The bias from ``params = (r1, r2)`` (broadcastable against ``rel``, any shape): what
     the kernel evaluates in its tiles."""

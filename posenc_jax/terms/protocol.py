@@ -69,9 +69,10 @@ class TermForm:
       instead; else None.
     rank: columns folded into q and k (``entry == "fold"``).
     zero_first: the Toeplitz vector is zero in row 0 and column 0 (TUPE-R's [CLS] reset).
-    closed: a Toeplitz term whose offset function is a closed form of the offset and a few
-      parameters per head (it has a ``closed`` method: ALiBi, KERPLE), which the kernel can
-      evaluate in its tiles (:class:`FusedPart`'s ``offset_fn``).
+    closed: the name of a Toeplitz term's closed form (``alibi``, ``kerple_log``...), where
+      its offset function is a closed form of the offset and a few parameters per head (it
+      has a ``closed`` method and names it ``closed_form``: ALiBi, KERPLE) that the kernel
+      can evaluate in its tiles (:class:`FusedPart`'s ``offset_fn``); else None.
   """
 
   name: str
@@ -80,7 +81,7 @@ class TermForm:
   table_form: str | None = None
   rank: int = 0
   zero_first: bool = False
-  closed: bool = False
+  closed: str | None = None
 
 
 class Term:

@@ -33,9 +33,10 @@ class Toeplitz(Term):
     offset_fn: ``(table [..., R], rel int32 [N]) -> [..., N]``, the bias of
       each offset ``rel = j - i``; a hashable callable (static), defined by
       the scheme. One with a method ``closed(params, rel)``, the same bias from the table's
-      ``R`` columns as a tuple of arrays broadcastable against ``rel`` (any shape), is a
-      closed form that the kernel evaluates in its tiles
-      (:class:`~posenc_jax.terms.protocol.TermForm`'s ``closed``).
+      ``R`` columns as a tuple of arrays broadcastable against ``rel`` (any shape), and a
+      name ``closed_form`` (the route table's key for its cost), is a closed form that the
+      kernel evaluates in its tiles (:class:`~posenc_jax.terms.protocol.TermForm`'s
+      ``closed``).
     zero_first: zero row 0 and column 0 (TUPE-R inside the [CLS] reset).
     q_offset: absolute position of query row 0 (int scalar, may be traced);
       None means 0. :meth:`slice_queries` sets it for decoding.
@@ -99,7 +100,7 @@ class Toeplitz(Term):
     if self.q_offset is not None or self.position_ids is not None:
       return self._form(entry="bias")
     return self._form(entry="toeplitz", table_form="toeplitz", zero_first=self.zero_first,
-                      closed=callable(getattr(self.offset_fn, "closed", None)))
+                      closed=getattr(self.offset_fn, "closed_form", None))
 
   def fused(self, q, scale):
     if self.q_offset is not None or self.position_ids is not None:
