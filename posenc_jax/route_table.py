@@ -19,14 +19,15 @@ route takes the way that was faster at the nearest point of its device kind, dty
 form (nearest in ``log2`` length, and for factored terms in ``log2`` folded width ``D +
 r``); with no point it keeps the default. A device kind without points of its own reads
 those of a kind of the same compute capability (each point records its device's): an
-``NVIDIA H200`` takes the ``NVIDIA H100 80GB HBM3``'s, both 9.0, until it has its own
+``NVIDIA GH200 480GB`` takes the ``NVIDIA H100 80GB HBM3``'s, both 9.0, until it has its own
 (:meth:`RouteTable.whose`; ``print(plan)`` names the kind whose points it read). Only
 batch-free terms qualify (per-example terms, position ids and decoding steps stay as they
 are), and only without attention dropout or packed segments (which the kernel takes and
 cuDNN does not).
 
 Points come from the packaged ``route_table.json`` (measured figures only: an H100 in
-bfloat16 at L = 512 and 16384, 2026-11-25), overlaid by the file that
+bfloat16 at L = 512 and 16384, 2026-11-25, and an H200 at L = 512 and 8192 with the closed
+forms' times, 2026-11-28), overlaid by the file that
 ``$POSENC_JAX_ROUTE_TABLE`` names (a point of the same device, dtype, form and shape
 replaces the packaged one; a file that is missing or malformed is one
 :class:`RouteTableError` line naming the variable and the file, which the tools print before

@@ -232,8 +232,9 @@ def test_the_table_decides_only_through_the_plan_arguments():
     assert ask(route_table.RouteTable()).runner == "kernel"
 
 
-# The packaged points (the H100's) against each device: (scheme, length) -> its plan's
-# summary on the H100 and an H200 (compute capability 9.0 both), and on an A100 (8.0: none).
+# The packaged H100 points against each device: (scheme, length) -> its plan's summary on
+# the H100 and an H200 without points of its own (compute capability 9.0 both), and on an
+# A100 (8.0: none).
 PACKAGED_PLANS = [
     ("diet_abs", 512, "dot_product_attention cudnn lengths or full 64 table",
      "dot_product_attention cudnn lengths or kernel 72 fold gather/tiles/tiles/64x64/128/64/4/2"),
@@ -244,19 +245,26 @@ PACKAGED_PLANS = [
      "kernel - - 64 kernel gather/tiles/tiles/64x64/64/64/4/2"),
     ("diet_rel", 16384, "kernel - - 64 kernel gather/hopper/hopper/64x64/64/64/4/2",
      "kernel - - 64 kernel gather/tiles/tiles/64x64/64/64/4/2"),
-    # ALiBi's closed form: the vector where the H100's points have the Hopper passes faster,
-    # evaluated in the Triton tiles where there are no points (the A100).
+    # ALiBi's closed form: the vector where the H100's points have the Hopper passes faster
+    # (they did not measure the closed form), evaluated in the Triton tiles where there are
+    # no points (the A100).
     ("alibi", 16384, "kernel - - 64 kernel gather/hopper/hopper/64x64/64/64/4/2",
      "kernel - - 64 registers gather/tiles/tiles/64x64/64/64/4/2"),
 ]
 
 
+def _packaged(device: str | None = None) -> route_table.RouteTable:
+  """The packaged points (``device``'s alone where given)."""
+  return route_table.RouteTable(tuple(p for p in route_table.read(route_table.PACKAGED)
+                                      if device in (None, p.device)))
+
+
 @pytest.mark.parametrize("scheme, length, hopper, a100", PACKAGED_PLANS)
 def test_an_h200_plans_with_the_h100s_points_until_it_has_its_own(scheme, length, hopper, a100):
-  """The packaged points are an H100's: an H200 of the same compute capability reads them
-  (materialised at 512, the Hopper passes at 16384) and its plan says whose they are; an
+  """An H200 without points of its own reads the H100's, of the same compute capability
+  (materialised at 512, the Hopper passes at 16384), and its plan says whose they are; an
   A100 keeps the default ways; once the H200 has a point of its own, only its own count."""
-  table = route_table.RouteTable(tuple(route_table.read(route_table.PACKAGED)))
+  table = _packaged(H100.kind)
   shape = (2, length, HEADS, 64)
   ask = lambda device, table=table: route_plan.plan(  # noqa: E731
       shape, shape, shape, "bfloat16", _forms(scheme, length, 64), mask="key", device=device,
@@ -276,6 +284,31 @@ def test_an_h200_plans_with_the_h100s_points_until_it_has_its_own(scheme, length
   # Its own points have none in bfloat16: the default ways, as with no table.
   assert _summary(ask(H200, with_own)) == _summary(ask(H200, route_table.RouteTable()))
   assert "  route table: NVIDIA H200's points" in str(ask(H200, with_own)).splitlines()
+
+
+# The packaged H200 points (docs/results/h200-2026-11-28.md): (scheme, length) -> its plan's
+# summary on the H200. At 512 every term is materialised for cuDNN; at 8k ALiBi's closed form
+# stays in the Triton tiles (7.96 ms against the Hopper passes' 11.07), KERPLE's log form and
+# the other Toeplitz terms take the Hopper passes, and DIET-ABS folds.
+H200_PLANS = [
+    ("alibi", 512, "dot_product_attention cudnn lengths or full 64 table"),
+    ("kerple_log", 512, "dot_product_attention cudnn lengths or full 64 table"),
+    ("diet_abs", 512, "dot_product_attention cudnn lengths or full 64 table"),
+    ("alibi", 8192, "kernel - - 64 registers gather/tiles/tiles/64x64/64/64/4/2"),
+    ("kerple_log", 8192, "kernel - - 64 kernel gather/hopper/hopper/64x64/64/64/4/2"),
+    ("t5", 8192, "kernel - - 64 kernel gather/hopper/hopper/64x64/64/64/4/2"),
+    ("diet_abs", 8192,
+     "dot_product_attention cudnn lengths or kernel 72 fold gather/tiles/tiles/64x64/128/64/4/2"),
+]
+
+
+@pytest.mark.parametrize("scheme, length, summary", H200_PLANS)
+def test_the_h200_plans_with_its_own_points(scheme, length, summary):
+  shape = (2, length, HEADS, 64)
+  plan = route_plan.plan(shape, shape, shape, "bfloat16", _forms(scheme, length, 64),
+                         mask="key", device=H200, table=_packaged())
+  assert _summary(plan) == summary
+  assert "  route table: NVIDIA H200's points" in str(plan).splitlines()
 
 
 def test_the_plan_prints_what_runs_and_why():
