@@ -148,6 +148,23 @@ def test_damaged_newest_checkpoint_is_skipped_and_its_step_saved_again(tmp_path,
   assert step == 2 and float(params["w"][1, 1]) == 15.0
 
 
+def test_after_a_restore_asyncio_drops_only_abandoned_tasks_errors(tmp_path):
+  """A failed restore's other reads are asyncio tasks whose errors nobody retrieves: asyncio
+  logs each with its traceback when it is collected, at any later time. From the first
+  restore on, those records are dropped; any other asyncio record still shows."""
+  import logging  # noqa: PLC0415
+
+  checkpointer = Checkpointer(str(tmp_path), save_interval_steps=1, async_save=False)
+  assert checkpointer.restore_latest(_abstract(_state(0.0))) is None  # nothing saved yet
+  record = lambda message: logging.LogRecord(  # noqa: E731
+      "asyncio", logging.ERROR, __file__, 0, message, None, None)
+  asyncio_log = logging.getLogger("asyncio")
+  assert not asyncio_log.filter(record("Task exception was never retrieved\nfuture: <Task>"))
+  assert not asyncio_log.filter(record("Future exception was never retrieved\nfuture: <F>"))
+  assert asyncio_log.filter(record("Executing <Task> took 0.5 seconds"))
+  checkpointer.close()
+
+
 def test_a_checkpoint_without_its_data_files_is_skipped_quietly(tmp_path):
   """In a process of its own (as training restarts): the skipped step is one short warning
   (TensorStore's spec dump cut), and the failed restore's reads that complete after Orbax

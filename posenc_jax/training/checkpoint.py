@@ -38,6 +38,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import errno
+import gc
 import logging
 import os
 import re
@@ -102,11 +103,18 @@ class _ReportedByTheRun(logging.Filter):
     return not any(said in message for said in _SAID_BY_THE_RUN)
 
 
-def _abandon_failed_save() -> None:
-  """After a save failed: the coroutines Orbax had made for the save's other items are never
-  awaited, by design; Python would warn about each at exit, after the run's one line."""
+def _abandoned_task(record: logging.LogRecord) -> bool:
+  """False for asyncio's record of a failed restore's or save's task's error, never read."""
+  return not record.getMessage().split("\n", 1)[0].endswith("exception was never retrieved")
+
+
+def _abandon_failed_io() -> None:
+  """After a failed save or restore (the exception released): Orbax's coroutines for its other
+  items are never awaited, by design. Python's warning for each, which would come after the
+  run's one line, is off from now on, and they are collected now, not during later work."""
   warnings.filterwarnings("ignore", category=RuntimeWarning,
                           message=r"coroutine '.*' was never awaited")
+  gc.collect()
 
 
 def _io_reason(error: BaseException) -> str:
@@ -131,9 +139,9 @@ def _closed_loop_callback(unraisable) -> bool:
 
 def _drop_closed_loop_callbacks() -> None:
   """From now on, the tracebacks of a failed restore's reads (or a failed save's writes)
-  still in flight, each completing after Orbax closed its event loop, are not printed.
-  Installed before each restore (the first such read may land before the failure reaches
-  the caller) and after a failed write."""
+  completing after Orbax closed its event loop are not printed, nor asyncio's of their tasks
+  (:func:`_abandoned_task`). Installed before each restore and after a failed write."""
+  logging.getLogger("asyncio").addFilter(_abandoned_task)  # once: addFilter skips a repeat
   hook = sys.unraisablehook
   if not getattr(hook, "drops_closed_loop_callbacks", False):
     def quiet(unraisable):
@@ -347,7 +355,7 @@ class Checkpointer:
     except Exception as e:  # noqa: BLE001 - any failed write stops the run with one line
       if jax.process_count() == 1 and self._operation is not None:
         _release_waiting_writers(self._operation)
-      _abandon_failed_save()
+      _abandon_failed_io()
       self.manager.reload()
       newest = self.manager.latest_step()
       raise BackgroundSaveError(
@@ -377,7 +385,7 @@ class Checkpointer:
       saved = self.manager.save(step, args=ocp.args.Composite(**items), force=True)
       self._operation = synchronization.OperationIdGenerator.get_current_operation_id()
     except Exception as e:  # noqa: BLE001 - a failed write stops the run with one line
-      _abandon_failed_save()
+      _abandon_failed_io()
       raise CheckpointError(f"checkpoints: saving step {step} to {self.directory} failed "
                             f"({_io_reason(e)})") from None
     if saved:
@@ -414,6 +422,7 @@ class Checkpointer:
       if problem is None:
         self.last_saved = step
         return step, restored.state, data
+      _abandon_failed_io()
       moved = self._quarantine(step)
       logging.warning("checkpoint %d is damaged (%s): moved to %s; trying an older one", step,
                       problem, moved)
@@ -569,6 +578,7 @@ def restore_params(workdir: str, abstract_params: Any = None, *, step: int | Non
       if problem is None:
         return candidate, params if abstract_params is None else match_layout(
             params, abstract_params)
+      _abandon_failed_io()
       errors.append(f"step {candidate}: {problem}")
       logging.warning("checkpoint %s in %s is damaged (%s); skipped", candidate, workdir,
                       problem)
@@ -679,7 +689,7 @@ def keep_params_only(workdir: str) -> int | None:
     except Exception as e:  # noqa: BLE001 - a failed write leaves the checkpoints whole
       # Writes of the failed save may still land in the swap folder: the next call deletes it.
       _drop_closed_loop_callbacks()
-      _abandon_failed_save()
+      _abandon_failed_io()
       raise CheckpointError(f"workdir: writing the parameters of step {kept} to {swap} failed "
                             f"({_io_reason(e)}); {live} is left whole") from None
     _swap_in(swap / str(kept), live / str(kept))
