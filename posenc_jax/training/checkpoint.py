@@ -109,9 +109,9 @@ def _abandoned_task(record: logging.LogRecord) -> bool:
 
 
 def _abandon_failed_io() -> None:
-  """After a failed save or restore (the exception released): Orbax's coroutines for its other
-  items are never awaited, by design. Python's warning for each, which would come after the
-  run's one line, is off from now on, and they are collected now, not during later work."""
+  """After a failed save or restore: Orbax's coroutines for its other items are never awaited,
+  by design. Python's warning for each, after the run's one line, is off from now on, and what
+  is already garbage is collected now (all of it where a restore's exception is released)."""
   warnings.filterwarnings("ignore", category=RuntimeWarning,
                           message=r"coroutine '.*' was never awaited")
   gc.collect()
