@@ -1,36 +1,32 @@
 """Orbax checkpoints that are atomic, verified and never collide with a damaged one.
 
-A checkpoint holds the train state (sharded arrays, restored onto the
-current mesh's shardings) and a JSON item: the data position, so a resumed
-run sees exactly the examples an uninterrupted one would, and a fingerprint
-of every state leaf (:func:`fingerprints`: two position-weighted sums of the
-leaf's bits, and whether it is finite). Orbax writes each step into a
-temporary directory and renames it when complete.
+A checkpoint holds the train state (sharded arrays, restored onto the current mesh's shardings) and
+a JSON item: the data position, so a resumed run sees exactly the examples an uninterrupted one
+would, and a fingerprint of every state leaf (:func:`fingerprints`: two position-weighted sums of
+the leaf's bits, and whether it is finite). Orbax writes each step into a temporary directory and
+renames it when complete.
 
-On restore, a step that does not restore (missing or truncated files), whose
-arrays do not match their fingerprints (flipped bytes), or whose floating
-leaves are not finite is skipped with a one-line warning for the next older
-one. The training run (:meth:`Checkpointer.restore_latest`) also moves it to
-``<workdir>/damaged_checkpoints/<step>``, so retraining to that step saves
-afresh instead of colliding with it; read-only readers (analysis,
-``--init_checkpoint``) use :func:`restore_params` and leave the folder as is.
-A save that fails in the background stops the run at the next step
-(:meth:`Checkpointer.check`).
+On restore, a step that does not restore (missing or truncated files), whose arrays do not match
+their fingerprints (flipped bytes), or whose floating leaves are not finite is skipped with a
+one-line warning for the next older one. The training run (:meth:`Checkpointer.restore_latest`)
+also moves it to ``<workdir>/damaged_checkpoints/<step>``, so retraining to that step saves afresh
+instead of colliding with it; read-only readers (analysis, ``--init_checkpoint``) use
+:func:`restore_params` and leave the folder as is. A save that fails in the background stops the
+run at the next step (:meth:`Checkpointer.check`).
 
 A third item, ``input``, holds each process's input-iterator state (a ``tf.data`` iterator
 checkpoint, :class:`posenc_jax.training.input_pipeline.InputIterator`) in
-``input/process_<k>-of-<n>/``, written when the step is saved (before training goes on),
-inside the step's temporary directory, so it is atomic with the step. Resuming reads it back
-(:meth:`Checkpointer.restore_input`) at a cost independent of the step; a checkpoint without
-it (older runs, data hooks without state, another number of processes) resumes by the step
-number instead.
+``input/process_<k>-of-<n>/``, written when the step is saved (before training goes on), inside the
+step's temporary directory, so it is atomic with the step. Resuming reads it back
+(:meth:`Checkpointer.restore_input`) at a cost independent of the step; a checkpoint without it
+(older runs, data hooks without state, another number of processes) resumes by the step number
+instead.
 
-A finished run's checkpoints can be compacted to what evaluation needs
-(:func:`keep_params_only`, asked by ``python -m posenc_jax.compare`` for its finished cells):
-one step holding the parameters alone, with their fingerprints. Every reader of
-parameters (:func:`restore_params`: the evaluate tool, analysis, ``--init_checkpoint``)
-reads it as before; training refuses to resume from it in one line
-(:meth:`Checkpointer.restore_latest`).
+A finished run's checkpoints can be compacted to what evaluation needs (:func:`keep_params_only`,
+asked by ``python -m posenc_jax.compare`` for its finished cells): one step holding the parameters
+alone, with their fingerprints. Every reader of parameters (:func:`restore_params`: the evaluate
+tool, analysis, ``--init_checkpoint``) reads it as before; training refuses to resume from it in
+one line (:meth:`Checkpointer.restore_latest`).
 """
 
 from __future__ import annotations
@@ -88,8 +84,7 @@ def _release_waiting_writers(operation_id: str) -> None:
       future.set_signals(thread._receive_signals, operation_id=operation_id)  # noqa: SLF001
 
 
-# Orbax's logs of one failed save, each with a traceback (its writer threads, its background
-# commit and its finalize thread).
+# Orbax's logs of one failed save, each with a traceback (writer threads, commit, finalize).
 _SAID_BY_THE_RUN = ("_SignalingThread.run() raised an exception", "in background save thread",
                     "Save Finalize thread")
 
@@ -99,8 +94,7 @@ class _ReportedByTheRun(logging.Filter):
   failure itself, in one line (:meth:`Checkpointer.wait`, :meth:`Checkpointer.save`)."""
 
   def filter(self, record: logging.LogRecord) -> bool:
-    message = str(record.msg)
-    return not any(said in message for said in _SAID_BY_THE_RUN)
+    return not any(said in str(record.msg) for said in _SAID_BY_THE_RUN)
 
 
 def _abandoned_task(record: logging.LogRecord) -> bool:
@@ -109,9 +103,10 @@ def _abandoned_task(record: logging.LogRecord) -> bool:
 
 
 def _abandon_failed_io() -> None:
-  """After a failed save or restore: Orbax's coroutines for its other items are never awaited,
-  by design. Python's warning for each, after the run's one line, is off from now on, and what
-  is already garbage is collected now (all of it where a restore's exception is released)."""
+  """After a save or restore that failed in Orbax's reads or writes (``reading``; not a bad
+  metadata or fingerprint, where nothing is pending and a full collection in a large process
+  costs seconds): the coroutines of its other items are never awaited, by design. Python's
+  warning for each is off from now on, and what is already garbage is collected now."""
   warnings.filterwarnings("ignore", category=RuntimeWarning,
                           message=r"coroutine '.*' was never awaited")
   gc.collect()
@@ -412,17 +407,19 @@ class Checkpointer:
           "through --init_checkpoint, but training cannot resume from it; train in a new "
           "workdir")
     for step in steps:
+      reading = True
       try:
         restored = self.manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
-        data = dict(restored.data)
+        reading, data = False, dict(restored.data)
         problem = damage(restored.state, data.pop("fingerprints", None))
       except Exception as e:  # noqa: BLE001 - any unreadable checkpoint is skipped
         problem = _unreadable(e)
       if problem is None:
         self.last_saved = step
         return step, restored.state, data
-      _abandon_failed_io()
+      if reading:
+        _abandon_failed_io()
       moved = self._quarantine(step)
       logging.warning("checkpoint %d is damaged (%s): moved to %s; trying an older one", step,
                       problem, moved)
@@ -552,6 +549,7 @@ def restore_params(workdir: str, abstract_params: Any = None, *, step: int | Non
     device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     errors = []
     for candidate in [step] if step is not None else sorted(steps, reverse=True):
+      reading = False
       try:
         metadata = manager.item_metadata(candidate)["state"]
         saved = getattr(metadata, "tree", metadata)["params"]
@@ -565,11 +563,12 @@ def restore_params(workdir: str, abstract_params: Any = None, *, step: int | Non
         target = {"params": jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), expected)}
         restore_args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=device), target)
+        reading = True
         restored = manager.restore(candidate, args=ocp.args.Composite(
             state=ocp.args.PyTreeRestore(item=target, restore_args=restore_args,
                                          partial_restore=True),
             data=ocp.args.JsonRestore()))
-        params = restored.state["params"]
+        reading, params = False, restored.state["params"]
         problem = damage(params, dict(restored.data).get("fingerprints"), prefix="params/")
       except CheckpointError:
         raise
@@ -578,7 +577,8 @@ def restore_params(workdir: str, abstract_params: Any = None, *, step: int | Non
       if problem is None:
         return candidate, params if abstract_params is None else match_layout(
             params, abstract_params)
-      _abandon_failed_io()
+      if reading:
+        _abandon_failed_io()
       errors.append(f"step {candidate}: {problem}")
       logging.warning("checkpoint %s in %s is damaged (%s); skipped", candidate, workdir,
                       problem)
