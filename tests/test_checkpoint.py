@@ -191,6 +191,22 @@ checkpointer.close()
   [warning] = [line for line in proc.stderr.splitlines() if "is damaged" in line]
   assert "NOT_FOUND" in warning and "tensorstore_spec" not in warning and len(warning) < 600
 
+def test_only_a_restore_that_failed_in_its_reads_collects_garbage(tmp_path, monkeypatch):
+  """A full collection (for Orbax's never-awaited reads) costs seconds in a large process: a
+  step whose data files are gone collects once; a checksum mismatch, read whole, does not."""
+  collections = []
+  monkeypatch.setattr(checkpoint_lib.gc, "collect", lambda *a: collections.append(a))
+  checkpointer = Checkpointer(str(tmp_path), save_interval_steps=1, async_save=False)
+  for step in (1, 2, 3):
+    checkpointer.save(step, _state(float(step)), {"step": step}, force=True)
+  checkpointer.close()
+  _wrong_checksum(tmp_path / "checkpoints" / "3")
+  assert restore_params(str(tmp_path))[0] == 2 and not collections
+  for folder in (tmp_path / "checkpoints" / "2" / "state").rglob("d"):
+    shutil.rmtree(folder)
+  assert restore_params(str(tmp_path))[0] == 1 and len(collections) == 1
+
+
 def test_no_good_checkpoint_is_one_line_naming_the_field(tmp_path):
   checkpointer = Checkpointer(str(tmp_path), save_interval_steps=1, async_save=False)
   checkpointer.save(1, _state(1.0), {"step": 1}, force=True)

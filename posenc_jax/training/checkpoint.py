@@ -103,10 +103,9 @@ def _abandoned_task(record: logging.LogRecord) -> bool:
 
 
 def _abandon_failed_io() -> None:
-  """After a save or restore that failed in Orbax's reads or writes (``reading``; not a bad
-  metadata or fingerprint, where nothing is pending and a full collection in a large process
-  costs seconds): the coroutines of its other items are never awaited, by design. Python's
-  warning for each is off from now on, and what is already garbage is collected now."""
+  """After Orbax's reads or writes failed (not a missing item or a bad fingerprint: a full
+  collection costs seconds in a large process), its other items' coroutines are never awaited,
+  by design: Python's warning for each is off from now on, and the garbage collected now."""
   warnings.filterwarnings("ignore", category=RuntimeWarning,
                           message=r"coroutine '.*' was never awaited")
   gc.collect()
@@ -549,9 +548,10 @@ def restore_params(workdir: str, abstract_params: Any = None, *, step: int | Non
     device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     errors = []
     for candidate in [step] if step is not None else sorted(steps, reverse=True):
-      reading = False
+      reading = True
       try:
-        metadata = manager.item_metadata(candidate)["state"]
+        items = manager.item_metadata(candidate)  # reads the arrays' metadata
+        reading, metadata = False, items["state"]
         saved = getattr(metadata, "tree", metadata)["params"]
         expected = saved
         if abstract_params is not None:  # in the saved layout (scanned or unrolled layers)
