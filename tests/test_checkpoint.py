@@ -191,9 +191,11 @@ checkpointer.close()
   [warning] = [line for line in proc.stderr.splitlines() if "is damaged" in line]
   assert "NOT_FOUND" in warning and "tensorstore_spec" not in warning and len(warning) < 600
 
+
 def test_only_a_restore_that_failed_in_its_reads_collects_garbage(tmp_path, monkeypatch):
   """A full collection (for Orbax's never-awaited reads) costs seconds in a large process: a
-  step whose data files are gone collects once; a checksum mismatch, read whole, does not."""
+  step whose data files are gone collects once; a checksum mismatch, read whole, does not.
+  The same for the read-only reader (restore_params) and the training run (restore_latest)."""
   collections = []
   monkeypatch.setattr(checkpoint_lib.gc, "collect", lambda *a: collections.append(a))
   checkpointer = Checkpointer(str(tmp_path), save_interval_steps=1, async_save=False)
@@ -205,6 +207,11 @@ def test_only_a_restore_that_failed_in_its_reads_collects_garbage(tmp_path, monk
   for folder in (tmp_path / "checkpoints" / "2" / "state").rglob("d"):
     shutil.rmtree(folder)
   assert restore_params(str(tmp_path))[0] == 1 and len(collections) == 1
+  collections.clear()
+  checkpointer = Checkpointer(str(tmp_path), save_interval_steps=1, async_save=False)
+  assert checkpointer.restore_latest(_abstract(_state(0.0)))[0] == 1
+  checkpointer.close()
+  assert len(collections) == 1  # step 2's missing files; step 3's mismatch collects nothing
 
 
 def test_no_good_checkpoint_is_one_line_naming_the_field(tmp_path):

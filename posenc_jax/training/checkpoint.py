@@ -406,18 +406,18 @@ class Checkpointer:
           "through --init_checkpoint, but training cannot resume from it; train in a new "
           "workdir")
     for step in steps:
-      reading = True
+      failed_reads = False  # only Orbax's restore raises here
       try:
         restored = self.manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
-        reading, data = False, dict(restored.data)
+        data = dict(restored.data)
         problem = damage(restored.state, data.pop("fingerprints", None))
       except Exception as e:  # noqa: BLE001 - any unreadable checkpoint is skipped
-        problem = _unreadable(e)
+        problem, failed_reads = _unreadable(e), True
       if problem is None:
         self.last_saved = step
         return step, restored.state, data
-      if reading:
+      if failed_reads:  # here, past the except block that held the abandoned reads
         _abandon_failed_io()
       moved = self._quarantine(step)
       logging.warning("checkpoint %d is damaged (%s): moved to %s; trying an older one", step,
