@@ -20,6 +20,7 @@ from etils import epath
 from posenc_jax import evaluate as evaluate_cli
 from posenc_jax.configs import lm as lm_config
 from posenc_jax.configs import pretrain as pretrain_config
+from posenc_jax.data import unigram
 from posenc_jax.data.vocab import CLS_ID
 from posenc_jax.evaluation import (EvaluationError, Run, evaluate_workdir, load_run, model_at,
                                    window_arrays, windows)
@@ -37,14 +38,15 @@ from tests.test_remote_workdir import bucket  # noqa: F401 - the fake gs:// fixt
 
 TRAIN_LEN, TOKENS = 16, 300
 TINY = dict(d_model=32, num_layers=1, num_heads=2, mlp_dim=64, max_len=TRAIN_LEN)
-TRAIN_COUNTS = runs.train_counts  # the real one: test_the_unigram_of_the_bundled_corpus
+TRAIN_COUNTS = unigram.train_counts  # the real one: test_the_unigram_of_the_bundled_corpus
 
 
 @pytest.fixture(autouse=True)
 def uniform_train_counts(monkeypatch):
   """Every id seen once in the train split (the unigram's perplexity is then the vocabulary
   size): reading a real train split costs seconds to a minute; one test reads one."""
-  monkeypatch.setattr(runs, "train_counts", lambda task, size: np.ones(size, np.int64))
+  monkeypatch.setattr(unigram, "train_counts",
+                      lambda objective, task, size: np.ones(size, np.int64))
 
 
 # ------------------------------------------------------------------------------- windows
@@ -206,7 +208,11 @@ def test_mlm_loss_equals_numpy_at_the_training_length_and_past_it(mlm_run):
 def test_loss_protocol_is_the_trainers_evaluation_and_extrapolation_agrees(lm_run, tmp_path):
   workdir, _, _ = lm_run
   loss = evaluate_workdir(workdir, "loss", out=str(tmp_path))
-  assert set(loss["metrics"]) == {"eval_loss", "eval_accuracy", "eval_perplexity"}
+  assert set(loss["metrics"]) == {"eval_loss", "eval_accuracy", "eval_perplexity",
+                                  "eval_unigram_perplexity"}
+  # Every id counted once (the fixture): the unigram's perplexity is the vocabulary size.
+  vocab_size = load_run(workdir).model.config.vocab_size
+  assert loss["metrics"]["eval_unigram_perplexity"] == pytest.approx(vocab_size, rel=1e-9)
   assert (loss["split"], loss["step"], loss["checkpoint"]) == ("validation", 3, "latest")
   # The trainer's evaluation batches are the stream's first eval_steps * batch_size windows.
   same = evaluate_workdir(workdir, "extrapolation", lengths=[TRAIN_LEN],
@@ -365,27 +371,27 @@ def test_settings_name_the_options_that_change_the_numbers_with_their_defaults()
 
 def test_the_unigram_is_add_one_smoothed_over_the_vocabulary():
   # p = (3 + 1, 1 + 1, 0 + 1, 0 + 1) / (4 + 4): tokens 0, 1, 2 have 1/2, 1/4, 1/8: ppl 4.
-  assert runs.unigram_perplexity(np.array([3, 1, 0, 0]), np.array([0, 1, 2])) == (
+  assert unigram.unigram_perplexity(np.array([3, 1, 0, 0]), np.array([0, 1, 2])) == (
       pytest.approx(4.0))
 
 
 def test_the_unigram_of_the_bundled_corpus_counts_its_train_split(tmp_path, monkeypatch):
   """The real train split (3 s: the stdlib corpus), and the corpus hash in the document."""
   from posenc_jax.data import stdlib_corpus  # noqa: PLC0415
-  monkeypatch.setattr(runs, "train_counts", TRAIN_COUNTS)
+  monkeypatch.setattr(unigram, "train_counts", TRAIN_COUNTS)
   config = _config(lm_config, "alibi")
   config.task, config.model.vocab_size = stdlib_corpus.TASK, stdlib_corpus.VOCAB_SIZE
   _fake_workdir(tmp_path, config)
   doc = evaluate_workdir(str(tmp_path), "extrapolation", lengths=[TRAIN_LEN], tokens=TOKENS)
-  counts = runs.train_counts(stdlib_corpus.TASK, stdlib_corpus.VOCAB_SIZE)
+  counts = unigram.train_counts("lm", stdlib_corpus.TASK, stdlib_corpus.VOCAB_SIZE)
   train_bytes = sum(len(d.text.encode()) + 1 for d in stdlib_corpus.documents("train"))
   assert counts.sum() == train_bytes == doc["unigram_train_tokens"]  # bytes and EOS, once
   stream = token_stream(load_run(str(tmp_path)).config, "validation", TOKENS)["targets"]
-  assert doc["unigram"] == pytest.approx(runs.unigram_perplexity(counts, stream))
+  assert doc["unigram"] == pytest.approx(unigram.unigram_perplexity(counts, stream))
   assert 2 < doc["unigram"] < 0.5 * stdlib_corpus.VOCAB_SIZE  # far better than uniform
   assert doc["corpus_sha256"] == stdlib_corpus.CONTENT_SHA256 and doc["task"] == config.task
-  monkeypatch.setattr(runs, "UNIGRAM_TOKENS", 1000)  # a web-scale split: its first tokens
-  first = TRAIN_COUNTS.__wrapped__(stdlib_corpus.TASK, stdlib_corpus.VOCAB_SIZE)
+  monkeypatch.setattr(unigram, "UNIGRAM_TOKENS", 1000)  # a web-scale split: its first tokens
+  first = TRAIN_COUNTS.__wrapped__("lm", stdlib_corpus.TASK, stdlib_corpus.VOCAB_SIZE)
   assert first.sum() == 1000 and np.all(first <= counts)
 
 

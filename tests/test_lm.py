@@ -267,8 +267,23 @@ def test_training_on_the_bundled_corpus(tmp_path, monkeypatch, capsys):
   first, last = history[0], history[-1]
   assert last["step"] == 30 and last["loss"] < first["loss"] - 1.0, (first, last)
   assert last["eval_perplexity"] == pytest.approx(math.exp(last["eval_loss"]), rel=1e-6)
+  # The unigram reference: the same scored tokens under the train split's add-one counts.
+  from posenc_jax.data import unigram  # noqa: PLC0415
+  from posenc_jax.training.input_pipeline import make_batches  # noqa: PLC0415
+  log_p = unigram.log_probs(unigram.train_counts("lm", config.task, config.model.vocab_size))
+  scored = [(b["targets"], b.get("loss_weights", b["targets"] > 0))
+            for b in make_batches(config, "validation", 0)]
+  nll = -sum(float((log_p[t] * w).sum()) for t, w in scored) / sum(float(w.sum())
+                                                                 for _, w in scored)
+  assert last["eval_unigram_perplexity"] == pytest.approx(math.exp(nll), rel=1e-9)
+  out = capsys.readouterr().out.splitlines()
   assert (f"eval at step 30: loss {last['eval_loss']:.4f} ppl {last['eval_perplexity']:.1f} "
-          f"acc {last['eval_accuracy']:.3f}") in capsys.readouterr().out.splitlines()
+          f"(unigram {last['eval_unigram_perplexity']:.1f}) acc {last['eval_accuracy']:.3f}"
+          ) in out
+  assert out[-1].endswith(f"; eval perplexity {last['eval_perplexity']:.1f} against the "
+                          f"unigram's {last['eval_unigram_perplexity']:.1f} ("
+                          f"{last['eval_perplexity'] / last['eval_unigram_perplexity']:.2f}x) "
+                          "at step 30")
   assert (tmp_path / "run" / "checkpoints" / "30").is_dir()
   model = build_model(config.model, "lm")
   params = result["state"].params

@@ -291,13 +291,40 @@ def test_default_run_learns(tmp_path):
   assert first["step"] == 1 and last["step"] == 80
   assert last["loss"] < first["loss"] - 1.0, (first["loss"], last["loss"])
   assert {"steps_per_s", "tokens_per_s", "tokens_per_s_per_device", "eta_s", "compile_s",
-          "learning_rate", "grad_norm", "accuracy", "eval_loss"} <= set(last)
+          "learning_rate", "grad_norm", "accuracy", "eval_loss", "eval_perplexity",
+          "eval_unigram_perplexity"} <= set(last)
+  # The unigram reference beside the perplexity, on the eval line and in the summary: the
+  # bundled corpus's 8k pieces give a unigram perplexity in the hundreds.
+  assert 300 < last["eval_unigram_perplexity"] < 3000
+  assert f"(unigram {last['eval_unigram_perplexity']:.1f})" in proc.stdout
+  assert f"against the unigram's {last['eval_unigram_perplexity']:.1f}" in proc.stdout
   assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()
                 if p.name.isdigit()) == ["40", "80"]
   assert any((tmp_path / "run" / "tensorboard").iterdir())
   assert "profile of steps 3-4" in proc.stdout
   assert list((tmp_path / "run" / "tensorboard" / "plugins" / "profile").glob("*/*.xplane.pb"))
   assert any(p.name.startswith("jit_step") for p in (tmp_path / "xla").iterdir())
+
+
+def test_the_unigram_reference_scores_the_tokens_the_loss_scores():
+  """A masked LM's reference scores the masked tokens its head reads (the first
+  ``predictions`` of a row), a causal LM's the weighted targets; the summary names it."""
+  from posenc_jax.training.loop import scored_targets, summary_line  # noqa: PLC0415
+  batch = {"mlm_targets": np.array([[7, 8, 9, 10], [11, 12, 13, 14]]),
+           "mlm_weights": np.array([[1, 0, 1, 1], [0, 1, 0, 0]], np.float32)}
+  targets, weights = scored_targets(batch, "mlm", predictions=2)
+  np.testing.assert_array_equal(weights, [[1, 0, 1, 0], [0, 1, 0, 0]])
+  assert targets is batch["mlm_targets"]
+  _, weights = scored_targets(batch, "mlm")  # every masked position
+  np.testing.assert_array_equal(weights, batch["mlm_weights"])
+  lm = {"targets": np.array([[5, 6, 0]])}
+  np.testing.assert_array_equal(scored_targets(lm, "lm")[1], [[1, 1, 0]])
+  history = [{"step": 1, "loss": 9.0}, {"step": 50, "loss": 6.0, "eval_perplexity": 300.0,
+                                         "eval_unigram_perplexity": 1000.0}]
+  assert summary_line(history) == ("first loss 9.0000 (step 1), last loss 6.0000 (step 50); "
+                                   "eval perplexity 300.0 against the unigram's 1000.0 "
+                                   "(0.30x) at step 50")
+  assert summary_line(history[:1]).endswith("last loss 9.0000 (step 1)")
 
 
 def test_learning_rate_schedule_and_decay_mask():

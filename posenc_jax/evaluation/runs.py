@@ -10,7 +10,8 @@ Protocols (each a function ``(run, *, progress, **options) -> document``; a new 
 entry of :data:`PROTOCOLS`):
 
 * ``loss``: the objective's metrics on a split, as the trainer's periodic evaluation
-  computes them (``eval_loss``, ``eval_accuracy``; ``eval_perplexity`` for a causal LM), and
+  computes them (``eval_loss``, ``eval_accuracy``; for a pre-training run ``eval_perplexity``
+  and ``eval_unigram_perplexity``, the unigram reference of the same tokens), and
   for fine-tuned runs the task's own metrics (:func:`~posenc_jax.training.loop.task_evaluation`).
 * ``extrapolation``: causal-LM perplexity or masked-LM loss at several evaluation lengths, on
   the same first ``tokens`` tokens of the split's stream at every length
@@ -62,19 +63,17 @@ from etils import epath
 from posenc_jax import memory, presets, route_table
 from posenc_jax.cli import absolute
 from posenc_jax.data import probes, randomized_positions
+from posenc_jax.data import unigram
 from posenc_jax.evaluation import windows as windows_lib
 from posenc_jax.messages import first_line
 from posenc_jax.models.build import abstract_params, build_model
 from posenc_jax.models.config import model_config
 from posenc_jax.training import checkpoint as checkpoint_lib
-from posenc_jax.training.objectives import objective
+from posenc_jax.training.objectives import PRETRAINING, objective
 from posenc_jax.training.workdir import CONFIG_FILE, saved_config
 
-PRETRAINING = ("lm", "mlm")
-CHUNK = 1024  # tokens per packed example read while collecting a stream
 MASK_SEED = 0  # the masked-LM stream's masking seed: the same masks for every run
 DEFAULT_TOKENS = 16_384
-UNIGRAM_TOKENS = 50_000_000  # the unigram reference counts at most this many train tokens
 # [W, L] arrays of an evaluation batch on the device, at most (masked LM: ids, segments, mask,
 # targets, weights), int32 or float32 each.
 BATCH_FEATURES = 5
@@ -192,7 +191,7 @@ def loss_protocol(run: Run, *, split: str = "validation", eval_steps: int | None
   as the trainer's evaluation computes them, and for fine-tuned runs the task's metrics."""
   from posenc_jax.training.input_pipeline import check_data_config, make_batches  # noqa: PLC0415
   from posenc_jax.training.loop import (evaluate, make_eval_step,  # noqa: PLC0415
-                                        task_evaluation)
+                                        task_evaluation, unigram_reference)
 
   config = ml_collections.ConfigDict(run.config.to_dict())
   settings = protocol_settings("loss", config, split=split, eval_steps=eval_steps)
@@ -213,7 +212,8 @@ def loss_protocol(run: Run, *, split: str = "validation", eval_steps: int | None
       yield batch
 
   metrics = evaluate(jax.jit(make_eval_step(run.model, config)), run.params,
-                     counted(batches), device, perplexity=config.objective == "lm")
+                     counted(batches), device, perplexity=config.objective in PRETRAINING,
+                     reference=unigram_reference(config))
   if not metrics:
     raise EvaluationError(f"split: {split!r} of task {config.task!r} gave no batch")
   progress("loss: task metrics" if config.objective not in PRETRAINING else "loss: done")
@@ -224,19 +224,6 @@ def loss_protocol(run: Run, *, split: str = "validation", eval_steps: int | None
 
 
 # --------------------------------------------------------------------- extrapolation protocol
-
-
-def _packed_examples(objective_name: str, task: str, split: str) -> Iterator[np.ndarray]:
-  """The split's token stream in pieces (numpy int32), in source order, no padding."""
-  if objective_name == "lm":
-    from posenc_jax.data import causal_lm  # noqa: PLC0415
-    for example in causal_lm.packed_epoch(task, split, CHUNK).as_numpy_iterator():
-      yield example["targets"][example["targets"] > 0]
-  else:
-    from posenc_jax.data import preprocessors  # noqa: PLC0415
-    packed = preprocessors.packed_epoch(task, split, CHUNK)  # [CLS] + CHUNK - 1 tokens
-    for example in packed.as_numpy_iterator():
-      yield example["input_ids"][1:][example["mask"][1:] > 0]
 
 
 def token_stream(config: ml_collections.ConfigDict, split: str, tokens: int,
@@ -256,7 +243,7 @@ def token_stream(config: ml_collections.ConfigDict, split: str, tokens: int,
 def _token_stream(objective_name: str, task: str, split: str, tokens: int, mask_seed: int,
                   mask_rate: float) -> dict[str, np.ndarray]:
   pieces, have = [], 0
-  for piece in _packed_examples(objective_name, task, split):
+  for piece in unigram.packed_examples(objective_name, task, split):
     pieces.append(piece)
     have += len(piece)
     if have >= tokens:
@@ -278,29 +265,6 @@ def _token_stream(objective_name: str, task: str, split: str, tokens: int, mask_
   for array in arrays.values():
     array.flags.writeable = False
   return arrays
-
-
-@functools.lru_cache(maxsize=4)
-def train_counts(task: str, vocab_size: int) -> np.ndarray:
-  """``[vocab_size]`` int64: how often each id occurs in the causal-LM task's ``train`` split,
-  packed as the trainer reads it: the whole split, or its first :data:`UNIGRAM_TOKENS` tokens
-  (a web-scale corpus). Read once per process; read-only."""
-  counts, left = np.zeros(vocab_size, np.int64), UNIGRAM_TOKENS
-  for piece in _packed_examples("lm", task, "train"):
-    counts += np.bincount(piece[:left], minlength=vocab_size)[:vocab_size]
-    left -= len(piece[:left])
-    if not left:
-      break
-  counts.flags.writeable = False
-  return counts
-
-
-def unigram_perplexity(counts: np.ndarray, tokens: np.ndarray) -> float:
-  """The perplexity of ``tokens`` ``[N]`` under the unigram model of ``counts`` ``[V]``
-  smoothed by adding one to every id of the vocabulary: ``exp(-mean log p(token))``, ``p(i) =
-  (counts[i] + 1) / (sum(counts) + V)``."""
-  log_p = np.log(counts + 1.0) - np.log(counts.sum() + float(len(counts)))
-  return float(np.exp(-log_p[tokens].mean()))
 
 
 def window_batches(stream: dict[str, np.ndarray], objective_name: str, length: int,
@@ -447,7 +411,7 @@ def extrapolation_protocol(run: Run, *, split: str = "validation",
   ``batch_size`` windows per step (default: the training batch's tokens per step);
   ``mask_seed`` (masked LM only) the stream's masking seed (default :data:`MASK_SEED`).
   A causal LM's document has ``unigram``: the perplexity of those tokens under the add-one
-  smoothed unigram of the ``train`` split (:func:`train_counts`), and the train tokens it
+  smoothed unigram of the ``train`` split (:func:`~posenc_jax.data.unigram.train_counts`), and the train tokens it
   counted (``unigram_train_tokens``); a masked LM's None."""
   config = run.config
   settings = protocol_settings("extrapolation", config, split=split, windows=windows,
@@ -474,12 +438,12 @@ def extrapolation_protocol(run: Run, *, split: str = "validation",
            f"{config.task!r}")
   stream = token_stream(config, split, tokens, settings.get("mask_seed", MASK_SEED))
   tokens = len(next(iter(stream.values())))
-  unigram = counted = None
+  unigram_ppl = counted = None
   if name == "lm":
     progress(f"extrapolation: counting the tokens of split 'train' of {config.task!r} (the "
              "unigram reference)")
-    counts = train_counts(config.task, model_config(config.model).vocab_size)
-    unigram, counted = unigram_perplexity(counts, stream["targets"]), int(counts.sum())
+    counts = unigram.train_counts(name, config.task, model_config(config.model).vocab_size)
+    unigram_ppl, counted = unigram.unigram_perplexity(counts, stream["targets"]), int(counts.sum())
   rows = []
   for index, length in enumerate(lengths, 1):
     start = time.perf_counter()
@@ -506,7 +470,7 @@ def extrapolation_protocol(run: Run, *, split: str = "validation",
           "corpus_sha256": stdlib_corpus.content_sha256()
           if config.task == stdlib_corpus.TASK else None, "split": split,
           "train_length": train_length, "windows": windows, "stride": stride,
-          "tokens": tokens, "mask_seed": settings.get("mask_seed"), "unigram": unigram,
+          "tokens": tokens, "mask_seed": settings.get("mask_seed"), "unigram": unigram_ppl,
           "unigram_train_tokens": counted, "rows": rows}
 
 

@@ -477,12 +477,13 @@ def console_line(step: int, total: int, scalars: dict[str, float]) -> str:
 
 
 def eval_line(step: int, scalars: dict[str, float]) -> str | None:
-  """``eval at step 100: loss 6.8123 ppl 908.3 acc 0.052 | task bleu 12.40 f1 81.20``: the
-  evaluation's loss, perplexity (LM) and accuracy, then the task's metrics; None without an
-  evaluation in ``scalars``."""
-  parts = [f"{label} {scalars[key]:{fmt}}"
-           for key, label, fmt in (("eval_loss", "loss", ".4f"), ("eval_perplexity", "ppl", ".1f"),
-                                   ("eval_accuracy", "acc", ".3f"))
+  """``eval at step 100: loss 6.8123 ppl 908.3 (unigram 978.1) acc 0.052 | task bleu 12.40``:
+  the evaluation's loss, perplexity (pre-training) beside the unigram model's of the same
+  tokens, and accuracy, then the task's metrics; None without an evaluation in ``scalars``."""
+  parts = [text.format(scalars[key])
+           for key, text in (("eval_loss", "loss {:.4f}"), ("eval_perplexity", "ppl {:.1f}"),
+                             ("eval_unigram_perplexity", "(unigram {:.1f})"),
+                             ("eval_accuracy", "acc {:.3f}"))
            if key in scalars]
   task = [f"{key.removeprefix('task_')} {value:.2f}" for key, value in sorted(scalars.items())
           if key.startswith("task_")]

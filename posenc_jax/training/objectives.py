@@ -48,6 +48,10 @@ HEAD_OF = {"mlm": "mlm", "translation": "translation", "classification": "classi
            "regression": "classification", "span": "span", "lm": "lm"}
 
 
+# The objectives that score the tokens of a text stream (perplexity, the unigram reference).
+PRETRAINING = ("lm", "mlm")
+
+
 def weighted_cross_entropy(logits: Array, targets: Array, weights: Array,
                            label_smoothing: float = 0.0) -> tuple[Array, Array, Array]:
   """Summed loss, summed weight and summed correct predictions.
