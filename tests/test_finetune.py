@@ -58,7 +58,71 @@ def test_hypernym_pairs_are_balanced_and_true_to_wordnet():
     assert is_hypernym == bool(label) and ra["pos"] == rb["pos"]
 
 
-@pytest.mark.parametrize("task,pair", [("wordnet_supersense", False), ("wordnet_hypernym", True)])
+def test_order_pairs_are_a_gloss_and_its_halves_swapped_balanced_and_deterministic():
+  """Each definition twice, as written (1) and cut in two with its parts swapped (0): the
+  same tokens, so only word order tells the labels apart."""
+  examples = {s: wordnet_tasks.order_examples(s) for s in wordnet_tasks.SPLITS}
+  vocabulary = seqio.get_mixture_or_task("wordnet_order").output_features[
+      "input_ids"].vocabulary
+  cuts = collections.Counter()
+  for split, rows in examples.items():
+    assert len(rows) > 2000 and [label for _, label in rows] == [1, 0] * (len(rows) // 2)
+    for (text, _), (other, _) in zip(rows[::2], rows[1::2]):
+      a, b = text.split(), other.split()
+      (cut,) = [c for c in range(2, len(a) - 1) if b == a[c:] + a[:c]][:1]
+      cuts[cut / len(a) < 0.5] += 1
+      assert len(a) >= wordnet_tasks.ORDER_MIN_WORDS and " ".join(a) == text
+    for text, other in zip([t for t, _ in rows[:200:2]], [t for t, _ in rows[1:200:2]]):
+      assert sorted(vocabulary.encode(text)) == sorted(vocabulary.encode(other))
+  assert min(cuts.values()) > 0.3 * sum(cuts.values())  # cuts in both halves of a gloss
+  # The split is the synsets' (as the other tasks'), and a second build is identical.
+  first_key = {}
+  for r in wordnet_tasks.heldout_synsets():
+    first_key.setdefault(" ".join(r["definition"].split()), r["key"])
+  for split, rows in examples.items():
+    assert {wordnet_tasks.split_of(first_key[t]) for t, _ in rows[::2]} == {split}
+  texts = [{t for t, _ in rows} for rows in examples.values()]
+  assert not (texts[0] & texts[1] or texts[0] & texts[2] or texts[1] & texts[2])
+  assert wordnet_tasks.order_examples("validation") == examples["validation"]
+  assert wordnet_tasks.rotated(["a", "b", "c"], "k") == []  # too short to cut in two pairs
+
+
+def test_each_tasks_chance_score_is_its_majority_class_on_validation():
+  from posenc_jax.configs import finetune_wordnet  # noqa: PLC0415
+  examples = {"wordnet_supersense": wordnet_tasks.supersense_examples,
+              "wordnet_hypernym": wordnet_tasks.hypernym_examples,
+              "wordnet_order": wordnet_tasks.order_examples}
+  assert set(examples) == set(finetune_wordnet.TASKS) == set(wordnet_tasks.TASK_INFO)
+  for task, build in examples.items():
+    labels = collections.Counter(example[-1] for example in build("validation"))
+    majority = 100 * labels.most_common(1)[0][1] / sum(labels.values())
+    assert finetune_wordnet.get_config(task).chance_score == pytest.approx(majority, abs=1e-4)
+
+
+@pytest.mark.parametrize("damage, message", [("missing", "is missing"),
+                                             ("truncated", "is damaged or not the bundled"),
+                                             ("other", "is damaged or not the bundled")])
+def test_a_missing_or_damaged_heldout_file_is_one_line_naming_it(tmp_path, monkeypatch, damage,
+                                                                 message):
+  from posenc_jax.configs import finetune_wordnet  # noqa: PLC0415
+  from posenc_jax.data.stdlib_corpus import CorpusError  # noqa: PLC0415
+  from posenc_jax.training.errors import USER_ERRORS  # noqa: PLC0415
+  from posenc_jax.training.input_pipeline import check_examples  # noqa: PLC0415
+  path = tmp_path / "synsets_heldout.jsonl.gz"
+  if damage == "truncated":
+    path.write_bytes(wordnet_tasks.HELDOUT.read_bytes()[:5000])
+  elif damage == "other":
+    path.write_bytes(gzip.compress(b'{"key": "n00000001"}\n'))
+  monkeypatch.setattr(wordnet_tasks, "HELDOUT", path)
+  with pytest.raises(USER_ERRORS) as error:
+    check_examples(finetune_wordnet.get_config("wordnet_order"))
+  text = str(error.value)
+  assert isinstance(error.value, CorpusError)
+  assert "\n" not in text and text.startswith(f"corpus: {path} ") and message in text
+
+
+@pytest.mark.parametrize("task,pair", [("wordnet_supersense", False), ("wordnet_hypernym", True),
+                                       ("wordnet_order", False)])
 def test_bundled_task_features(task, pair):
   ds = seqio.get_mixture_or_task(task).get_dataset(
       {"input_ids": 32, "segment_ids": 32, "mask": 32}, split="validation", shuffle=False)

@@ -4,7 +4,8 @@
   python finetune.py --config=configs/finetune_glue.py:glue_rte,bert_base,diet_abs_share \
       --init_checkpoint=/data/runs/diet_abs_share --workdir=/data/ft/rte --sweep
 
-The argument is ``<task>[,<size>,<scheme>...][,no_per_head_segments]``. With
+The argument is ``<task>[,<size>,<scheme>...][,no_per_head_segments]`` (``squad_v1``:
+SQuAD v1.1 span prediction). With
 no presets the model is ``--init_checkpoint``'s (its ``config.json``; without a
 checkpoint bert_base,bert); named presets must match it
 (``--config.reinitialise=True`` starts what differs from scratch). Sentence
@@ -59,6 +60,9 @@ def finetune_config(task: str, presets: list[str], default: list[str], *, num_la
   config.checkpoint_every = config.eval_every
   config.keep_checkpoints = 1
   config.best_metric = best_metric
+  # The best_metric score of always answering the majority class (None: not stated); compare
+  # reads a run at most LEARNED_MARGIN above it as one that did not learn.
+  config.chance_score = config_dict.placeholder(float)
   config.eval_task = config_dict.placeholder(str)  # unset: evaluate on the task itself
   config.eval_split = config_dict.placeholder(str)  # unset: 'validation'
   config.optimizer.update(dict(name="adamw", learning_rate=2e-5, warmup_steps=0,
@@ -79,9 +83,24 @@ def parse_argument(arg: str, tasks) -> tuple[str, list[str], bool]:
   return task, presets, "no_per_head_segments" not in names
 
 
+def squad_config(presets: list[str], default: list[str]):
+  """SQuAD v1.1 span prediction (Wang et al. Table 4; DIET's XTREME QA source): 87,599
+  questions, 2 epochs at batch 32, seq 384, LR 3e-5, F1 of the decoded answers."""
+  config = finetune_config("squad_v1", presets, default, num_labels=2, regression=False,
+                           pair=True, best_metric="task_f1", total_steps=5_475,
+                           per_head_segments=True)
+  config.objective = "span"
+  config.head = "span"
+  config.seq_len = 384
+  config.optimizer.learning_rate = 3e-5
+  return config
+
+
 def get_config(arg="glue_rte"):
   from posenc_jax.data.glue import TASK_INFO  # noqa: PLC0415 - needs the data extra
 
+  if arg.split(",")[0] == "squad_v1":  # the span task beside GLUE (compare's accelerator grid)
+    return squad_config(parse_argument(arg, {"squad_v1"})[1], ["bert_base", "bert"])
   task, presets, per_head_segments = parse_argument(arg, TASK_INFO)
   info = TASK_INFO[task]
   epochs = 10 if task in SMALL else 5

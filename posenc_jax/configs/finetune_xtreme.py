@@ -14,7 +14,7 @@ decoded answers in the target language. With no presets the model is
 ``--init_checkpoint``'s (without a checkpoint bert_base_multilingual,bert).
 """
 
-from posenc_jax.configs.finetune_glue import finetune_config
+from posenc_jax.configs.finetune_glue import finetune_config, squad_config
 from posenc_jax.messages import nearest
 
 EVAL_SPLIT = {"xnli": "test", "xquad": "test", "mlqa": "test", "tydiqa": "validation"}
@@ -33,14 +33,8 @@ def get_config(arg="xnli_en"):
     config = finetune_config("xnli_train", presets, default, num_labels=3, regression=False, pair=True,
                              best_metric="task_accuracy", total_steps=24_544,
                              per_head_segments=True)
-  else:  # 87,599 SQuAD questions, 2 epochs at batch 32
-    config = finetune_config("squad_v1", presets, default, num_labels=2, regression=False,
-                             pair=True, best_metric="task_f1", total_steps=5_475,
-                             per_head_segments=True)
-    config.objective = "span"
-    config.head = "span"
-    config.seq_len = 384
-    config.optimizer.learning_rate = 3e-5
+  else:
+    config = squad_config(presets, default)
   config.eval_task = target
   config.eval_split = EVAL_SPLIT[family]
   return config

@@ -1,4 +1,4 @@
-"""Two real downstream tasks from WordNet 3.0, on synsets held out of the pre-training text.
+"""Three real downstream tasks from WordNet 3.0, on synsets held out of the pre-training text.
 
 Labels come from WordNet itself; every example is built from
 ``bundled/wordnet/synsets_heldout.jsonl.gz`` (synsets whose text never
@@ -12,6 +12,12 @@ into train (80%), validation (10%) and test (10%):
                         synsets held out; each has one negative (A, C), C a held-out
                         synset of A's part of speech that is not a hypernym of A,
                         picked by a stable hash. Balanced: the majority baseline is 50%.
+    wordnet_order       single gloss -> 1 if its words are in WordNet's order, 0 if it was
+                        cut in two at a word boundary and its parts swapped ("the pair in
+                        the wrong order"). Every definition of at least ``ORDER_MIN_WORDS``
+                        words appears twice in its split, as written and cut where a stable
+                        hash picks. Both have the same tokens, so a model without position
+                        scores exactly 50%: the control row.
 
 Features as GLUE's (:func:`posenc_jax.data.glue.encode_classification`, fixed
 length ``L`` = ``sequence_length["input_ids"]``): ``input_ids`` = [CLS] a [SEP]
@@ -25,6 +31,7 @@ import functools
 import gzip
 import hashlib
 import json
+import pathlib
 
 import seqio
 import tensorflow as tf
@@ -32,9 +39,12 @@ import tensorflow as tf
 from posenc_jax.data import vocab as vocab_lib
 from posenc_jax.data.glue import encode_classification
 from posenc_jax.data.metrics import accuracy, accuracy_and_f1
+from posenc_jax.data.stdlib_corpus import CorpusError
 from posenc_jax.data.tasks import register
 
 HELDOUT = vocab_lib.BUNDLED_DIR / "synsets_heldout.jsonl.gz"
+# SHA-256 of the held-out file as bundled (its README's table): every task's examples.
+HELDOUT_SHA256 = "6c1735efca0757eed54c1785e993c9e35586b3663793a569726e23f4aef7bf6e"
 SPLITS = ("train", "validation", "test")
 # Examples come in WordNet's file order (grouped by part of speech and supersense): the
 # buffer holds a whole split so that training batches are a uniform shuffle.
@@ -64,10 +74,30 @@ def split_of(key: str) -> str:
   return "train" if bucket < 800 else "validation" if bucket < 900 else "test"
 
 
-@functools.lru_cache(maxsize=1)
 def heldout_synsets() -> tuple[dict, ...]:
-  with gzip.open(HELDOUT, "rt", encoding="utf-8") as f:
-    return tuple(json.loads(line) for line in f)
+  """The held-out synset records of :data:`HELDOUT`, read once per process.
+
+  Raises:
+    CorpusError: one line naming the file: missing, damaged, or not the bundled one.
+  """
+  return _read_heldout(str(HELDOUT))
+
+
+@functools.lru_cache(maxsize=2)
+def _read_heldout(path: str) -> tuple[dict, ...]:
+  try:
+    data = pathlib.Path(path).read_bytes()
+  except FileNotFoundError:
+    raise CorpusError(f"corpus: {path} is missing (reinstall posenc-jax, or rebuild it with "
+                      "scripts/make_wordnet_corpus.py)") from None
+  except OSError as e:
+    raise CorpusError(f"corpus: {path} is unreadable ({e.strerror or e})") from None
+  digest = hashlib.sha256(data).hexdigest()
+  if digest != HELDOUT_SHA256:
+    raise CorpusError(f"corpus: {path} is damaged or not the bundled file (SHA-256 "
+                      f"{digest[:16]}..., not the pinned {HELDOUT_SHA256[:16]}...); "
+                      "reinstall posenc-jax")
+  return tuple(json.loads(line) for line in gzip.decompress(data).decode("utf-8").splitlines())
 
 
 def supersense_examples(split: str) -> list[tuple[str, int]]:
@@ -97,6 +127,41 @@ def hypernym_examples(split: str) -> list[tuple[str, str, int]]:
   return examples
 
 
+ORDER_MIN_WORDS = 4  # each half of the cut gets two words at least
+
+
+def rotated(words: list[str], key: str) -> list[str]:
+  """``words`` cut in two at a word boundary a stable hash of ``key`` picks (each part at
+  least two words long) and the parts swapped: ``b c d a``-style orders a reader notices at
+  the start, the seam and the end (``[]`` if shorter than :data:`ORDER_MIN_WORDS`)."""
+  cuts = range(2, len(words) - 1)
+  if not cuts:
+    return []
+  cut = cuts[int(hashlib.sha256(f"order:{key}".encode()).hexdigest(), 16) % len(cuts)]
+  return words[cut:] + words[:cut]
+
+
+def order_examples(split: str) -> list[tuple[str, int]]:
+  """``(text, is the order WordNet's)``: each held-out definition of ``split`` with at least
+  :data:`ORDER_MIN_WORDS` words, as written (1) and then cut in two with its parts swapped
+  (0, :func:`rotated`), in file order; a definition several synsets share is in
+  the split of the first only, so no text is in two splits. Words are split at whitespace and joined with
+  one space, so both texts tokenise to the same pieces."""
+  examples, seen = [], set()
+  for r in heldout_synsets():
+    words = r["definition"].split()
+    text = " ".join(words)
+    if text in seen:  # a definition two synsets share: its first synset's split only
+      continue
+    seen.add(text)
+    if split_of(r["key"]) != split or len(words) < ORDER_MIN_WORDS:
+      continue
+    other = rotated(words, r["key"])
+    if other:
+      examples += [(text, 1), (" ".join(other), 0)]
+  return examples
+
+
 def _source(examples_fn, columns: tuple[str, ...]) -> seqio.FunctionDataSource:
   def dataset_fn(split: str, shuffle_files: bool, seed: int | None = None) -> tf.data.Dataset:
     del shuffle_files, seed  # one small file: seqio's example shuffling suffices
@@ -118,7 +183,8 @@ def _output_features(vocabulary: seqio.Vocabulary, num_labels: int) -> dict[str,
 
 
 def register_wordnet_tasks(vocabulary: seqio.Vocabulary | None = None, suffix: str = "") -> None:
-  """Registers ``wordnet_supersense<suffix>`` and ``wordnet_hypernym<suffix>``."""
+  """Registers ``wordnet_supersense<suffix>``, ``wordnet_hypernym<suffix>`` and
+  ``wordnet_order<suffix>``."""
   vocabulary = vocabulary or vocab_lib.vocabulary()
   register(f"wordnet_supersense{suffix}",
            source=_source(supersense_examples, ("a", "label")),
@@ -130,12 +196,18 @@ def register_wordnet_tasks(vocabulary: seqio.Vocabulary | None = None, suffix: s
            preprocessors=[functools.partial(encode_classification, text_keys=("a", "b"))],
            output_features=_output_features(vocabulary, 2), metric_fns=[accuracy_and_f1],
            shuffle_buffer_size=SHUFFLE_BUFFER)
+  register(f"wordnet_order{suffix}",
+           source=_source(order_examples, ("a", "label")),
+           preprocessors=[functools.partial(encode_classification, text_keys=("a",))],
+           output_features=_output_features(vocabulary, 2), metric_fns=[accuracy],
+           shuffle_buffer_size=SHUFFLE_BUFFER)
 
 
 # num_labels and whether inputs are sentence pairs, for the fine-tuning configs.
 TASK_INFO = {
     "wordnet_supersense": dict(num_labels=len(LEXNAMES), pair=False, metric="accuracy"),
     "wordnet_hypernym": dict(num_labels=2, pair=True, metric="accuracy"),
+    "wordnet_order": dict(num_labels=2, pair=False, metric="accuracy"),
 }
 
 register_wordnet_tasks()
