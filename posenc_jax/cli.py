@@ -280,13 +280,13 @@ class _ListParser(flags.ArgumentParser):
     elements = [e.strip() for e in text.split(",")]
     if "" in elements:
       raise ValueError(f"{text!r} has an empty element; allowed: 1,2,3 or (1, 2, 3)")
-    return [_literal(e) for e in elements]
+    return [literal(e) for e in elements]
 
   def flag_type(self) -> str:
     return "list"
 
 
-def _literal(text: str) -> Any:
+def literal(text: str) -> Any:
   """``text`` as a Python literal (``3``, ``1e-3``, ``'a'``), or as it is (a bare word)."""
   try:
     return ast.literal_eval(text)

@@ -2,11 +2,11 @@ r"""A grid of schemes x seeds (x sizes) run through train.py, finetune.py and th
 tool, and the papers' tables built from the runs:
 
   python -m posenc_jax.compare --config=configs/compare.py:extrapolation --workdir=/tmp/cmp
-  python -m posenc_jax.compare --config=configs/compare.py:glue_table --workdir=/tmp/glue \
+  python -m posenc_jax.compare --config=configs/compare.py:pretrain_finetune --workdir=/tmp/pf \
       --config.seeds=0,1,2,3,4 --dry_run            # the command lines, nothing run
   python -m posenc_jax.compare --collect --workdir=/tmp/table gs://bucket/runs/*
-  python -m posenc_jax.compare --collect --config=configs/compare.py:glue_table \
-      --workdir=/tmp/glue                           # the table again from ROOT's cells
+  python -m posenc_jax.compare --collect --config=configs/compare.py:pretrain_finetune \
+      --workdir=/tmp/pf                             # the table again from ROOT's cells
 
 Each cell runs in ``ROOT/<scheme>/seed<k>`` (see :mod:`posenc_jax.comparison.plan`) as
 subprocesses whose output goes to ``ROOT/<scheme>/seed<k>/log.txt``; one progress line per
@@ -190,7 +190,7 @@ def _command() -> str:
 def main(argv):
   from etils import epath  # noqa: PLC0415
 
-  from posenc_jax.comparison import collect, plan, report, run  # noqa: PLC0415
+  from posenc_jax.comparison import collect, estimate, plan, report, run  # noqa: PLC0415
 
   logging.set_verbosity(logging.WARNING)  # JAX's backend lines before the cost is timed
   allocator.keep_freed_buffers()  # the cost's steps, timed here
@@ -221,6 +221,7 @@ def main(argv):
           print(f"# {cell.name}")
           for step in cell.steps:
             print(shlex.join(step.command()))
+        print(estimate.summary_line(cells, config.get("device", "cpu")))
         return
       cli.check_output_dir("workdir", root)
       summary = compare(config, root, command=_command())

@@ -58,6 +58,9 @@ SCHEME_PRESETS: dict[str, dict] = {
     "diet_rel_share": dict(scheme={"name": "diet_rel", "sharing": "layer"}),
     "diet_abs": dict(scheme={"name": "diet_abs", "rank": 128}),
     "diet_abs_share": dict(scheme={"name": "diet_abs", "rank": 128, "sharing": "layer"}),
+    # DIET Table 5's ablations of DIET-ABS: rank 64 (layer-wise sharing), head-wise sharing.
+    "diet_abs_rank64_share": dict(scheme={"name": "diet_abs", "rank": 64, "sharing": "layer"}),
+    "diet_abs_share_head": dict(scheme={"name": "diet_abs", "rank": 128, "sharing": "head"}),
     "linformer": dict(scheme={"name": "learned_ape"}, attention="linformer",
                       linformer_k=LINFORMER_K),
     "diet_abs_lin": dict(scheme={"name": "diet_abs_lin", "k": LINFORMER_K}, attention="linformer",

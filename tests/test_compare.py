@@ -74,9 +74,10 @@ def fake_glue_cell(cell, log):
 
 
 def glue_config(**fields):
+  """The pre-train -> fine-tune experiment on the fake cells' grid: two schemes, TASKS."""
   config = get_config("glue_table")
   config.cost.enabled = False
-  config.update(fields)
+  config.update(dict(schemes="bert,diet_abs_share", tasks=",".join(TASKS)) | fields)
   return config
 
 
@@ -404,15 +405,17 @@ def test_collect_from_copied_workdirs_and_a_gs_bucket_gives_the_same_table(
 
 def test_dry_run_prints_every_command_and_writes_nothing(tmp_path):
   out = forked_cli.run(["-m", "posenc_jax.compare", "--config=configs/compare.py:glue_table",
-                        f"--workdir={tmp_path}/grid", "--dry_run", "--config.seeds=0,1"],
+                        f"--workdir={tmp_path}/grid", "--dry_run", "--config.seeds=0,1",
+                        "--config.schemes=bert,diet_abs_share"],
                        cwd=str(tmp_path), timeout=60)
   assert out.returncode == 0, out.stderr
   lines = out.stdout.splitlines()
-  assert [line for line in lines if line.startswith("#")] == [
+  assert [line for line in lines if line.startswith("# ") and "/seed" in line] == [
       "# bert/seed0", "# bert/seed1", "# diet_abs_share/seed0", "# diet_abs_share/seed1"]
   assert sum("-m posenc_jax.train" in line for line in lines) == 4
   assert sum("-m posenc_jax.finetune" in line for line in lines) == 8
   assert f"--init_checkpoint={tmp_path}/grid/bert/seed1/train" in lines[6]
+  assert lines[-1].startswith("# estimated ") and "on 2 CPU cores for 4 cells" in lines[-1]
   assert not (tmp_path / "grid").exists()
 
 

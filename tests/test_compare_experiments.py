@@ -68,13 +68,81 @@ def test_synthetic_variants_plan_and_their_train_configs_validate(variant):
     assert set(checked["schemes"]) == {"none", "t5", "alibi", "rope", "bert"}
     assert checked["tasks"] == ["copy", "reverse"]
 
+def _validated_steps(cell: plan.Cell):
+  """The train configs of a cell's training steps, resolved as train.py and finetune.py
+  resolve them (spec and the step's overrides), each validated."""
+  from posenc_jax.comparison.estimate import _resolved  # noqa: PLC0415
+  configs = [_resolved(step.argv) for step in cell.steps if step.evaluation is None]
+  for config in configs:
+    validate_train_config(config)
+  return configs
+
+
+@pytest.mark.parametrize("variant", ["", *VARIANTS])
+def test_pretrain_finetune_variants_plan_and_their_configs_validate(variant):
+  """The seeds' experiment: every variant plans, each cell pre-trains then fine-tunes every
+  task, and every config a step asks for validates (the accelerator variants' GLUE and SQuAD
+  configs under TFDS's mock data: nothing is read)."""
+  import tensorflow_datasets as tfds  # noqa: PLC0415
+  config = get_config("pretrain_finetune" + (f",{variant}" if variant else ""))
+  checked = plan.check(config)
+  cells = plan.cells(config, "/root")
+  assert len(cells) == len(checked["schemes"]) * len(checked["seeds"])
+  with tfds.testing.mock_data(num_examples=4):
+    pretrain, *finetunes = _validated_steps(cells[0])
+  assert pretrain.objective == "mlm" and len(finetunes) == len(checked["tasks"])
+  assert [f.task for f in finetunes] == checked["tasks"]
+  if variant != "quick":
+    assert len(checked["seeds"]) >= 3 and config.cost.enabled
+  if variant == "":
+    assert checked["schemes"] == ["bert", "tupe_a", "diet_abs_share", "diet_rel", "t5", "none"]
+    assert pretrain.task == "wordnet_glosses" and "wordnet_order" in checked["tasks"]
+  if variant == "all":
+    assert set(checked["schemes"]) >= {
+        "bert", "sinusoidal", "shaw", "sinusoidal_rpe", "t5", "tupe_a", "tupe_r", "bert_ad",
+        "diet_rel", "diet_abs", "diet_abs_share", "diet_abs_rank64_share", "diet_abs_share_head",
+        "linformer", "diet_abs_lin", "rope", "alibi", "none"}
+  if variant in ("gpu", "tpu"):
+    assert config.device == variant and cells[0].size == "bert_small"
+    assert pretrain.task == "wikipedia_en" and "squad_v1" in checked["tasks"]
+    assert {f.objective for f in finetunes} == {"classification", "regression", "span"}
+
+
+def test_glue_table_is_the_pretrain_finetune_experiment():
+  assert get_config("glue_table,quick") == get_config("pretrain_finetune,quick")
+
+
+def test_the_estimate_is_each_steps_flops_at_the_measured_rate():
+  """A cell's estimate, recomputed from its steps' configs: total_steps x FLOPs per step /
+  the device's FLOP/s + start-up, the fine-tuning runs on the pre-trained model."""
+  from posenc_jax.comparison import estimate  # noqa: PLC0415
+  from posenc_jax.models.config import model_config  # noqa: PLC0415
+  from posenc_jax.training.config import max_predictions  # noqa: PLC0415
+  from posenc_jax.training.metrics import train_flops_per_step  # noqa: PLC0415
+  config = get_config("pretrain_finetune,quick")
+  config.schemes = "diet_abs_share"
+  (cell,) = plan.cells(config, "/root")
+  pretrain, finetune = _validated_steps(cell)
+  device = estimate.CPU
+  expected = sum(
+      c.total_steps * train_flops_per_step(model_config(pretrain.model), c.batch_size,
+                                           c.seq_len, predictions_per_seq=max_predictions(c),
+                                           head=c.head, num_labels=c.get("num_labels", 2))
+      / device.flops_per_s + device.startup_s for c in (pretrain, finetune))
+  assert estimate.cell_seconds(cell, device) == pytest.approx(expected, rel=1e-9)
+  assert finetune.total_steps == config.finetune.total_steps and finetune.head == "classification"
+  line = estimate.summary_line([cell] * 3, "cpu")
+  assert line.startswith(f"# estimated {3 * expected / 3600:.2f} device-hours of training on "
+                         "2 CPU cores for 3 cells") and device.source in line
+
+
 def test_an_unknown_experiment_or_variant_is_one_line():
   with pytest.raises(ValueError, match=r"^config argument: variant 'quik' is unknown; did you "
                      r"mean 'quick'\?"):
     get_config("extrapolation,quik")
   with pytest.raises(ValueError, match=r"^config argument: experiment 'extrapolaton'"):
     get_config("extrapolaton,quick")
-  assert set(EXPERIMENTS) == {"glue_table", "extrapolation", "synthetic"}
+  assert set(EXPERIMENTS) == {"pretrain_finetune", "extrapolation", "synthetic"}
 
 
 def test_the_gpu_variant_dry_runs_without_running(tmp_path):
@@ -84,10 +152,11 @@ def test_the_gpu_variant_dry_runs_without_running(tmp_path):
   assert out.returncode == 0, out.stderr
   lines = out.stdout.splitlines()
   assert lines[0] == "# sinusoidal/seed0"
-  assert sum(line.startswith("#") for line in lines) == 12
+  assert sum(line.startswith("# ") and "/seed" in line for line in lines) == 12
   assert any("configs/lm.py:bert_small,alibi,stdlib" in line and "--config.seq_len=512" in line
              for line in lines)
   assert any("--lengths=512,1024,2048,4096,8192" in line for line in lines)
+  assert lines[-1].startswith("# estimated ") and "on one NVIDIA H200 for 12 cells" in lines[-1]
   assert not (tmp_path / "root").exists()
 
 

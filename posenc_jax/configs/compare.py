@@ -2,18 +2,27 @@
 each cell trained and scored through train.py, finetune.py and the evaluate tool.
 
   python -m posenc_jax.compare --config=configs/compare.py:extrapolation --workdir=/tmp/cmp
-  python -m posenc_jax.compare --config=configs/compare.py:glue_table --workdir=/tmp/glue \
+  python -m posenc_jax.compare --config=configs/compare.py:pretrain_finetune --workdir=/tmp/pf \
       --config.schemes=bert,diet_abs_share,diet_rel --config.seeds=0,1,2,3,4
 
 The argument is the experiment, optionally with a variant: ``<experiment>[,<variant>]``.
 
-* ``glue_table`` (DIET Tables 2-9, TUPE Table 2): pre-train each scheme
-  (``train_config``), fine-tune every task from it (``finetune_config``), and
-  report per task the median over seeds of each run's best dev score. The
-  default is the bundled WordNet tasks; at scale, e.g.
-  ``--config.train_config=configs/pretrain.py:{size},{scheme},diet_protocol
-  --config.finetune_config=configs/finetune_glue.py:{task}
-  --config.tasks=glue_cola,glue_sst2,glue_mrpc,glue_stsb,glue_qqp,glue_mnli,glue_qnli,glue_rte``.
+* ``pretrain_finetune`` (DIET Tables 2-9, TUPE Table 2 and Fig. 4, Wang et al. Tables 2-4;
+  ``glue_table`` is the same experiment): pre-train each scheme as masked-LM BERT on the
+  bundled WordNet glosses (``train_config``: the demo of configs/pretrain.py, 600 steps), then
+  fine-tune every task from it (``finetune_config``): ``wordnet_order`` (is the gloss's word
+  order WordNet's, or were two adjacent words swapped: no position scores exactly 50%) and
+  ``wordnet_hypernym`` (a gloss pair, for the segment comparisons), 300 steps each. Tables:
+  pre-training (held-out masked-LM perplexity against the unigram's, steps to the baseline's
+  final loss, curves), per task the median over seeds of each run's best dev score with the
+  range, a majority-class row, and the cost. Default: the core contrasts (learned APE,
+  TUPE-A, DIET-ABS shared, DIET-REL, T5, none), 3 seeds. Variants: ``quick`` (learned APE
+  and none, 1 seed, ``wordnet_order``, no cost), ``all`` (every encoder scheme of the seeds:
+  learned and sinusoidal APE, Shaw, sinusoidal RPE, T5, TUPE-A, TUPE-R, BERT-A^d, DIET-REL,
+  DIET-ABS at rank 64 and 128 and with sharing none, layer and head, Linformer with input
+  APE against DIET-ABS-LIN, RoPE, ALiBi and none), ``gpu`` and ``tpu`` (``bert_small``
+  pre-trained on English Wikipedia, 100k steps of 256 x 128, then the GLUE tasks and SQuAD
+  v1.1 with configs/finetune_glue.py; prepare the data first: see docs/data.md).
 * ``extrapolation`` (Press et al. 2022): a ``bert_tiny``-sized causal LM per scheme and
   seed on the bundled long documents (``configs/lm.py:{size},{scheme},stdlib``: the Python
   standard library's source, one token per byte), 300 steps of 32 x 128 tokens at lr 3e-3,
@@ -60,7 +69,8 @@ from posenc_jax.messages import nearest
 
 # The probe runs' config spec (configs/probe.py), filled in per cell.
 PROBE_CONFIG = "configs/probe.py:{size},{scheme},{task}"
-EXPERIMENTS = ("glue_table", "extrapolation", "synthetic")
+EXPERIMENTS = ("pretrain_finetune", "extrapolation", "synthetic")
+ALIASES = {"glue_table": "pretrain_finetune"}  # the experiment's name before 2026-11-28
 
 
 def _base(experiment: str, protocol: str, schemes: str, seeds: str) -> config_dict.ConfigDict:
@@ -89,6 +99,8 @@ def _base(experiment: str, protocol: str, schemes: str, seeds: str) -> config_di
       windows=config_dict.placeholder(str), stride=config_dict.placeholder(int),
       tokens=config_dict.placeholder(int), checkpoint=config_dict.placeholder(str)))
   # lengths: comma-separated; empty: the training length and the longest evaluated length.
+  # The device kind the grid is sized for (cpu, gpu, tpu): what --dry_run estimates it on.
+  config.device = "cpu"
   config.cost = config_dict.ConfigDict(dict(enabled=True, batch=8, lengths="", repeats=5,
                                             dtype="float32"))
   return config
@@ -101,8 +113,22 @@ PRESS_SCHEMES = "sinusoidal,rope,t5,alibi"
 CAUSAL_SCHEMES = "bert,sinusoidal,rope,t5,alibi,kerple_log,fire,xpos,fox,cope,diet_rel,none"
 # Kazemnejad et al. 2023's five (NoPE, T5's bias, ALiBi, RoPE, learned APE): synthetic's `all`.
 KAZEMNEJAD_SCHEMES = "none,t5,alibi,rope,bert"
+# The seeds' core contrasts (DIET, TUPE, Wang et al.): learned APE, TUPE-A, DIET-ABS with
+# layer-wise sharing, DIET-REL, T5's buckets, and no position as the control row.
+CORE_ENCODER_SCHEMES = "bert,tupe_a,diet_abs_share,diet_rel,t5,none"
+# Every encoder scheme of the seeds (DIET-ABS at rank 64 and 128 and with sharing none,
+# layer and head; DIET-ABS-LIN against Linformer with input APE), with RoPE, ALiBi and none.
+SEED_ENCODER_SCHEMES = ("bert,sinusoidal,shaw,sinusoidal_rpe,t5,tupe_a,tupe_r,bert_ad,diet_rel,"
+                        "diet_abs,diet_abs_share,diet_abs_rank64_share,diet_abs_share_head,"
+                        "linformer,diet_abs_lin,rope,alibi,none")
+PRETRAIN_STEPS = 600  # the pre-training of every cell (the demo's budget, configs/pretrain.py)
+FINETUNE_STEPS = 300
+# GLUE (DIET Table 2, TUPE Table 2) and SQuAD v1.1 (Wang et al. Table 4): the accelerator grid.
+ACCELERATOR_TASKS = ("glue_cola,glue_sst2,glue_mrpc,glue_stsb,glue_qqp,glue_mnli,glue_qnli,"
+                     "glue_rte,squad_v1")
 # Variants, after the experiment's name: configs/compare.py:<experiment>[,<variant>].
-VARIANTS = ("quick", "all", "gpu")
+VARIANTS = ("quick", "all", "gpu", "tpu")
+ACCELERATOR_VARIANTS = ("gpu", "tpu")
 
 
 def _extrapolation(variant: str | None) -> config_dict.ConfigDict:
@@ -122,6 +148,7 @@ def _extrapolation(variant: str | None) -> config_dict.ConfigDict:
   elif variant == "all":
     config.schemes = CAUSAL_SCHEMES
   elif variant == "gpu":  # about one GPU-hour per grid of 4 schemes x 3 seeds
+    config.device = "gpu"
     config.sizes = "bert_small"
     config.train.update(dict(total_steps=5000, seq_len=512, batch_size=64, log_every=500,
                              eval_every=1000, checkpoint_every=1000,
@@ -153,6 +180,7 @@ def _synthetic(variant: str | None) -> config_dict.ConfigDict:
   elif variant == "all":
     config.schemes, config.tasks = KAZEMNEJAD_SCHEMES, "copy,reverse"
   elif variant == "gpu":  # the five on copy and reverse at 40 symbols, tested to 80
+    config.device = "gpu"
     config.schemes, config.tasks = KAZEMNEJAD_SCHEMES, "copy,reverse"
     config.train.update(dict(total_steps=20_000, seq_len=81, batch_size=128,
                              eval_every=20_000, checkpoint_every=2000,
@@ -163,27 +191,54 @@ def _synthetic(variant: str | None) -> config_dict.ConfigDict:
   return config
 
 
+def _pretrain_finetune(variant: str | None) -> config_dict.ConfigDict:
+  """DIET's, TUPE's and Wang et al.'s experiment: pre-train, then fine-tune (module
+  docstring). The budgets are the smallest measured at which every core scheme's
+  pre-training is at most half the unigram's perplexity and every positional scheme's
+  fine-tuning on ``wordnet_order`` clears the majority class
+  (docs/results/pretrain-finetune-cpu)."""
+  config = _base("pretrain_finetune", "finetune", CORE_ENCODER_SCHEMES, "0,1,2")
+  config.train_config = "configs/pretrain.py:{size},{scheme}"
+  config.train.update(dict(total_steps=PRETRAIN_STEPS, log_every=100, eval_every=100,
+                           checkpoint_every=PRETRAIN_STEPS))
+  config.tasks = "wordnet_order,wordnet_hypernym"
+  config.finetune_config = "configs/finetune_wordnet.py:{task}"
+  # The fine-tuning configs warm up over optimizer.warmup_fraction (10%); finetune.py refuses
+  # a warmup_steps that the fraction would override.
+  config.finetune.update(dict(total_steps=FINETUNE_STEPS, log_every=100,
+                              eval_every=FINETUNE_STEPS // 2, checkpoint_every=FINETUNE_STEPS))
+  if variant == "quick":  # a smoke run: learned APE against no position, one seed, one task
+    config.schemes, config.seeds, config.tasks = "bert,none", "0", "wordnet_order"
+    config.cost.enabled = False
+  elif variant == "all":
+    config.schemes = SEED_ENCODER_SCHEMES
+  elif variant in ACCELERATOR_VARIANTS:  # the real GLUE tasks and SQuAD at bert_small
+    config.device = variant
+    config.sizes = "bert_small"
+    config.train_config = "configs/pretrain.py:{size},{scheme}"
+    config.train = config_dict.ConfigDict(dict(
+        task="wikipedia_en", total_steps=100_000, batch_size=256, seq_len=128,
+        log_every=1000, eval_every=5000, eval_steps=20, checkpoint_every=5000,
+        optimizer=dict(learning_rate=5e-4, warmup_steps=5000)))
+    config.tasks = ACCELERATOR_TASKS
+    config.finetune_config = "configs/finetune_glue.py:{task}"
+    config.finetune = config_dict.ConfigDict()
+  return config
+
+
 def get_config(arg="extrapolation"):
   experiment, _, variant = arg.partition(",")
+  experiment = ALIASES.get(experiment, experiment)
   if experiment not in EXPERIMENTS:
     raise ValueError(f"config argument: experiment {experiment!r} is unknown"
                      f"{nearest(experiment, EXPERIMENTS)} allowed: {', '.join(EXPERIMENTS)}")
   if variant and variant not in VARIANTS:
     raise ValueError(f"config argument: variant {variant!r} is unknown{nearest(variant, VARIANTS)}"
                      f" allowed: {', '.join(VARIANTS)}")
-  arg = experiment
-  short = dict(total_steps=100, log_every=50, eval_every=50, checkpoint_every=50,
-               optimizer=dict(warmup_steps=10))
-  if arg == "glue_table":
-    config = _base(arg, "finetune", "bert,diet_abs_share", "0,1,2")
-    config.train_config = "configs/pretrain.py:{size},{scheme}"
-    config.train.update(short)
-    config.tasks = "wordnet_supersense,wordnet_hypernym"
-    config.finetune_config = "configs/finetune_wordnet.py:{task}"
-    # The fine-tuning configs warm up over optimizer.warmup_fraction (10%: 10 of 100 steps);
-    # finetune.py refuses a warmup_steps that the fraction would override.
-    config.finetune.update({k: v for k, v in short.items() if k != "optimizer"})
-    return config
-  if arg == "extrapolation":
-    return _extrapolation(variant or None)
-  return _synthetic(variant or None)
+  tpu = variant == "tpu"  # the accelerator grid: the same on a TPU as on a GPU
+  build = {"pretrain_finetune": _pretrain_finetune, "extrapolation": _extrapolation,
+           "synthetic": _synthetic}[experiment]
+  config = build(("gpu" if tpu and experiment != "pretrain_finetune" else variant) or None)
+  if tpu:
+    config.device = "tpu"
+  return config
