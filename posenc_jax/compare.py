@@ -61,7 +61,8 @@ def summarise(records, failed, config=None, cost=None):
   checked = plan.check(config) if config is not None else {"schemes": [], "tasks": []}
   tables = report.tables(records, checked["schemes"], checked["tasks"],
                          config.protocol if config is not None else None,
-                         plan.evaluate_options(config) if config is not None else None)
+                         plan.evaluate_options(config) if config is not None else None,
+                         baseline=checked.get("baseline"))
   return {"experiment": config.experiment if config is not None else None,
           "config": config.to_dict() if config is not None else None,
           "records": records, "failed": failed, "cost": cost,

@@ -3,12 +3,15 @@ folders read as local ones): each train.py or finetune.py workdir found under th
 given becomes one record.
 
 A record is ``{"workdir", "size", "scheme", "seed", "task", "objective", "steps", "model",
-"best", "eval"}``: ``size`` and ``scheme`` are the preset names whose fields the run's
-``config.json`` model has (:func:`posenc_jax.presets.preset_name`; ``scheme`` with the
-training modifiers the run set, :func:`~posenc_jax.comparison.plan.row_name`), ``steps`` its ``total_steps``, ``model``
-its ``d_model``, ``num_layers`` and ``num_heads``, ``best`` the best evaluation
-(``best.json``, else the highest ``best_metric`` in ``metrics.jsonl``), ``eval`` the evaluate
-tool's documents by file name (``eval/<protocol>-<settings>.json`` without ``.json``).
+"best", "eval", "curve", "chance_score"}``: ``size`` and ``scheme`` are the preset names whose
+fields the run's ``config.json`` model has (:func:`posenc_jax.presets.preset_name`; ``scheme``
+with the training modifiers the run set, :func:`~posenc_jax.comparison.plan.row_name`),
+``steps`` its ``total_steps``, ``model`` its ``d_model``, ``num_layers`` and ``num_heads``,
+``best`` the best evaluation (``best.json``, else the highest ``best_metric`` in
+``metrics.jsonl``), ``eval`` the evaluate tool's documents by file name
+(``eval/<protocol>-<settings>.json`` without ``.json``), ``curve`` a pre-training run's
+held-out evaluations (:func:`eval_curve`; None for other runs), ``chance_score`` a fine-tuning
+run's majority-class score on the 0-100 scale of ``best`` (None where its config has none).
 
 These files come from elsewhere (``config.json``, ``best.json``, ``metrics.jsonl``,
 ``eval/*.json``, and a compare ROOT's ``cell.json``, ``cost.json`` and ``results.json``): a
@@ -32,12 +35,16 @@ from etils import epath
 from posenc_jax.comparison import plan
 from posenc_jax.data import probes
 from posenc_jax.presets import scheme_name, size_name
-from posenc_jax.training.workdir import CONFIG_FILE, WorkdirError, read_metrics, saved_config
+from posenc_jax.training.workdir import (CONFIG_FILE, METRICS_FILE, WorkdirError, read_metrics,
+                                         saved_config)
 
 # Folders a run writes that hold no other run.
 RUN_PARTS = ("checkpoints", "best", "tensorboard", "eval")
 MAX_DEPTH = 4
 CURVES = ("extrapolation", "probes")  # the evaluate tool's protocols that make tables
+PRETRAINING_OBJECTIVES = ("mlm",)  # the runs a record reads the eval curve of
+# A curve point's numbers beside its step (the perplexities absent from older runs' lines).
+CURVE_FIELDS = ("eval_loss", "eval_perplexity", "eval_unigram_perplexity")
 MODEL_FIELDS = ("d_model", "num_layers", "num_heads")  # a record's ``model``
 
 
@@ -64,15 +71,18 @@ KINDS = {
 
 
 def field(path: Any, data: Any, name: str, kind: str, *, null: bool = False,
-          where: str = "") -> Any:
+          optional: bool = False, where: str = "") -> Any:
   """``data[name]`` after checking it is of ``kind`` (a key of :data:`KINDS`; or None with
   ``null``), else one :class:`CollectError` line naming ``path`` and the field (``where``:
-  its place, e.g. ``rows[2].``)."""
+  its place, e.g. ``rows[2].``); with ``optional``, None where ``data`` lacks it (a file
+  from before the field)."""
   test, expected = KINDS[kind]
   if not isinstance(data, dict):
     raise CollectError(f"collect: {path}: {where.rstrip('. ') or 'the file'} holds "
                        f"{type(data).__name__}; expected a JSON object")
   if name not in data:
+    if optional:
+      return None
     raise CollectError(f"collect: {path}: {where}{name}: missing; expected {expected}")
   value = data[name]
   if not (test(value) or (null and value is None)):
@@ -103,6 +113,28 @@ def recorded_seconds(path: epath.Path) -> float:
   return float(field(path, doc, "seconds", "number"))
 
 
+def _metrics(path: epath.Path) -> list[tuple[int, dict[str, Any]]]:
+  """The records of the ``metrics.jsonl`` at ``path``: ``[(step, its JSON object)]``, read
+  by the trainer's reader (a torn last line, a run killed mid-write, is left out)."""
+  try:
+    records, _ = read_metrics(path)
+  except WorkdirError as e:
+    raise CollectError(f"collect: {e}") from None
+  return [(step, json.loads(line)) for step, line in records]  # each an object with a step
+
+
+def eval_curve(workdir: epath.Path) -> list[dict[str, Any]]:
+  """The held-out evaluations in a pre-training run's ``metrics.jsonl``, in its order (steps
+  rising: a resumed run truncates what came after its checkpoint): ``[{"step",
+  "eval_loss", "eval_perplexity", "eval_unigram_perplexity"}]`` of each line with an
+  ``eval_loss``; the last two None where the line lacks them (a run from before they were
+  written)."""
+  path = workdir / METRICS_FILE
+  return [{"step": step} | {name: field(path, row, name, "number", optional=True,
+                                        where=f"step {step}: ") for name in CURVE_FIELDS}
+          for step, row in _metrics(path) if "eval_loss" in row]
+
+
 def best_score(workdir: epath.Path, metric: str | None) -> dict[str, Any] | None:
   """``{"step", "metric", "score"}`` of the run's best evaluation, or None without one."""
   path = workdir / "best.json"
@@ -114,15 +146,11 @@ def best_score(workdir: epath.Path, metric: str | None) -> dict[str, Any] | None
     return best
   if not metric:
     return None
-  try:  # the trainer's reader: a torn last line (a run killed mid-write) is left out
-    records, _ = read_metrics(workdir / "metrics.jsonl")
-  except WorkdirError as e:
-    raise CollectError(f"collect: {e}") from None
+  path = workdir / METRICS_FILE
   rows = []
-  for step, line in records:  # the reader checked each line holds an integer step
-    row = json.loads(line)
+  for step, row in _metrics(path):
     if metric in row:
-      field(workdir / "metrics.jsonl", row, metric, "number", where=f"step {step}: ")
+      field(path, row, metric, "number", where=f"step {step}: ")
       rows.append(row)
   if not rows:
     return None
@@ -185,15 +213,18 @@ def read_run(workdir: str | epath.Path) -> dict[str, Any]:
     for item in sorted((folder / "eval").iterdir(), key=lambda p: p.name):
       if item.name.endswith(".json"):
         evals[item.name[:-len(".json")]] = check_evaluation(item, _json(item))
+  objective = field(path, config, "objective", "string")
   return {"workdir": str(folder), "size": size_name(model),
           "scheme": plan.row_name(scheme_name(model), config),
           "seed": field(path, config, "seed", "integer"),
-          "task": field(path, config, "task", "string"),
-          "objective": field(path, config, "objective", "string"),
+          "task": field(path, config, "task", "string"), "objective": objective,
           "steps": field(path, config, "total_steps", "integer", null=True),
           "model": {k: field(path, model, k, "integer", null=True, where="model.")
                     for k in MODEL_FIELDS},
-          "best": best_score(folder, config.get("best_metric")), "eval": evals}
+          "best": best_score(folder, config.get("best_metric")), "eval": evals,
+          "curve": eval_curve(folder) if objective in PRETRAINING_OBJECTIVES else None,
+          "chance_score": field(path, config, "chance_score", "number", null=True,
+                                optional=True)}
 
 
 def find_runs(folder: str | epath.Path, depth: int = 0) -> list[epath.Path]:

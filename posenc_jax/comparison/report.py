@@ -2,7 +2,11 @@
 (scheme) and column (task or evaluation length) the median over seeds, with the range.
 
 * Best dev score (DIET Tables 2-9, TUPE Table 2): per task, the median over seeds of each
-  run's best evaluation over checkpoints (``best.json``), and the average of the medians.
+  run's best evaluation over checkpoints (``best.json``), and the average of the medians; a
+  majority-class row as the reference where the runs carry their task's ``chance_score``.
+* Pre-training (TUPE Fig. 4): per scheme the masked LM's final held-out perplexity, its ratio
+  to the unigram's (the reference), and the steps each seed took to reach the baseline
+  scheme's final loss; a PNG of the held-out loss against step.
 * Length extrapolation (Press et al.): the perplexity at the training length (1x), then at
   each longer length the ratio ppl(kL)/ppl(L) of each seed, median over seeds; ``n/a`` where
   a scheme cannot reach the length; a unigram row as the reference. A masked LM's loss, or a
@@ -14,8 +18,10 @@
 
 One table per protocol, task and evaluation settings (:func:`posenc_jax.comparison.collect
 .evaluations`): runs evaluated differently are never mixed. A seed that did not learn
-(:data:`LEARNED_PERPLEXITY`, :data:`LEARNED_ACCURACY`, judged at the training length) is left
-out of its row's median and range; a row none of whose seeds learned reads "did not learn".
+(:data:`LEARNED_PERPLEXITY`, :data:`LEARNED_ACCURACY`, judged at the training length or, in
+pre-training, at the final evaluation; :data:`LEARNED_MARGIN` over the majority class when
+fine-tuned) is left out of its row's (a fine-tuning cell's) median and range; a row (cell) none
+of whose seeds learned reads "did not learn".
 ``results.md`` states above each table what it measured: task, settings, training steps,
 model, seeds and the criterion.
 """
@@ -24,10 +30,11 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import re
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from etils import epath
@@ -43,6 +50,11 @@ NO_PLOTS = 'no plots (matplotlib missing): pip install "posenc-jax[analysis]"'
 # accuracy there is below this.
 LEARNED_PERPLEXITY = 0.5
 LEARNED_ACCURACY = 0.9
+# A fine-tuning seed that did not learn: its best dev score not above its task's majority-class
+# score (``chance_score``) by more than this, on the 0-100 scale of the scores.
+LEARNED_MARGIN = 5.0
+# A pre-training table's columns (:func:`_pretraining`).
+PRETRAINING_COLUMNS = ("perplexity", "ratio to unigram", "steps to baseline")
 NEAR_ZERO = 1e-4  # a chance accuracy below this reads "~0 (<the number>)"
 MIN_SEEDS_SEPARATED = 2  # one seed's number has no range to separate
 MARKERS = "osD^vP*Xh<>p"  # with tab20's colours: a distinct pair for up to 60 schemes
@@ -72,15 +84,19 @@ def _cell(values: dict[int, float | None], reasons: list[str],
 
 def _table(title: str, metric: str, columns: list[str],
            entries: dict[str, dict[str, dict[int, Any]]], order: list[str],
-           reasons: dict[tuple[str, str], list[str]], average: bool) -> dict[str, Any]:
-  """``entries[row][column][seed] = value`` as a table; rows in ``order``."""
+           learned: dict[tuple[str, str], list[int]], average: bool) -> dict[str, Any]:
+  """``entries[row][column][seed] = value`` as a table; rows in ``order``. A judged cell (a
+  key of ``learned``) counts the seeds ``learned[(row, column)]`` lists (its row's
+  ``learned[column]``), and reads "did not learn" where there are none; others every seed."""
   rows = []
   for label in order:
     if label not in entries:
       continue
-    cells = {c: _cell(entries[label].get(c, {}), reasons.get((label, c), [])) for c in columns}
+    judged = {c: learned[(label, c)] for c in columns if (label, c) in learned}
+    cells = {c: _cell(entries[label].get(c, {}), ["did not learn"] if c in judged else [],
+                      judged.get(c)) for c in columns}
     medians = [cells[c]["median"] for c in columns if cells[c] and "median" in cells[c]]
-    row = {"label": label, "cells": cells}
+    row = {"label": label, "cells": cells, "learned": judged}
     if average:
       row["average"] = statistics.mean(medians) if len(medians) == len(columns) else None
     rows.append(row)
@@ -111,9 +127,9 @@ def _runs(records: list[dict[str, Any]]) -> dict[str, list]:
 
 
 def _learned(protocol: str, value: float | None, limit: float) -> bool:
-  """Whether a seed's value at the training length shows it learned: a perplexity at most
-  ``limit`` (:data:`LEARNED_PERPLEXITY` x the unigram's), a probe's accuracy at least
-  ``limit`` (:data:`LEARNED_ACCURACY`)."""
+  """Whether a seed's value at the training length (a pre-training run's: at its final
+  evaluation) shows it learned: a perplexity at most ``limit`` (:data:`LEARNED_PERPLEXITY` x
+  the unigram's), a probe's accuracy at least ``limit`` (:data:`LEARNED_ACCURACY`)."""
   return value is not None and (value >= limit if protocol == "probes" else value <= limit)
 
 
@@ -240,13 +256,100 @@ def _separated_text(table: dict[str, Any]) -> list[str]:
           + order("{" + ", ".join(group) + "}" for group in found["groups"]) + ".", ""]
 
 
+def _finetune(dev: list[dict[str, Any]], order: list[str], sizes: set[str],
+              tasks: Sequence[str]) -> dict[str, Any]:
+  """The best dev score table of the fine-tuning records ``dev``; a task whose runs carry a
+  ``chance_score`` (they must agree) is judged: a seed whose best score is not above it by
+  more than :data:`LEARNED_MARGIN` did not learn, and the scores are the ``reference`` row
+  (majority class)."""
+  entries = {}
+  for r in dev:
+    entries.setdefault(_label(r, sizes), {}).setdefault(r["task"], {})[r["seed"]] = (
+        r["best"]["score"])
+  metrics = sorted({r["best"]["metric"] for r in dev})
+  columns = _ordered({r["task"] for r in dev}, tasks)
+  chance = {c: _agreed([(r["workdir"], r["chance_score"]) for r in dev if r["task"] == c],
+                       "chance_score", f"best dev score of {c}") for c in columns}
+  limits = {c: value + LEARNED_MARGIN for c, value in chance.items() if value is not None}
+  learned = {(label, c): [s for s, score in sorted(by_task[c].items()) if score > limits[c]]
+             for label, by_task in entries.items() for c in by_task if c in limits}
+  table = _table("best dev score", "/".join(metrics), columns, entries, order, learned, True)
+  return table | {"protocol": "finetune", "about": _runs(dev),
+                  "reference": {"label": "majority class", "values": chance} if limits else None,
+                  "criterion": (f"best dev score above the majority class's by more than "
+                                f"{LEARNED_MARGIN:g} points") if limits else None}
+
+
+def _reached(curve: list[dict[str, Any]], loss: float) -> int | None:
+  """The first evaluated step of ``curve`` whose held-out loss is at most ``loss`` (None
+  where none is)."""
+  return next((point["step"] for point in curve if point["eval_loss"] <= loss), None)
+
+
+def _pretraining(title: str, members: list[dict[str, Any]], order: list[str], sizes: set[str],
+                 baseline: str | None) -> dict[str, Any]:
+  """The pre-training table of ``members`` (records of one task, each with an eval
+  ``curve``), a row per scheme: at the final evaluation the held-out ``perplexity`` and its
+  ``ratio to unigram`` (the ``reference``), and the ``steps to baseline``: each seed's first
+  evaluated step whose loss is at most its size's baseline row's final loss (``targets``:
+  ``{baseline row: the median of its counted seeds' final losses, None where none learned}``;
+  TUPE Fig. 4), None where it never is. Medians and ranges are over the seeds that learned (a
+  final perplexity at most :data:`LEARNED_PERPLEXITY` x the unigram's; every seed without a
+  unigram). A row's ``loss`` is the spread at each evaluated step (of every seed where none
+  learned), ``final`` and ``final_step`` those of every seed's final evaluation."""
+  runs, size = {}, {}  # row -> {seed: record}, row -> its size
+  for r in members:
+    runs.setdefault(_label(r, sizes), {})[r["seed"]] = r
+    size[_label(r, sizes)] = r["size"]
+  labels = [lb for lb in order if lb in runs]
+  unigram = _agreed([(r["workdir"], r["curve"][-1]["eval_unigram_perplexity"]) for r in members],
+                    "eval_unigram_perplexity", title)
+  limit = LEARNED_PERPLEXITY * unigram if unigram is not None else None
+  learned = {label: [s for s, r in sorted(seeds.items()) if limit is None or _learned(
+      "pretrain", r["curve"][-1]["eval_perplexity"], limit)] for label, seeds in runs.items()}
+  scheme = baseline or labels[0].rsplit(",", 1)[-1]
+  base = {label: _label({"size": size[label], "scheme": scheme}, sizes) for label in labels}
+  targets = {b: statistics.median([runs[b][s]["curve"][-1]["eval_loss"] for s in learned[b]])
+             if learned.get(b) else None for b in sorted(set(base.values()))}
+  rows = []
+  for label in labels:
+    seeds, counted, target = runs[label], learned[label], targets[base[label]]
+    final = {s: r["curve"][-1] for s, r in seeds.items()}
+    ppl = {s: point["eval_perplexity"] for s, point in final.items()}
+    cells = {"perplexity": _cell(ppl, [], counted),
+             "ratio to unigram": _cell({s: v / unigram if v is not None else None
+                                        for s, v in ppl.items()}, [], counted)
+             if unigram else None,
+             "steps to baseline": _cell({s: _reached(r["curve"], target)
+                                         for s, r in seeds.items()}, ["not reached"], counted)
+             if target is not None else None}
+    by_step = {s: {point["step"]: point["eval_loss"] for point in seeds[s]["curve"]}
+               for s in counted or sorted(seeds)}
+    steps = sorted({step for losses in by_step.values() for step in losses})
+    rows.append({"label": label, "seeds": sorted(seeds), "learned": counted, "cells": cells,
+                 "final": _cell(ppl, []),
+                 "final_step": _cell({s: point["step"] for s, point in final.items()}, []),
+                 "loss": {str(step): _cell({s: losses[step] for s, losses in by_step.items()
+                                            if step in losses}, []) for step in steps}})
+  criterion = (f"final perplexity at most {LEARNED_PERPLEXITY} x the unigram's "
+               f"({_number(limit)})") if limit is not None else None
+  return {"title": title, "protocol": "pretrain", "task": members[0]["task"],
+          "metric": "held-out masked-LM perplexity", "columns": list(PRETRAINING_COLUMNS),
+          "baseline": scheme, "targets": targets, "criterion": criterion,
+          "reference": {"label": "unigram", "values": {"perplexity": unigram}} if (
+              unigram is not None) else None,
+          "about": {"task": members[0]["task"]} | _runs(members), "rows": rows}
+
+
 def tables(records: list[dict[str, Any]], schemes: Sequence[str] = (),
            tasks: Sequence[str] = (), protocol: str | None = None,
-           evaluate: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
-  """The tables the records hold: best dev scores of fine-tuning runs, extrapolation and
-  probe curves, one per protocol, task and evaluation settings (an experiment's
-  ``protocol`` and its evaluations' options,
-  :func:`~posenc_jax.comparison.plan.evaluate_options`: the settings it asks for;
+           evaluate: list[dict[str, Any]] | None = None,
+           baseline: str | None = None) -> list[dict[str, Any]]:
+  """The tables the records hold: best dev scores of fine-tuning runs, pre-training (one per
+  pre-training task, of the runs with an eval ``curve``; steps to ``baseline``'s final loss,
+  default ``schemes[0]``, else the first row), extrapolation and probe curves, one per
+  protocol, task and evaluation settings (an experiment's ``protocol`` and its evaluations'
+  options, :func:`~posenc_jax.comparison.plan.evaluate_options`: the settings it asks for;
   :func:`~posenc_jax.comparison.collect.evaluations`). Rows follow ``schemes`` and task
   columns ``tasks`` (then any others, sorted).
 
@@ -258,17 +361,13 @@ def tables(records: list[dict[str, Any]], schemes: Sequence[str] = (),
   labels = sorted({_label(r, sizes) for r in records})
   order = [lb for s in schemes for lb in labels if lb.rsplit(",", 1)[-1] == s]
   order += [lb for lb in labels if lb not in order]
-  out = []
   dev = [r for r in records if r["objective"] in FINETUNE_OBJECTIVES and r["best"]]
-  if dev:
-    entries = {}
-    for r in dev:
-      entries.setdefault(_label(r, sizes), {}).setdefault(r["task"], {})[r["seed"]] = (
-          r["best"]["score"])
-    metrics = sorted({r["best"]["metric"] for r in dev})
-    columns = _ordered({r["task"] for r in dev}, tasks)
-    table = _table("best dev score", "/".join(metrics), columns, entries, order, {}, True)
-    out.append(table | {"protocol": "finetune", "about": _runs(dev)})
+  out = [_finetune(dev, order, sizes, tasks)] if dev else []
+  pretrained = [r for r in records if r["curve"]]
+  names = sorted({r["task"] for r in pretrained})
+  out += [_pretraining("pre-training" + (f" ({task})" if len(names) > 1 else ""),
+                       [r for r in pretrained if r["task"] == task], order, sizes,
+                       baseline or (schemes[0] if schemes else None)) for task in names]
   curves = [_curve(name, task, members[0][1]["settings"], members, order, sizes, tokens)
             for (name, task, _), members in evaluations(records, protocol, evaluate).items()
             for tokens in ((False, True) if name == "probes" else (False,))]
@@ -301,14 +400,43 @@ def _number(value: float) -> str:
   return f"{value:.4f}" if abs(value) < 100 else f"{value:.1f}"
 
 
-def _text(cell: dict[str, Any] | None) -> str:
+def _step(value: float) -> str:
+  return f"{value:.10g}"
+
+
+def _text(cell: dict[str, Any] | None, number: Callable[[float], str] = _number) -> str:
   if cell is None:
     return "-"
   if "na" in cell:
     return "n/a"
   if cell["n"] == 1:
-    return _number(cell["median"])
-  return f"{_number(cell['median'])} ({_number(cell['min'])}-{_number(cell['max'])})"
+    return number(cell["median"])
+  return f"{number(cell['median'])} ({number(cell['min'])}-{number(cell['max'])})"
+
+
+def _score_text(table: dict[str, Any], row: dict[str, Any], column: str) -> str:
+  """A best dev score cell: where judged, the seeds that learned out of all where some did
+  not, or "did not learn" with the seeds' median and the chance score where none did."""
+  cell, learned = row["cells"][column], row.get("learned", {}).get(column)
+  if cell is None or learned is None:
+    return _text(cell)
+  scores = list(cell["seeds"].values())
+  if not learned:
+    return (f"did not learn ({_number(statistics.median(scores))} vs chance "
+            f"{_number(table['reference']['values'][column])})")
+  return _text(cell) + (f"; {len(learned)}/{len(scores)} learned" if len(learned) < len(scores)
+                        else "")
+
+
+def _steps_text(cell: dict[str, Any] | None, learned: list[int]) -> str:
+  """A steps-to-baseline cell: the median (min-max) over the seeds of ``learned`` that reached
+  the baseline's loss, then how many did not ("not reached" where none did)."""
+  if cell is None:
+    return "-"
+  missed = sum(cell["seeds"][str(s)] is None for s in learned)
+  if missed == len(learned):
+    return "not reached"
+  return _text(cell, _step) + (f"; {missed}/{len(learned)} not reached" if missed else "")
 
 
 def _reference_text(value: float | None, chance: bool) -> str:
@@ -340,24 +468,25 @@ def _about(table: dict[str, Any]) -> list[str]:
       what += (f" ({probe}): {about['examples']} examples of seed {about['seed']} at every "
                "length")
     lines.append(what + ".")
+  elif table["protocol"] == "pretrain":
+    lines.append(f"- Task {about['task']}: the masked tokens of the held-out evaluations during "
+                 "training (metrics.jsonl).")
   model = "; ".join(f"d_model {m['d_model']}, {_count(m['num_layers'], 'layer')}, "
                     f"{_count(m['num_heads'], 'head')}" for m in about["model"])
   steps = ", ".join(map(str, about["steps"])) or "an unknown number of"
-  trained = f"Trained {steps} steps at length {table['train_length']}" if curve else (
-      f"Fine-tuned {steps} steps")
+  trained = (f"Trained {steps} steps at length {table['train_length']}" if curve else
+             f"Pre-trained {steps} steps" if table["protocol"] == "pretrain" else
+             f"Fine-tuned {steps} steps")
   lines.append(f"- {trained}; model {model}; seeds {', '.join(map(str, about['seeds']))}.")
-  if not curve:
-    return lines
+  if table["protocol"] == "finetune":
+    return lines + _finetune_about(table)
+  if table["protocol"] == "pretrain":
+    return lines + _pretraining_about(table)
   if table["reference"] and about.get("unigram_train_tokens"):
     lines.append("- Unigram (reference): the perplexity of the same tokens under add-one "
                  f"smoothed counts of {about['unigram_train_tokens']} tokens of split 'train'.")
-  if table["criterion"]:
-    lines.append(f"- Learned: {table['criterion']}; a seed that did not learn is left out of "
-                 "its row's median and range.")
-  else:
-    lines.append("- Learned: not judged (" + ("no evaluation at the training length"
-                                              if table["base"] is None else
-                                              "no unigram reference") + ").")
+  lines.append(_learned_line(table, "no evaluation at the training length"
+                             if table["base"] is None else "no unigram reference"))
   over = "median (min-max) over the seeds" + (" that learned" if table["criterion"] else "")
   if table["ratios"]:
     lines.append(f"- Shown: {table['metric']} at {table['base']} (1x), then at each longer "
@@ -372,14 +501,49 @@ def _about(table: dict[str, Any]) -> list[str]:
   return lines
 
 
+def _learned_line(table: dict[str, Any], unjudged: str, of: str = "row") -> str:
+  """The line above a table that states its criterion of learning (why not, ``unjudged``,
+  where it has none); a seed that did not learn leaves the median of its ``of``."""
+  if not table.get("criterion"):
+    return f"- Learned: not judged ({unjudged})."
+  return (f"- Learned: {table['criterion']}; a seed that did not learn is left out of its "
+          f"{of}'s median and range.")
+
+
+def _finetune_about(table: dict[str, Any]) -> list[str]:
+  """The lines above a best dev score table on its majority-class reference, where judged."""
+  if not table.get("criterion"):
+    return []
+  return ["- Majority class (reference): the best dev score of always predicting the most "
+          "frequent class (the runs' chance_score).", _learned_line(table, "", of="cell")]
+
+
+def _pretraining_about(table: dict[str, Any]) -> list[str]:
+  """The lines above a pre-training table after what it trained: reference, criterion and
+  what each column shows."""
+  lines = []
+  if table["reference"]:
+    lines.append("- Unigram (reference): the perplexity of the same held-out masked tokens "
+                 "under add-one smoothed counts of the train split (eval_unigram_perplexity).")
+  lines.append(_learned_line(table, "no unigram reference"))
+  learned = " that learned" if table["criterion"] else ""
+  targets = ", ".join(f"{label}'s {_number(loss)}" for label, loss in table["targets"].items()
+                      if loss is not None) or f"none: no seed of {table['baseline']} learned"
+  return lines + [
+      "- Shown: the final evaluation's perplexity and its ratio to the unigram's, per seed; "
+      "steps to baseline (TUPE Fig. 4): the first evaluated step at which a seed's held-out "
+      f"loss is at most the median final loss of the baseline's seeds{learned} ({targets}), "
+      f"then how many seeds never reached it; median (min-max) over the seeds{learned}."]
+
+
 def _reference_row(table: dict[str, Any]) -> list[str]:
-  """The texts of a curve table's reference row under its length columns ([] without one)."""
-  reference = table["reference"]
+  """The texts of a table's reference row under its columns ([] without one)."""
+  reference = table.get("reference")
   if not reference:
     return []
   chance = table["protocol"] == "probes"
-  return [_reference_text(reference["values"][c], chance)
-          if not table["ratios"] or c == table["base"] else "" for c in table["columns"]]
+  return [_reference_text(reference["values"].get(c), chance)
+          if not table.get("ratios") or c == table["base"] else "" for c in table["columns"]]
 
 
 def _line(cells: list[str]) -> str:
@@ -387,25 +551,44 @@ def _line(cells: list[str]) -> str:
   return "|" + "|".join(f" {cell} " if cell else " " for cell in cells) + "|"
 
 
+def _texts(table: dict[str, Any], row: dict[str, Any]) -> list[str]:
+  """The texts of a curve or pre-training row that shows numbers, under its columns."""
+  if table["protocol"] != "pretrain":
+    return [_text(row["cells"][c]) for c in table["columns"]]
+  cells = row["cells"]
+  return [_text(cells["perplexity"]), _text(cells["ratio to unigram"]),
+          _steps_text(cells["steps to baseline"], row["learned"])]
+
+
+def _unlearned(table: dict[str, Any], row: dict[str, Any]) -> str:
+  """What a row none of whose seeds learned reached, in its "did not learn (...)"."""
+  if table["protocol"] == "pretrain":
+    final = row["final"].get("median")
+    return (f"ppl {_number(final) if final is not None else 'n/a'} at step "
+            f"{_step(row['final_step']['median'])}, unigram "
+            f"{_number(table['reference']['values']['perplexity'])}")
+  median = (row["in_distribution"] or {}).get("median")
+  short = ("ppl" if table["metric"] == "perplexity" else  # a probe is judged on whole answers
+           "accuracy" if table["protocol"] == "probes" else table["metric"])
+  said = f"{short} {_number(median)}" if median is not None else f"no {short}"
+  return f"{said} at {table['base']}"
+
+
 def _row(table: dict[str, Any], row: dict[str, Any]) -> tuple[list[str], list[str]]:
-  """``(texts under the seed columns, texts under the length or task columns)`` of a row."""
-  if table["protocol"] not in CURVES:
-    seeds = max((c["n"] for c in row["cells"].values() if c and "n" in c), default=0)
-    texts = [_text(row["cells"][c]) for c in table["columns"]]
+  """``(texts under the seed columns, texts under the other columns)`` of a row."""
+  if table["protocol"] == "finetune":
+    seeds = max((len(c["seeds"]) for c in row["cells"].values() if c), default=0)
+    texts = [_score_text(table, row, c) for c in table["columns"]]
     if "average" in row:
       texts.append("-" if row["average"] is None else _number(row["average"]))
     return [str(seeds)], texts
   counts = [str(len(row["seeds"]))]
   if not table["criterion"]:
-    return counts + ["-"], [_text(row["cells"][c]) for c in table["columns"]]
+    return counts + ["-"], _texts(table, row)
   counts.append(f"{len(row['learned'])}/{len(row['seeds'])}")
   if row["learned"]:
-    return counts, [_text(row["cells"][c]) for c in table["columns"]]
-  median = (row["in_distribution"] or {}).get("median")
-  short = ("ppl" if table["metric"] == "perplexity" else  # a probe is judged on whole answers
-           "accuracy" if table["protocol"] == "probes" else table["metric"])
-  said = f"{short} {_number(median)}" if median is not None else f"no {short}"
-  return counts, [f"did not learn ({said} at {table['base']})"] + [""] * (
+    return counts, _texts(table, row)
+  return counts, [f"did not learn ({_unlearned(table, row)})"] + [""] * (
       len(table["columns"]) - 1)
 
 
@@ -442,14 +625,14 @@ def markdown(summary: dict[str, Any]) -> str:
     cost_lengths = [str(n) for n in cost.get("lengths") or []] if with_cost else []
     heads += [f"step time at {n} (x {base})" for n in cost_lengths]
     heads += [f"peak memory at {cost_lengths[-1]} (x {base})"] if cost_lengths else []
-    seeds = ["seeds", "learned"] if curve else ["seeds"]
+    seeds = ["seeds"] if table["protocol"] == "finetune" else ["seeds", "learned"]
     what = table["metric"] if curve else f"{table['metric']}, median (min-max) over seeds"
     lines += [f"## {table['title']}: {what}", "", *_about(table), "",
               _line(["scheme", *seeds, *heads]), "|---|" + "---|" * (len(heads) + len(seeds))]
-    reference = _reference_row(table) if curve else []
+    reference = _reference_row(table)
     if reference:
-      lines.append(_line([f"{table['reference']['label']} (reference)", "", "", *reference]
-                         + [""] * (len(heads) - len(reference))))
+      lines.append(_line([f"{table['reference']['label']} (reference)", *[""] * len(seeds),
+                          *reference] + [""] * (len(heads) - len(reference))))
     for row in table["rows"]:
       counts, texts = _row(table, row)
       if cost_lengths:
@@ -539,29 +722,62 @@ def plot(table: dict[str, Any]):
   return fig
 
 
+def plot_pretraining(table: dict[str, Any]):
+  """A pre-training table as a Figure: per scheme the held-out masked-LM loss against step,
+  median over the seeds that learned with their min-max range shaded (every seed's, dotted,
+  where none learned), a colour and marker of its own; the unigram's loss dashed."""
+  from posenc_jax.analysis.plots import _figure  # noqa: PLC0415 - matplotlib
+
+  fig = _figure(7.5, 4.2)
+  ax = fig.add_subplot()
+  for row, (colour, marker) in zip(table["rows"], styles(len(table["rows"]))):
+    points = sorted((int(step), cell) for step, cell in row["loss"].items())
+    x = [step for step, _ in points]
+    unlearned = bool(table["criterion"]) and not row["learned"]
+    ax.plot(x, [c["median"] for _, c in points], color=colour, marker=marker, markersize=4,
+            linestyle=":" if unlearned else "-",
+            label=f"{row['label']}: did not learn" if unlearned else
+            f"{row['label']} ({len(row['learned'])}/{len(row['seeds'])} seeds)")
+    ax.fill_between(x, [c["min"] for _, c in points], [c["max"] for _, c in points],
+                    color=colour, alpha=0.15, linewidth=0)
+  if table["reference"]:
+    ax.axhline(math.log(table["reference"]["values"]["perplexity"]), color="black",
+               linestyle="--", linewidth=1, label="unigram (train split)")
+  ax.set_xlabel("training step")
+  ax.set_ylabel("held-out masked-LM loss (nats)\n(median over the seeds that learned; band: "
+                "min-max)", fontsize=9)
+  ax.set_title(f"{table['title']}: {table['task']}", fontsize=10)
+  fig.legend(loc="outside right upper", fontsize=8)
+  return fig
+
+
+PLOTS = {"extrapolation": plot, "probes": plot, "pretrain": plot_pretraining}  # by protocol
+
+
 def _png_name(title: str) -> str:
   return re.sub(r"[^A-Za-z0-9._=,-]+", "_", title.removeprefix("length ")).strip("_") + ".png"
 
 
 def write(root: str, summary: dict[str, Any]) -> list[str]:
-  """Writes ``results.json``, ``results.md`` and a PNG per curve table into ``root``;
-  returns the paths written (without matplotlib, the PNGs are skipped with one line)."""
+  """Writes ``results.json``, ``results.md`` and a PNG per curve or pre-training table
+  (:data:`PLOTS`) into ``root``; returns the paths written (without matplotlib, the PNGs are
+  skipped with one line)."""
   text = markdown(summary)
   folder = epath.Path(root)
   folder.mkdir(parents=True, exist_ok=True)
   write_atomic(folder / "results.json", json.dumps(summary, indent=2, sort_keys=True))
   write_atomic(folder / "results.md", text)
   written = [str(folder / "results.json"), str(folder / "results.md")]
-  curves = [t for t in summary["tables"] if t["protocol"] in CURVES]
+  plotted = [t for t in summary["tables"] if t["protocol"] in PLOTS]
   try:
     import matplotlib  # noqa: F401, PLC0415
   except ImportError:
-    if curves:
+    if plotted:
       print(f"compare: {NO_PLOTS}", flush=True)
     return written
-  for table in curves:
+  for table in plotted:
     buffer = io.BytesIO()
-    plot(table).savefig(buffer, format="png")
+    PLOTS[table["protocol"]](table).savefig(buffer, format="png")
     path = folder / _png_name(table["title"])
     write_atomic(path, buffer.getvalue())
     written.append(str(path))
