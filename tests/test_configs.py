@@ -19,7 +19,8 @@ def get_config(name, arg):
 
 
 @pytest.mark.parametrize("name,arg,expect", [
-    ("pretrain", "bert_tiny,diet_abs_share", dict(objective="mlm", total_steps=500)),
+    ("pretrain", "bert_tiny,diet_abs_share", dict(objective="mlm", total_steps=800,
+                                                  mask_rate=0.4)),
     ("pretrain", "bert_base,diet_abs_share,diet_protocol",
      dict(batch_size=4096, total_steps=500_000, seq_len=128)),
     ("pretrain", "bert_base,tupe_r,tupe_protocol", dict(batch_size=256, seq_len=512)),

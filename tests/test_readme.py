@@ -115,5 +115,6 @@ def test_bench_unknown_scheme_is_one_line():
       "posenc_jax.benchmarks.steps: --baseline: got 'nope'; did you mean 'rope'?; allowed: bert, "
       "none, sinusoidal, "
       "sinusoidal_learnable, shaw, sinusoidal_rpe, t5, tupe_a, tupe_a_tie_cls, tupe_r, bert_ad, "
-      "diet_rel, diet_rel_share, diet_abs, diet_abs_share, linformer, diet_abs_lin, alibi, rope, "
+      "diet_rel, diet_rel_share, diet_abs, diet_abs_share, diet_abs_rank64_share, "
+      "diet_abs_share_head, linformer, diet_abs_lin, alibi, rope, "
       "kerple_log, kerple_power, fire, xpos, rope_dynamic, cope, fox"]

@@ -36,10 +36,11 @@ class Measured:
   source: str
 
 
-# bert_tiny's masked-LM step of configs/pretrain.py's demo (32 x 64: 7.70 GFLOP) at 7.0 steps/s,
-# and 25 s from the command to its first step, on 2 idle AMD EPYC cores (float32).
+# bert_tiny's masked-LM step of the demo before 2026-11-28 (32 x 64, 15% masking, MLP 512: 7.70
+# GFLOP) at 7.0 steps/s, and 25 s from the command to its first step, on 2 idle AMD EPYC cores.
 CPU = Measured("2 CPU cores", 7.0 * 7.70e9, 25.0,
-               "configs/pretrain.py's demo on 2 AMD EPYC cores, docs/results/pretrain-finetune-cpu")
+               "bert_tiny's masked-LM step on 2 AMD EPYC cores "
+               "(docs/results/pretrain-calibration-cpu.md)")
 # BERT-base's masked-LM step at B=32 L=512 in bfloat16: 46.84 ms (20.8% MFU).
 H200 = Measured("one NVIDIA H200", 0.208 * 989e12, 60.0,
                 "the trainer's BERT-base step on an H200, docs/results/h200-2026-11-28.md")

@@ -18,7 +18,7 @@ sets a segment scheme (``segment_per_head``) is refused: the language model has 
 ``posenc_jax.models.generate`` continues prompts with a trained model.
 """
 
-from posenc_jax.configs.pretrain import DEMO
+from posenc_jax.configs.pretrain import LM_DEMO
 from posenc_jax.data import stdlib_corpus
 from posenc_jax.models.config import ModelConfigError
 from posenc_jax.presets import SCHEME_PRESETS, preset_config
@@ -45,7 +45,7 @@ def get_config(arg="bert_tiny,alibi"):
   config.objective = "lm"
   config.head = "lm"
   config.task = "wordnet_glosses_lm"
-  for key, value in DEMO.items():
+  for key, value in LM_DEMO.items():
     if key == "optimizer":
       config.optimizer.update(value)
     else:

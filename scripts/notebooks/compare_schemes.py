@@ -110,7 +110,7 @@ for row in doc["rows"]:
 ## Next
 
 * The papers' fine-tuning tables: `python -m posenc_jax.compare
-  --config=configs/compare.py:glue_table --workdir=/tmp/glue` (pre-train, fine-tune every
+  --config=configs/compare.py:pretrain_finetune --workdir=/tmp/pf` (pre-train, fine-tune every
   task, median over seeds of each run's best dev score).
 * Synthetic probes (copy, MQAR, passkey) trained short and scored long:
   `--config=configs/compare.py:synthetic`.

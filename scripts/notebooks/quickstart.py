@@ -224,5 +224,5 @@ else:
 * The same analysis from the command line:
   `python -m posenc_jax.analysis {probe,indicators,rank,plots,params} --help`.
 * A longer run: `python train.py --config=configs/pretrain.py:bert_tiny,diet_abs_share --workdir=/tmp/run`
-  (500 steps; `--config.total_steps=...` to change).'''),
+  (800 steps, about 3 minutes on 2 CPU cores; `--config.total_steps=...` to change).'''),
 ]
