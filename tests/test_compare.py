@@ -23,7 +23,7 @@ from absl import flags
 from etils import epath
 
 from posenc_jax import compare as compare_cli
-from posenc_jax.comparison import collect, plan, report, run
+from posenc_jax.comparison import collect, plan, plots, report, run
 from posenc_jax.configs.compare import get_config
 from posenc_jax.evaluation import report as evaluation_report
 from posenc_jax.presets import preset_config
@@ -179,7 +179,7 @@ def test_a_seed_at_the_unigram_level_did_not_learn(tmp_path):
   assert "n/a: alibi at 128: exceeds max_len" in text  # what it cannot reach, learned or not
   rope, alibi = summary["tables"][0]["rows"]
   assert (rope["learned"], alibi["learned"]) == ([0], [])
-  png = report.plot(summary["tables"][0])
+  png = plots.plot(summary["tables"][0])
   assert "alibi: did not learn" in [t.get_text() for t in png.legends[0].get_texts()]
 
 
@@ -376,7 +376,7 @@ def test_the_extrapolation_png_tells_a_dozen_schemes_apart(tmp_path):
   lm_runs(tmp_path, {s: [(20.0 + i, 25.0, 30.0 + i), (22.0 + i, 26.0, 31.0 + i)]
                      for i, s in enumerate(schemes)})
   (table,) = compare_cli.summarise(collect.collect([str(tmp_path)]), [])["tables"]
-  figure = report.plot(table)
+  figure = plots.plot(table)
   (ax,) = figure.axes
   curves = [line for line in ax.get_lines() if line.get_label() in {
       f"{s} (2/2 seeds)" for s in schemes}]

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from posenc_jax import compare as compare_cli
-from posenc_jax.comparison import collect, report
+from posenc_jax.comparison import collect, plots, report
 from tests.test_compare import _rewrite, fake_run
 
 UNIGRAM = 1000.0  # the unigram's perplexity of the held-out masked tokens
@@ -120,7 +120,7 @@ def test_a_seed_above_half_the_unigram_s_perplexity_did_not_learn(tmp_path):
       "| unigram (reference) | | | 1000.0 | | |",
       "| bert | 2 | 1/2 | 148.4 | 0.1484 | 200 |",
       "| rope | 1 | 0/1 | did not learn (ppl 600.0 at step 1, unigram 1000.0) | | |"]
-  (ax,) = report.plot_pretraining(table).axes
+  (ax,) = plots.plot_pretraining(table).axes
   lines = {line.get_label(): list(line.get_ydata()) for line in ax.get_lines()}
   assert lines["bert (1/2 seeds)"] == [6.0, 5.0]  # seed 1's loss at 100 left out
   assert lines["rope: did not learn"] == [pytest.approx(math.log(600.0))]  # drawn all the same
@@ -133,7 +133,7 @@ def test_the_curves_plot_shows_each_scheme_s_median_loss_and_the_unigram_s(tmp_p
   written = report.write(str(tmp_path / "out"), summary)
   assert str(tmp_path / "out" / "pre-training.png") in written
   assert (tmp_path / "out" / "pre-training.png").stat().st_size > 1000
-  (ax,) = report.plot_pretraining(pretraining_table(summary)).axes
+  (ax,) = plots.plot_pretraining(pretraining_table(summary)).axes
   lines = {line.get_label(): line for line in ax.get_lines()}
   assert list(lines["bert (3/3 seeds)"].get_xdata()) == [100, 200, 300]
   assert list(lines["bert (3/3 seeds)"].get_ydata()) == [6.1, 5.6, 5.2]  # medians per step

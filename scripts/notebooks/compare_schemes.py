@@ -81,13 +81,14 @@ several), the cost columns beside it, and the reasons for every `n/a`. The same 
     ("code", """\
 from IPython.display import Markdown
 
-from posenc_jax.comparison import report
+from posenc_jax.comparison import plots, report
 
 text = report.markdown(summary)
 print(text)
 display(Markdown(text))
 for table in summary["tables"]:
-  show(report.plot(table))"""),
+  if table["protocol"] in plots.PLOTS:
+    show(plots.PLOTS[table["protocol"]](table))"""),
     ("markdown", """\
 ## One run, another protocol
 
