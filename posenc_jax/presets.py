@@ -23,6 +23,10 @@ SIZES: dict[str, dict] = {
     # Runs in seconds on a CPU.
     "bert_tiny": dict(vocab_size=8192, d_model=128, num_layers=2, num_heads=2, mlp_dim=512,
                       max_len=128),
+    # The bundled masked-LM demo's model (configs/pretrain.py): bert_tiny with its MLP halved,
+    # the steps it buys on a CPU worth more than the width (docs/results/pretrain-calibration-cpu.md).
+    "bert_demo": dict(vocab_size=8192, d_model=128, num_layers=2, num_heads=2, mlp_dim=256,
+                      max_len=128),
     # DIET Table 1's BERT-small: 4 layers, 512 wide, 8 heads.
     "bert_small": dict(d_model=512, num_layers=4, num_heads=8, mlp_dim=2048),
     "bert_base": dict(),

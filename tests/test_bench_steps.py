@@ -181,18 +181,18 @@ def tiny_vocab(monkeypatch):
 
 def test_the_trainer_step_computes_logits_at_the_masked_positions_only(tiny_vocab):
   """train.py's step (the bench's ``trainer``) is the config's: logits [B, P, V] at its
-  ``max_predictions`` positions (P = 3 of L = 16 at mask rate 0.15), the state donated, layers
+  ``max_predictions`` positions (P = 6 of L = 16 at the demo's mask rate 0.4), the state donated, layers
   scanned; the ``every_token`` step's logits are [B, L, V]."""
   dims = dict(batch=2, length=16, dtype="float32")
   config, cfg, train, infer, args = model_steps.trainer_steps("tiny", "bert", **dims)
-  assert max_predictions(config) == 3 and cfg.scan_layers and cfg.vocab_size == 72
+  assert max_predictions(config) == 6 and cfg.scan_layers and cfg.vocab_size == 72
   lowered = train.lower(*args)
   text = lowered.as_text()
-  assert "tensor<2x3x72xf32>" in text and "2x16x72x" not in text
+  assert "tensor<2x6x72xf32>" in text and "2x16x72x" not in text
   state, batch, _ = lowered.args_info[0]  # ((state, batch, rng), kwargs)
   assert all(info.donated for info in jax.tree.leaves(state))  # as train() jits it
   assert not any(info.donated for info in jax.tree.leaves(batch))
-  assert infer(args[0].params, args[1])["weight"] == 2 * 3  # eval: the masked positions
+  assert infer(args[0].params, args[1])["weight"] == 2 * 6  # eval: the masked positions
   _, every, _, init = model_steps.model_steps("tiny", "bert", **dims)
   assert "tensor<2x16x72xf32>" in jax.jit(every).lower(*jax.eval_shape(init)).as_text()
 

@@ -196,6 +196,7 @@ def _pretrain_finetune(variant: str | None) -> config_dict.ConfigDict:
   docstring). The pre-training is the bundled demo's (docs/results/pretrain-calibration-cpu.md:
   DIET-ABS ends below half the unigram's perplexity there, learned APE does not yet)."""
   config = _base("pretrain_finetune", "finetune", CORE_ENCODER_SCHEMES, "0,1,2")
+  config.sizes = "bert_demo"  # the demo's model
   config.train_config = "configs/pretrain.py:{size},{scheme}"
   config.train.update(dict(total_steps=PRETRAIN_STEPS, log_every=100, eval_every=100,
                            checkpoint_every=PRETRAIN_STEPS))

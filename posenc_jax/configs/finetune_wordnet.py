@@ -27,7 +27,7 @@ TASKS = {"wordnet_supersense": dict(num_labels=45, pair=False, chance=11.1301,
 
 def get_config(arg="wordnet_supersense"):
   task, presets, per_head_segments = parse_argument(arg, TASKS)
-  config = finetune_config(task, presets, ["bert_tiny", "diet_abs_share"],
+  config = finetune_config(task, presets, ["bert_demo", "diet_abs_share"],
                            num_labels=TASKS[task]["num_labels"], regression=False,
                            pair=TASKS[task]["pair"], best_metric="task_accuracy",
                            total_steps=600, per_head_segments=per_head_segments)

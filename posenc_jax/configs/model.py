@@ -4,7 +4,7 @@
   python -m posenc_jax.params --config=configs/model.py:bert_small,tupe_r,segment_per_head \
       --config.model.max_len=128
 
-The argument is ``<size>[,<scheme>...]``: sizes bert_tiny, bert_small,
+The argument is ``<size>[,<scheme>...]``: sizes bert_tiny, bert_demo, bert_small,
 bert_base, bert_base_multilingual, transformer_base, transformer_big; schemes
 named after the papers' rows (bert, shaw, t5, tupe_a, tupe_r, diet_rel,
 diet_rel_share, diet_abs, diet_abs_share, linformer, diet_abs_lin, alibi,
