@@ -84,6 +84,8 @@ CASES = [
      ["got 'adamm'", "did you mean 'adam"]),
     ("train.py", ["--config.optimizer.name=adam", RUN], "train.py: optimizer.weight_decay:",
      ["got 0.01", "use 'adamw'"]),
+    ("train.py", ["--config.optimizer.position_lr_scale=0.0", RUN],
+     "train.py: optimizer.position_lr_scale:", ["got 0.0", "positive"]),
     ("train.py", ["--config.optimizer.schedule=cosine", RUN], "train.py: optimizer.schedule:",
      ["got 'cosine'"]),
     ("train.py", ["--config.optimizer.warmup_steps=100000", RUN],

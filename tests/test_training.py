@@ -20,7 +20,7 @@ from posenc_jax.presets import preset_config
 from posenc_jax.training.config import TrainConfigError, base_train_config, validate_train_config
 from posenc_jax.training.mesh import MeshConfigError, mesh_shape
 from posenc_jax.training.objectives import weighted_cross_entropy
-from posenc_jax.training.optim import decay_mask, make_optimizer
+from posenc_jax.training.optim import decay_mask, make_optimizer, position_mask
 from posenc_jax.training.signals import StopSignals
 from tests import forked_cli
 from tests.conftest import optimised_env
@@ -330,7 +330,8 @@ def test_the_unigram_reference_scores_the_tokens_the_loss_scores():
 def test_learning_rate_schedule_and_decay_mask():
   opt = ml_collections.ConfigDict(dict(
       name="adamw", learning_rate=1e-3, warmup_steps=10, warmup_fraction=0.0, schedule="linear",
-      b1=0.9, b2=0.999, eps=1e-6, weight_decay=0.01, grad_clip_norm=1.0))
+      b1=0.9, b2=0.999, eps=1e-6, weight_decay=0.01, grad_clip_norm=1.0,
+      position_lr_scale=1.0))
   _, schedule = make_optimizer(opt, total_steps=110)
   assert float(schedule(0)) == 0.0
   assert float(schedule(5)) == pytest.approx(5e-4)
@@ -343,6 +344,55 @@ def test_learning_rate_schedule_and_decay_mask():
   mask = decay_mask({"dense": {"kernel": 1, "bias": 2}, "norm": {"scale": 3, "bias": 4}})
   assert mask == {"dense": {"kernel": True, "bias": False}, "norm": {"scale": False,
                                                                      "bias": False}}
+
+
+@pytest.mark.parametrize("preset,head", [
+    ("bert_tiny,bert", "mlm"), ("bert_tiny,tupe_r", "mlm"), ("bert_tiny,diet_abs", "mlm"),
+    ("bert_tiny,none", "mlm"), ("transformer_base,t5", "translation"),
+    ("bert_tiny,t5", "lm")])
+def test_position_mask_is_the_schemes_parameters(preset, head):
+  """The mask holds exactly the leaves of the scheme modules (every model's ``position``),
+  counted against the scheme built alone; nothing of the attention or the embeddings."""
+  from posenc_jax.models.build import build_model, init_inputs
+  from posenc_jax.models.config import scheme_dims
+  from posenc_jax.schemes import build_scheme
+  cfg = preset_config(preset).model
+  if head == "lm":
+    cfg.segment = None
+  model = build_model(cfg, head)
+  params = jax.eval_shape(model.init, jax.random.key(0), *init_inputs(model))["params"]
+  marked = [leaf for leaf, on in zip(jax.tree.leaves(params), jax.tree.leaves(position_mask(
+      params))) if on]
+  stacks = 2 if head == "translation" else 1  # the encoder's scheme and the decoder's
+  alone = build_scheme(cfg.scheme, **scheme_dims(model.config))
+  alone_params = jax.eval_shape(lambda: alone.init(jax.random.key(0), 8)).get("params", {})
+  assert len(marked) == stacks * len(jax.tree.leaves(alone_params))
+  assert position_mask({"token_embed": {"embedding": 0}, "layers": {"query": {"kernel": 0}}}
+                       ) == {"token_embed": {"embedding": False},
+                             "layers": {"query": {"kernel": False}}}
+
+
+def test_position_lr_scale_multiplies_the_schemes_steps_alone():
+  """One AdamW step with ``position_lr_scale`` k moves each positional parameter k times as
+  far as k = 1 (the step and its decoupled decay), and every other parameter the same."""
+  from posenc_jax.training.optim import default_optimizer_config
+  params = {"bert": {"position": {"relative_bias": jnp.full((2, 3), 0.5)},
+                     "layers": {"kernel": jnp.full((3,), 0.5), "bias": jnp.full((3,), 0.5)}}}
+  grads = jax.tree.map(lambda x: jnp.linspace(-1.0, 2.0, x.size).reshape(x.shape), params)
+  moved = {}
+  for k in (1.0, 7.0):
+    opt = default_optimizer_config()
+    opt.update(dict(learning_rate=1e-2, warmup_steps=0, schedule="constant",
+                    position_lr_scale=k))
+    tx, _ = make_optimizer(opt, total_steps=10)
+    updates, _ = tx.update(grads, tx.init(params), params)
+    moved[k] = updates
+  np.testing.assert_allclose(moved[7.0]["bert"]["position"]["relative_bias"],
+                             7.0 * moved[1.0]["bert"]["position"]["relative_bias"], rtol=1e-6)
+  assert np.abs(moved[1.0]["bert"]["position"]["relative_bias"]).min() > 0
+  for name in ("kernel", "bias"):
+    np.testing.assert_array_equal(moved[7.0]["bert"]["layers"][name],
+                                  moved[1.0]["bert"]["layers"][name])
 
 
 def test_mlm_head_at_masked_positions_only_keeps_loss_and_gradients():

@@ -5,7 +5,9 @@
 * DIET: a LAMB-style large-batch optimiser, LR 0.0018 at batch 4096,
   warm-up 2.5% of the steps.
 
-Weight decay skips biases and LayerNorm parameters (BERT's mask). Gradient
+Weight decay skips biases and LayerNorm parameters (BERT's mask).
+``position_lr_scale`` multiplies the learning rate of the positional-encoding
+parameters alone (see :func:`position_mask`). Gradient
 accumulation is the training step's (it scans micro-batches), so one step is
 one optimizer update whatever ``grad_accum_steps`` is.
 """
@@ -33,7 +35,8 @@ def default_optimizer_config() -> ml_collections.ConfigDict:
   """TUPE's AdamW settings; DIET's LAMB in ``configs/pretrain.py``'s ``diet`` protocol."""
   return ml_collections.ConfigDict(dict(
       name="adamw", learning_rate=1e-4, warmup_steps=10_000, warmup_fraction=0.0,
-      schedule="linear", b1=0.9, b2=0.999, eps=1e-6, weight_decay=0.01, grad_clip_norm=1.0))
+      schedule="linear", b1=0.9, b2=0.999, eps=1e-6, weight_decay=0.01, grad_clip_norm=1.0,
+      position_lr_scale=1.0))
 
 
 def warmup_steps(config: ml_collections.ConfigDict, total_steps: int) -> int:
@@ -66,6 +69,20 @@ def decay_mask(params: Any) -> Any:
   return jax.tree_util.tree_map_with_path(decays, params)
 
 
+# The modules every model builds its position schemes as (models/bert.py, models/transformer.py).
+POSITION_MODULES = ("position", "alternate_position")
+
+
+def position_mask(params: Any) -> Any:
+  """True for the parameters of the positional-encoding modules (``.../position/...``,
+  ``.../alternate_position/...``): the learned APE table, TUPE's projections, the
+  relative tables and DIET-ABS's factors; not the segment terms, the token embedding or
+  the attention weights."""
+  def positional(path, _):
+    return any(getattr(key, "key", None) in POSITION_MODULES for key in path)
+  return jax.tree_util.tree_map_with_path(positional, params)
+
+
 def _is_number(value: Any) -> bool:
   return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
@@ -95,6 +112,9 @@ def check_optimizer_config(config: ml_collections.ConfigDict, total_steps: int) 
   clip = config.grad_clip_norm
   if not (clip is None or (_is_number(clip) and clip >= 0)):
     fail("grad_clip_norm", clip, "a finite number > 0, or 0 / None for no clipping")
+  scale = config.position_lr_scale
+  if not (_is_number(scale) and scale > 0):
+    fail("position_lr_scale", scale, "a positive finite number")
   if not (_is_number(config.warmup_fraction) and 0 <= config.warmup_fraction < 1):
     fail("warmup_fraction", config.warmup_fraction, "a number in [0, 1)")
   if not (isinstance(config.warmup_steps, int) and not isinstance(config.warmup_steps, bool)
@@ -116,4 +136,8 @@ def make_optimizer(config: ml_collections.ConfigDict, total_steps: int
   else:
     inner = optax.adam(schedule, b1=config.b1, b2=config.b2, eps=config.eps)
   chain = [optax.clip_by_global_norm(config.grad_clip_norm)] if config.grad_clip_norm else []
-  return optax.chain(*chain, inner), schedule
+  chain.append(inner)
+  scale = config.position_lr_scale
+  if scale != 1.0:  # after the update: the step and its decoupled weight decay both scale
+    chain.append(optax.masked(optax.scale(scale), position_mask))
+  return optax.chain(*chain), schedule
