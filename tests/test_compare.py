@@ -419,6 +419,38 @@ def test_dry_run_prints_every_command_and_writes_nothing(tmp_path):
   assert not (tmp_path / "grid").exists()
 
 
+def test_pretrain_seeds_pretrain_once_and_the_other_seeds_fine_tune_that_model():
+  """DIET's and TUPE's protocol: one pre-training per scheme, fine-tuned with every seed."""
+  config = get_config("pretrain_finetune")
+  config.schemes, config.seeds, config.pretrain_seeds = "bert,none", "3,1,2", "1"
+  cells = plan.cells(config, "/r")
+  assert [(c.name, [s.name for s in c.steps]) for c in cells] == [
+      (f"{row}/seed{seed}", (["train"] if seed == 1 else []) + [
+          "finetune wordnet_order", "finetune wordnet_hypernym"])
+      for row in ("bert", "none") for seed in (3, 1, 2)]
+  for cell in cells:
+    for step in cell.steps[-2:]:
+      assert f"--init_checkpoint=/r/{cell.scheme}/seed1/train" in step.argv
+      assert f"--config.seed={cell.seed}" in step.argv
+  train = next(s for s in cells[1].steps if s.name == "train")
+  assert train.workdir == "/r/bert/seed1/train" and "--config.seed=1" in train.argv
+  config.pretrain_seeds = ""  # every seed pre-trains its own
+  assert all(c.steps[0].name == "train" and c.steps[1].argv[2] ==
+             f"--init_checkpoint={c.folder}/train" for c in plan.cells(config, "/r"))
+
+
+@pytest.mark.parametrize("experiment, value, expected", [
+    ("pretrain_finetune", "4", "pretrain_seeds: 4 is not among the seeds (0, 1, 2)"),
+    ("pretrain_finetune", "0,x", "pretrain_seeds: got '0,x'; allowed: comma-separated"),
+    ("extrapolation", "0", "pretrain_seeds: got '0' for the extrapolation protocol"),
+])
+def test_bad_pretrain_seeds_are_one_line(experiment, value, expected):
+  config = get_config(experiment)
+  config.seeds, config.pretrain_seeds = "0,1,2", value
+  with pytest.raises(plan.PlanError, match="^" + re.escape(expected)):
+    plan.cells(config, "/tmp/unused")
+
+
 def test_a_killed_grid_resumes_without_rerunning_finished_cells(tmp_path):
   compare_cli.compare(glue_config(), str(tmp_path / "whole"), fake_glue_cell, say=lambda s: None)
 

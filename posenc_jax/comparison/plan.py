@@ -4,7 +4,9 @@ A cell is one ``(size, scheme, seed)``: its folder is ``ROOT/<scheme>/seed<k>``
 (``ROOT/<size>,<scheme>/seed<k>`` with several sizes). Inside it each step has its own
 workdir: ``train`` (the pre-training or LM run), ``<task>`` (a fine-tuning run from
 ``train``; or, for probes, the probe's training run), and the evaluate tool writes into
-the workdir it scores.
+the workdir it scores. With ``pretrain_seeds`` (the fine-tuning protocol) only those seeds
+pre-train; every other seed's cell fine-tunes from the first of them (``seed<first>/train``),
+as DIET and TUPE fine-tune one pre-trained model per scheme with several seeds.
 """
 
 from __future__ import annotations
@@ -137,9 +139,25 @@ def _rows(config) -> list[str]:
   return rows
 
 
+def _pretrain_seeds(config: ml_collections.ConfigDict, seeds: list[int]) -> list[int]:
+  """``config.pretrain_seeds`` (empty or absent: every seed), checked against ``seeds``."""
+  if not names(config, "pretrain_seeds"):
+    return seeds
+  if config.protocol != "finetune":
+    raise PlanError(f"pretrain_seeds: got {config.pretrain_seeds!r} for the {config.protocol} "
+                    "protocol; allowed: empty (only fine-tuning runs share a pre-training)")
+  chosen = integers(config, "pretrain_seeds", positive=False)
+  for seed in chosen:
+    if seed not in seeds:
+      raise PlanError(f"pretrain_seeds: {seed} is not among the seeds "
+                      f"({', '.join(map(str, seeds))})")
+  return [seed for seed in seeds if seed in chosen]
+
+
 def check(config: ml_collections.ConfigDict) -> dict[str, Any]:
   """The experiment's lists, checked: ``{"protocol", "sizes", "schemes", "baseline", "seeds",
-  "tasks", "keep", "lengths"}``; raises :class:`PlanError` naming the first bad field."""
+  "pretrain_seeds", "tasks", "keep", "lengths"}``; raises :class:`PlanError` naming the
+  first bad field."""
   if config.get("protocol") not in PROTOCOLS:
     raise PlanError(f"protocol: got {config.get('protocol')!r}; allowed: {', '.join(PROTOCOLS)}")
   schemes = _rows(config)
@@ -155,9 +173,10 @@ def check(config: ml_collections.ConfigDict) -> dict[str, Any]:
     raise PlanError(f"evaluate.checkpoint: step {checkpoint} is not kept: a cell keeps its "
                     "final checkpoint only (keep 'params'); allowed: latest or best, or "
                     "--config.keep=all")
+  seeds = integers(config, "seeds", positive=False)
   plan = {"protocol": config.protocol, "sizes": _one_of(config, "sizes", tuple(SIZES)),
-          "schemes": schemes, "baseline": baseline,
-          "seeds": integers(config, "seeds", positive=False), "tasks": names(config, "tasks"),
+          "schemes": schemes, "baseline": baseline, "seeds": seeds,
+          "pretrain_seeds": _pretrain_seeds(config, seeds), "tasks": names(config, "tasks"),
           "keep": keep,
           "lengths": lengths(config) if config.protocol != "finetune" else []}
   if config.protocol != "extrapolation" and not plan["tasks"]:
@@ -244,12 +263,14 @@ def cells(config: ml_collections.ConfigDict, root: str) -> list[Cell]:
                               params_only=params_only))
             steps += [_evaluate(workdir, "probes", plan["lengths"], options)
                       for options in evaluate_options(config)]
-        else:
+        elif seed in plan["pretrain_seeds"]:
           workdir = f"{folder}/train"
           spec = config.train_config.format(**fill, task="")
           steps.append(Step("train", workdir, ("posenc_jax.train", f"--config={spec}",
                                                f"--workdir={workdir}", *train),
                             params_only=params_only))
+        else:  # fine-tunes the first pre-training seed's model (made earlier in this order)
+          workdir = f"{root.rstrip('/')}/{label}/seed{plan['pretrain_seeds'][0]}/train"
         if plan["protocol"] == "extrapolation":
           steps += [_evaluate(workdir, "extrapolation", plan["lengths"], options)
                     for options in evaluate_options(config)]

@@ -10,8 +10,8 @@ The argument is the experiment, optionally with a variant: ``<experiment>[,<vari
 * ``pretrain_finetune`` (DIET Tables 2-9, TUPE Table 2 and Fig. 4, Wang et al. Tables 2-4;
   ``glue_table`` is the same experiment): pre-train each scheme as masked-LM BERT on the
   bundled WordNet glosses (``train_config``: the demo of configs/pretrain.py, 800 steps), then
-  fine-tune every task from it (``finetune_config``): ``wordnet_order`` (is the gloss's word
-  order WordNet's, or were two adjacent words swapped: no position scores exactly 50%) and
+  fine-tune every task from it (``finetune_config``): ``wordnet_order`` (is the gloss as WordNet
+  wrote it, or cut in two with its halves swapped: no position scores exactly 50%) and
   ``wordnet_hypernym`` (a gloss pair, for the segment comparisons), 300 steps each. Tables:
   pre-training (held-out masked-LM perplexity against the unigram's, steps to the baseline's
   final loss, curves), per task the median over seeds of each run's best dev score with the
@@ -43,8 +43,9 @@ The argument is the experiment, optionally with a variant: ``<experiment>[,<vari
   wide, 8 heads, trained to 40 symbols (``seq_len`` 81), tested to 2x, 20,000 steps of
   128). ``tasks`` may name any probe (copy, reverse, mqar, passkey): one run per probe.
 
-Lists (``schemes``, ``seeds``, ``sizes``, ``tasks``, ``lengths``) are comma-separated
-strings. ``train_config``, ``finetune_config`` are config specs where ``{size}``,
+Lists (``schemes``, ``seeds``, ``pretrain_seeds``, ``sizes``, ``tasks``, ``lengths``) are
+comma-separated strings; ``pretrain_seeds`` (fine-tuning experiments; empty: every seed)
+names the seeds that pre-train, the others fine-tuning the first one's model. ``train_config``, ``finetune_config`` are config specs where ``{size}``,
 ``{scheme}`` and ``{task}`` are filled in per cell; ``train`` and ``finetune`` hold
 ``--config.<field>`` overrides for every run (the budgets; a field not listed there is
 added in a copy of this file); ``evaluate`` holds the evaluate tool's flags (unset: its
@@ -80,6 +81,7 @@ def _base(experiment: str, protocol: str, schemes: str, seeds: str) -> config_di
   config.schemes = schemes
   config.baseline = ""  # empty: the first scheme
   config.seeds = seeds
+  config.pretrain_seeds = ""  # the fine-tuning protocol's seeds that pre-train; empty: every seed
   config.sizes = "bert_tiny"
   config.train_config = ""
   config.train = config_dict.ConfigDict()

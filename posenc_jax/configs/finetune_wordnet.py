@@ -7,7 +7,7 @@
 The argument is ``<task>[,<size>,<scheme>...][,no_per_head_segments]``:
 ``wordnet_supersense`` (gloss -> one of 45 supersenses),
 ``wordnet_hypernym`` (gloss pair -> is the second a hypernym of the first) or
-``wordnet_order`` (gloss -> are its words in order, or were two adjacent ones swapped).
+``wordnet_order`` (gloss -> is it as written, or cut in two with its halves swapped).
 With no presets the model is the pre-trained one (``--init_checkpoint``'s
 ``config.json``; without a checkpoint, the bundled pre-training demo's); named
 presets must match it (``--config.reinitialise=True`` starts what differs from
