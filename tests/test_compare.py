@@ -74,10 +74,12 @@ def fake_glue_cell(cell, log):
 
 
 def glue_config(**fields):
-  """The pre-train -> fine-tune experiment on the fake cells' grid: two schemes, TASKS."""
+  """The pre-train -> fine-tune experiment on the fake cells' grid: two schemes, TASKS,
+  every seed pre-training its own model (as the fake cells do)."""
   config = get_config("glue_table")
   config.cost.enabled = False
-  config.update(dict(schemes="bert,diet_abs_share", tasks=",".join(TASKS)) | fields)
+  config.update(dict(schemes="bert,diet_abs_share", tasks=",".join(TASKS), pretrain_seeds="")
+                | fields)
   return config
 
 
@@ -412,9 +414,11 @@ def test_dry_run_prints_every_command_and_writes_nothing(tmp_path):
   lines = out.stdout.splitlines()
   assert [line for line in lines if line.startswith("# ") and "/seed" in line] == [
       "# bert/seed0", "# bert/seed1", "# diet_abs_share/seed0", "# diet_abs_share/seed1"]
-  assert sum("-m posenc_jax.train" in line for line in lines) == 4
-  assert sum("-m posenc_jax.finetune" in line for line in lines) == 8
-  assert f"--init_checkpoint={tmp_path}/grid/bert/seed1/train" in lines[6]
+  assert sum("-m posenc_jax.train" in line for line in lines) == 2  # pretrain_seeds: 0
+  assert sum("-m posenc_jax.finetune" in line for line in lines) == 4  # wordnet_order
+  seed1 = lines[lines.index("# bert/seed1") + 1]
+  assert "-m posenc_jax.finetune" in seed1
+  assert f"--init_checkpoint={tmp_path}/grid/bert/seed0/train" in seed1
   assert lines[-1].startswith("# estimated ") and "on 2 CPU cores for 4 cells" in lines[-1]
   assert not (tmp_path / "grid").exists()
 
@@ -423,6 +427,7 @@ def test_pretrain_seeds_pretrain_once_and_the_other_seeds_fine_tune_that_model()
   """DIET's and TUPE's protocol: one pre-training per scheme, fine-tuned with every seed."""
   config = get_config("pretrain_finetune")
   config.schemes, config.seeds, config.pretrain_seeds = "bert,none", "3,1,2", "1"
+  config.tasks = "wordnet_order,wordnet_hypernym"
   cells = plan.cells(config, "/r")
   assert [(c.name, [s.name for s in c.steps]) for c in cells] == [
       (f"{row}/seed{seed}", (["train"] if seed == 1 else []) + [

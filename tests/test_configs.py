@@ -121,7 +121,8 @@ TRAIN_FIELDS = {
     "mesh.rules": ("(('vocab','tensor'),)", (("vocab", "tensor"),)),
     "mesh.shape": ("(1,1)", (1, 1)), "objective": ("mlm", "mlm"), "optimizer.b1": ("0.8", 0.8),
     "optimizer.b2": ("0.98", 0.98), "optimizer.eps": ("1e-8", 1e-8),
-    "optimizer.grad_clip_norm": ("0.5", 0.5), "optimizer.learning_rate": ("0.01", 0.01),
+    "optimizer.grad_clip_norm": ("0.5", 0.5), "optimizer.position_lr_scale": ("2.5", 2.5),
+    "optimizer.learning_rate": ("0.01", 0.01),
     "optimizer.name": ("lamb", "lamb"), "optimizer.schedule": ("constant", "constant"),
     "optimizer.warmup_fraction": ("0.1", 0.1), "optimizer.warmup_steps": ("0", 0),
     "optimizer.weight_decay": ("0.0", 0.0), "profile_steps": ("2", 2),
@@ -213,3 +214,17 @@ def test_packed_segments_are_the_masked_lm_pipelines():
     validate_train_config(config)
   assert str(e.value).startswith("packed_segments: got True; allowed: false for objective "
                                  "'lm'") and "\n" not in str(e.value)
+
+
+def test_the_demo_gives_each_scheme_its_calibrated_position_learning_rate():
+  """configs/pretrain.py's demo asks DEMO_POSITION_LR_SCALE by the scheme's name; the
+  papers' protocols and schemes not measured keep 1."""
+  from posenc_jax.configs import pretrain  # noqa: PLC0415
+  scales = {s: pretrain.get_config(f"bert_demo,{s}").optimizer.position_lr_scale
+            for s in ("t5", "diet_rel", "diet_abs_share", "diet_abs_rank64_share", "bert", "none")}
+  assert scales == {"t5": 10.0, "diet_rel": 10.0, "diet_abs_share": 3.0,
+                    "diet_abs_rank64_share": 3.0, "bert": 1.0, "none": 1.0}
+  assert pretrain.get_config().optimizer.position_lr_scale == 3.0  # the demo's DIET-ABS
+  assert pretrain.get_config("bert_base,t5,tupe_protocol").optimizer.position_lr_scale == 1.0
+  config = _parsed("configs/pretrain.py:bert_demo,t5", "--config.optimizer.position_lr_scale=2")
+  assert config.optimizer.position_lr_scale == 2.0

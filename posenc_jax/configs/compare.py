@@ -8,21 +8,23 @@ each cell trained and scored through train.py, finetune.py and the evaluate tool
 The argument is the experiment, optionally with a variant: ``<experiment>[,<variant>]``.
 
 * ``pretrain_finetune`` (DIET Tables 2-9, TUPE Table 2 and Fig. 4, Wang et al. Tables 2-4;
-  ``glue_table`` is the same experiment): pre-train each scheme as masked-LM BERT on the
-  bundled WordNet glosses (``train_config``: the demo of configs/pretrain.py, 800 steps), then
-  fine-tune every task from it (``finetune_config``): ``wordnet_order`` (is the gloss as WordNet
-  wrote it, or cut in two with its halves swapped: no position scores exactly 50%) and
-  ``wordnet_hypernym`` (a gloss pair, for the segment comparisons), 300 steps each. Tables:
-  pre-training (held-out masked-LM perplexity against the unigram's, steps to the baseline's
-  final loss, curves), per task the median over seeds of each run's best dev score with the
-  range, a majority-class row, and the cost. Default: the core contrasts (learned APE,
-  TUPE-A, DIET-ABS shared, DIET-REL, T5, none), 3 seeds. Variants: ``quick`` (learned APE
-  and none, 1 seed, ``wordnet_order``, no cost), ``all`` (every encoder scheme of the seeds:
-  learned and sinusoidal APE, Shaw, sinusoidal RPE, T5, TUPE-A, TUPE-R, BERT-A^d, DIET-REL,
-  DIET-ABS at rank 64 and 128 and with sharing none, layer and head, Linformer with input
-  APE against DIET-ABS-LIN, RoPE, ALiBi and none), ``gpu`` and ``tpu`` (``bert_small``
-  pre-trained on English Wikipedia, 100k steps of 256 x 128, then the GLUE tasks and SQuAD
-  v1.1 with configs/finetune_glue.py; prepare the data first: see docs/data.md).
+  ``glue_table`` is the same experiment): pre-train each scheme once as masked-LM BERT on
+  the bundled WordNet glosses (``train_config``: the demo of configs/pretrain.py, 800 steps,
+  each scheme at its calibrated position learning rate), then fine-tune it with every seed
+  (``pretrain_seeds``: 0, as DIET and TUPE fine-tune one pre-trained model with several
+  seeds) on ``wordnet_order`` (is the gloss as WordNet wrote it, or cut in two with its
+  halves swapped: no position scores exactly 50%), 200 steps. Tables: pre-training
+  (held-out masked-LM perplexity against the unigram's, steps to the baseline's final loss,
+  curves), per task the median over seeds of each run's best dev score with the range, a
+  majority-class row, and the cost. Default: the core contrasts (learned APE, TUPE-A,
+  DIET-ABS shared, DIET-REL, T5, none), 3 seeds. Variants: ``quick`` (DIET-REL against
+  none, 1 seed, 400 pre-training steps, no cost), ``all`` (every encoder scheme of the
+  seeds, and ``wordnet_hypernym``, a gloss pair, for the segment comparisons: learned and
+  sinusoidal APE, Shaw, sinusoidal RPE, T5, TUPE-A, TUPE-R, BERT-A^d, DIET-REL, DIET-ABS at
+  rank 64 and 128 and with sharing none, layer and head, Linformer with input APE against
+  DIET-ABS-LIN, RoPE, ALiBi and none), ``gpu`` and ``tpu`` (``bert_small`` pre-trained on
+  English Wikipedia, 100k steps of 256 x 128, then the GLUE tasks and SQuAD v1.1 with
+  configs/finetune_glue.py; prepare the data first: see docs/data.md).
 * ``extrapolation`` (Press et al. 2022): a ``bert_tiny``-sized causal LM per scheme and
   seed on the bundled long documents (``configs/lm.py:{size},{scheme},stdlib``: the Python
   standard library's source, one token per byte), 300 steps of 32 x 128 tokens at lr 3e-3,
@@ -124,7 +126,8 @@ SEED_ENCODER_SCHEMES = ("bert,sinusoidal,shaw,sinusoidal_rpe,t5,tupe_a,tupe_r,be
                         "diet_abs,diet_abs_share,diet_abs_rank64_share,diet_abs_share_head,"
                         "linformer,diet_abs_lin,rope,alibi,none")
 PRETRAIN_STEPS = 800  # the pre-training of every cell: the demo's budget (configs/pretrain.py)
-FINETUNE_STEPS = 300
+QUICK_PRETRAIN_STEPS = 400
+FINETUNE_STEPS = 200
 # GLUE (DIET Table 2, TUPE Table 2) and SQuAD v1.1 (Wang et al. Table 4): the accelerator grid.
 ACCELERATOR_TASKS = ("glue_cola,glue_sst2,glue_mrpc,glue_stsb,glue_qqp,glue_mnli,glue_qnli,"
                      "glue_rte,squad_v1")
@@ -195,24 +198,29 @@ def _synthetic(variant: str | None) -> config_dict.ConfigDict:
 
 def _pretrain_finetune(variant: str | None) -> config_dict.ConfigDict:
   """DIET's, TUPE's and Wang et al.'s experiment: pre-train, then fine-tune (module
-  docstring). The pre-training is the bundled demo's (docs/results/pretrain-calibration-cpu.md:
-  DIET-ABS ends below half the unigram's perplexity there, learned APE does not yet)."""
+  docstring). The pre-training is the bundled demo's, each scheme at its calibrated
+  position learning rate (configs/pretrain.py, docs/results/pretrain-calibration-cpu.md);
+  one pre-training per scheme, fine-tuned with every seed, as DIET and TUPE do."""
   config = _base("pretrain_finetune", "finetune", CORE_ENCODER_SCHEMES, "0,1,2")
+  config.pretrain_seeds = "0"
   config.sizes = "bert_demo"  # the demo's model
   config.train_config = "configs/pretrain.py:{size},{scheme}"
   config.train.update(dict(total_steps=PRETRAIN_STEPS, log_every=100, eval_every=100,
                            checkpoint_every=PRETRAIN_STEPS))
-  config.tasks = "wordnet_order,wordnet_hypernym"
+  config.tasks = "wordnet_order"
   config.finetune_config = "configs/finetune_wordnet.py:{task}"
   # The fine-tuning configs warm up over optimizer.warmup_fraction (10%); finetune.py refuses
   # a warmup_steps that the fraction would override.
   config.finetune.update(dict(total_steps=FINETUNE_STEPS, log_every=100,
                               eval_every=FINETUNE_STEPS // 2, checkpoint_every=FINETUNE_STEPS))
-  if variant == "quick":  # a smoke run: learned APE against no position, one seed, one task
-    config.schemes, config.seeds, config.tasks = "bert,none", "0", "wordnet_order"
+  if variant == "quick":  # DIET-REL against no position, one seed, a shorter pre-training
+    config.schemes, config.seeds = "diet_rel,none", "0"
+    config.train.update(dict(total_steps=QUICK_PRETRAIN_STEPS, eval_every=100,
+                             checkpoint_every=QUICK_PRETRAIN_STEPS))
     config.cost.enabled = False
-  elif variant == "all":
+  elif variant == "all":  # with the pair task of the segment comparisons
     config.schemes = SEED_ENCODER_SCHEMES
+    config.tasks = "wordnet_order,wordnet_hypernym"
   elif variant in ACCELERATOR_VARIANTS:  # the real GLUE tasks and SQuAD at bert_small
     config.device = variant
     config.sizes = "bert_small"

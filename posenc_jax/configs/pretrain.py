@@ -49,6 +49,16 @@ DEMO = dict(total_steps=800, batch_size=32, seq_len=64, mask_rate=0.4, log_every
                            warmup_fraction=0.0))
 
 
+# The demo's optimizer.position_lr_scale per position scheme: the best of 0.1, 1, 3 and 10
+# by held-out perplexity at the demo's budget (docs/results/pretrain-calibration-cpu.md).
+# Adam moves every parameter by about the learning rate per step, and the schemes'
+# parameters live at different scales: T5's and DIET-REL's tables are attention logits
+# (units; x10 is what lets them learn position in 800 steps), DIET-ABS's and TUPE's terms
+# are products of two learned factors (their step grows with both), learned APE is added to
+# the token embedding (hundredths). A scheme not listed (or composed) keeps 1.
+DEMO_POSITION_LR_SCALE = {"t5": 10.0, "diet_rel": 10.0, "diet_abs": 3.0}
+
+
 def get_config(arg="bert_demo,diet_abs_share"):
   names = arg.split(",")
   protocol = [n for n in names if n in PROTOCOLS]
@@ -63,4 +73,7 @@ def get_config(arg="bert_demo,diet_abs_share"):
   if not protocol:  # no dropout: a few hundred steps cannot overfit
     config.model.dropout_rate = 0.0
     config.model.attention_dropout_rate = 0.0
+    scheme = config.model.scheme
+    name = scheme.get("name") if hasattr(scheme, "get") else None
+    config.optimizer.position_lr_scale = DEMO_POSITION_LR_SCALE.get(name, 1.0)
   return config
