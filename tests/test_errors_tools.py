@@ -153,7 +153,7 @@ CASES = [
     ("benchmarks.steps", ["--baseline", "nope"], "posenc_jax.benchmarks.steps: --baseline:",
      ["got 'nope'", "allowed: bert"]),
     ("benchmarks.steps", ["--size", "tinyy"], "posenc_jax.benchmarks.steps: --size:",
-     ["got 'tinyy'", "did you mean 'tiny'?", "allowed: tiny, small, base"]),
+     ["got 'tinyy'", "did you mean 'tiny'?", "allowed: tiny, demo, small, base"]),
     ("benchmarks.steps", ["--dtype", "float16"], "posenc_jax.benchmarks.steps: --dtype:",
      ["got 'float16'", "float32, bfloat16"]),
     ("benchmarks.steps", ["--route", "fuse"], "posenc_jax.benchmarks.steps: --route:",

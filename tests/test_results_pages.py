@@ -28,16 +28,20 @@ def test_each_results_md_is_rebuilt_from_its_results_json(path):
       assert table["about"]["corpus_sha256"] == stdlib_corpus.CONTENT_SHA256
 
 
-def test_the_readme_table_is_a_results_page_s_own():
-  """The README shows one measured table: its lines are those of the results.md it names."""
+def test_the_readme_tables_are_results_pages_own():
+  """Each table the README shows (between ``<!-- results: PAGE -->`` and
+  ``<!-- /results -->``): its lines are those of the results.md it names, with its command
+  and wall time."""
   readme = (RESULTS.parents[1] / "README.md").read_text()
-  start = readme.index("<!-- results: ")
-  source = readme[start + len("<!-- results: "):readme.index(" -->", start)]
-  block = readme[readme.index("\n", start) + 1:readme.index("<!-- /results -->", start)]
-  table = [line for line in block.splitlines() if line.startswith("|")]
-  page = (RESULTS.parents[1] / source).read_text().splitlines()
-  assert len(table) > 4 and all(line in page for line in table), source
-  summary = json.loads((RESULTS.parents[1] / source).with_suffix(".json").read_text())
-  command = summary["provenance"]["command"]
-  assert command.partition(" --workdir=")[0] in block  # the command, its ROOT shortened
-  assert f"{summary['provenance']['seconds'] / 60:.0f} min" in block
+  starts = [i for i in range(len(readme)) if readme.startswith("<!-- results: ", i)]
+  assert starts
+  for start in starts:
+    source = readme[start + len("<!-- results: "):readme.index(" -->", start)]
+    block = readme[readme.index("\n", start) + 1:readme.index("<!-- /results -->", start)]
+    table = [line for line in block.splitlines() if line.startswith("|")]
+    page = (RESULTS.parents[1] / source).read_text().splitlines()
+    assert len(table) > 4 and all(line in page for line in table), source
+    summary = json.loads((RESULTS.parents[1] / source).with_suffix(".json").read_text())
+    command = summary["provenance"]["command"]
+    assert command.partition(" --workdir=")[0] in block, source  # its ROOT shortened
+    assert f"{summary['provenance']['seconds'] / 60:.0f} min" in block, source

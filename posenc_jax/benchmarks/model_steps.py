@@ -33,7 +33,7 @@ from posenc_jax.training.objectives import objective
 from posenc_jax.training.optim import make_optimizer
 
 # The benchmarks' --size names and the size presets they build.
-BERT_SIZES = {"tiny": "bert_tiny", "small": "bert_small", "base": "bert_base"}
+BERT_SIZES = {"tiny": "bert_tiny", "demo": "bert_demo", "small": "bert_small", "base": "bert_base"}
 BASELINE = "bert"
 # The train steps the benchmarks can time: train.py's own (trainer), or the benchmarks' plain
 # AdamW step with logits at every token (every_token).

@@ -18,7 +18,7 @@ The argument is the experiment, optionally with a variant: ``<experiment>[,<vari
   curves), per task the median over seeds of each run's best dev score with the range, a
   majority-class row, and the cost. Default: the core contrasts (learned APE, TUPE-A,
   DIET-ABS shared, DIET-REL, T5, none), 3 seeds. Variants: ``quick`` (DIET-REL against
-  none, 1 seed, 400 pre-training steps, no cost), ``all`` (every encoder scheme of the
+  none, 1 seed, 300 pre-training steps, no cost), ``all`` (every encoder scheme of the
   seeds, and ``wordnet_hypernym``, a gloss pair, for the segment comparisons: learned and
   sinusoidal APE, Shaw, sinusoidal RPE, T5, TUPE-A, TUPE-R, BERT-A^d, DIET-REL, DIET-ABS at
   rank 64 and 128 and with sharing none, layer and head, Linformer with input APE against
@@ -126,7 +126,7 @@ SEED_ENCODER_SCHEMES = ("bert,sinusoidal,shaw,sinusoidal_rpe,t5,tupe_a,tupe_r,be
                         "diet_abs,diet_abs_share,diet_abs_rank64_share,diet_abs_share_head,"
                         "linformer,diet_abs_lin,rope,alibi,none")
 PRETRAIN_STEPS = 800  # the pre-training of every cell: the demo's budget (configs/pretrain.py)
-QUICK_PRETRAIN_STEPS = 400
+QUICK_PRETRAIN_STEPS = 300
 FINETUNE_STEPS = 200
 # GLUE (DIET Table 2, TUPE Table 2) and SQuAD v1.1 (Wang et al. Table 4): the accelerator grid.
 ACCELERATOR_TASKS = ("glue_cola,glue_sst2,glue_mrpc,glue_stsb,glue_qqp,glue_mnli,glue_qnli,"
