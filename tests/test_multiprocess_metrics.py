@@ -8,6 +8,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.test_training import ROOT, _free_port
 
 DRIVER = str(ROOT / "tests" / "drivers" / "task_metrics_driver.py")
@@ -35,6 +37,14 @@ def test_two_processes_compute_the_task_metrics_of_one(tmp_path):
   assert set(predictions) == {"eiffel-height", "es-gato", "de-bern"}
   [_, predictions, labels] = one["recorded"]["task_metrics"][0]
   assert len(predictions) == len(labels) == 13 and len(set(predictions)) == 2
+  # A pre-training evaluation's unigram reference sums every host's scored tokens (float32
+  # across hosts), as its loss does.
+  one_host, two_hosts = one.pop("unigram"), two.pop("unigram")
+  unigram = {k: (one_host[k], two_hosts[k])
+             for k in ("eval_loss", "eval_perplexity", "eval_unigram_perplexity")}
+  for name, (a, b) in unigram.items():
+    assert b == pytest.approx(a, rel=1e-5), name
+  assert unigram["eval_unigram_perplexity"][0] > 1
   assert two == one  # the metrics, and every prediction and reference they came from
 
 

@@ -30,6 +30,7 @@ import numpy as np
 import optax
 from etils import epath
 from flax.training import train_state
+from jax.experimental import multihost_utils
 
 from posenc_jax import route_table
 from posenc_jax.cli import OutputPathError, absolute, check_output_dir
@@ -335,7 +336,7 @@ def evaluate(eval_step, params, batches: Iterator, sharding, perplexity: bool = 
   """Mean loss and accuracy over the eval batches, and (``perplexity``) ``exp`` of the
   mean loss as ``eval_perplexity``. ``reference`` = ``(log_p [V], objective, predictions)``
   adds ``eval_unigram_perplexity``: the unigram model's perplexity of the same scored tokens
-  (:func:`scored_targets`)."""
+  (:func:`scored_targets`), summed over every host's batches as the loss is."""
   total, unigram_loss, unigram_weight = None, 0.0, 0.0
   for batch in batches:
     sums = eval_step(params, _global(batch, sharding))
@@ -347,6 +348,10 @@ def evaluate(eval_step, params, batches: Iterator, sharding, perplexity: bool = 
       unigram_weight += float(weights.sum())
   if total is None:
     return {}
+  if reference is not None and jax.process_count() > 1:  # each host scored its own rows
+    unigram_loss, unigram_weight = np.asarray(multihost_utils.process_allgather(
+        np.array([unigram_loss, unigram_weight], np.float32))).astype(np.float64).sum(
+            axis=0).tolist()
   total = _host_scalars(total)
   weight = max(total["weight"], 1.0)
   scalars = {"eval_loss": total["loss"] / weight, "eval_accuracy": total["correct"] / weight}

@@ -92,6 +92,20 @@ def classification_data(config, split, start_step, shard_id=0, num_shards=1):
            for k, v in rows.items()}
 
 
+def mlm_batches(shard_id=0, num_shards=1):
+  """3 fixed masked-LM evaluation batches, this host's rows of each (a different number of
+  masked tokens per row, so each host scores its own count)."""
+  rng = np.random.default_rng(5)
+  local = BATCH // num_shards
+  for _ in range(3):
+    ids = rng.integers(5, 256, (BATCH, LENGTH)).astype(np.int32)
+    weights = (rng.random((BATCH, LENGTH)) < np.linspace(0.1, 0.6, BATCH)[:, None])
+    batch = {"input_ids": ids, "segment_ids": np.zeros_like(ids), "mask": np.ones_like(ids),
+             "mlm_targets": ids, "mlm_weights": weights.astype(np.float32)}
+    rows = slice(shard_id * local, (shard_id + 1) * local)
+    yield {k: v[rows] for k, v in batch.items()}
+
+
 def translation_data(config, split, start_step, shard_id=0, num_shards=1, references=None):
   """Fixed sources (ids, EOS) and targets (the ids reversed, EOS, or ``references[i]`` and
   EOS for example ``i``), full batches."""
@@ -145,6 +159,17 @@ def main():
   for task in ("glue_mrpc", "glue_cola"):
     results[task] = loop.task_evaluation(config("classification", task), model, params,
                                          classification_data)
+
+  # The unigram reference of a pre-training evaluation: every host's scored tokens.
+  c = config("mlm", "wordnet_glosses")
+  c.update(dict(mask_rate=0.4, max_predictions_per_seq=None))
+  model = build_model(c.model, "mlm")
+  params = on_mesh(model, (tokens, tokens * 0, tokens), mesh)
+  log_p = np.log(np.arange(1, 257) / np.arange(1, 257).sum())
+  results["unigram"] = loop.evaluate(
+      jax.jit(loop.make_eval_step(model, c)), params,
+      mlm_batches(jax.process_index(), jax.process_count()), mesh_lib.batch_sharding(mesh),
+      perplexity=True, reference=(log_p, "mlm", None))
 
   c = config("span", "squad_v1", vocab_size=8192, max_len=QA_LENGTH)
   c.seq_len = QA_LENGTH
