@@ -47,7 +47,8 @@ The argument is the experiment, optionally with a variant: ``<experiment>[,<vari
 
 Lists (``schemes``, ``seeds``, ``pretrain_seeds``, ``sizes``, ``tasks``, ``lengths``) are
 comma-separated strings; ``pretrain_seeds`` (fine-tuning experiments; empty: every seed)
-names the seeds that pre-train, the others fine-tuning the first one's model. ``train_config``, ``finetune_config`` are config specs where ``{size}``,
+names the seeds that pre-train, the others fine-tuning the first one's model.
+``train_config``, ``finetune_config`` are config specs where ``{size}``,
 ``{scheme}`` and ``{task}`` are filled in per cell; ``train`` and ``finetune`` hold
 ``--config.<field>`` overrides for every run (the budgets; a field not listed there is
 added in a copy of this file); ``evaluate`` holds the evaluate tool's flags (unset: its

@@ -49,8 +49,8 @@ DEMO = dict(total_steps=800, batch_size=32, seq_len=64, mask_rate=0.4, log_every
                            warmup_fraction=0.0))
 
 
-# The demo's optimizer.position_lr_scale per position scheme: the best of 0.1, 1, 3 and 10
-# by held-out perplexity at the demo's budget (docs/results/pretrain-calibration-cpu.md).
+# The demo's optimizer.position_lr_scale per position scheme: the best measured (scales 0.1
+# to 10, not every one for every scheme) by held-out perplexity at the demo's budget (docs/results/pretrain-calibration-cpu.md).
 # Adam moves every parameter by about the learning rate per step, and the schemes'
 # parameters live at different scales: T5's and DIET-REL's tables are attention logits
 # (units; x10 is what lets them learn position in 800 steps: 0.17x the unigram's
