@@ -50,8 +50,9 @@ RESULTS_FILE = "results.json"
 
 def summarise(records, failed, config=None, cost=None):
   """``results.json``'s document: the runs' records, the failed cells, the tables (of the
-  evaluations with the experiment's settings, given ``config``) and the corpus hash they
-  carry (``corpus_sha256``, or None).
+  evaluations with the experiment's settings, given ``config``), the corpus hash they
+  carry (``corpus_sha256``, or None) and the property indicators of the runs scored with
+  them (:func:`~posenc_jax.comparison.report.indicator_rows`).
 
   Raises:
     CollectError: runs of one table that differ (:func:`posenc_jax.comparison.report.tables`).
@@ -66,7 +67,8 @@ def summarise(records, failed, config=None, cost=None):
   return {"experiment": config.experiment if config is not None else None,
           "config": config.to_dict() if config is not None else None,
           "records": records, "failed": failed, "cost": cost,
-          "corpus_sha256": report.corpus(tables), "tables": tables}
+          "corpus_sha256": report.corpus(tables), "tables": tables,
+          "indicators": report.indicator_rows(records, checked["schemes"])}
 
 
 def machine() -> str:

@@ -5,6 +5,7 @@ r"""Evaluates a trained workdir, without training: ``python -m posenc_jax.evalua
   python -m posenc_jax.evaluate --workdir=/tmp/posenc_lm --protocol=extrapolation \
       --lengths=64,128,256,512 [--windows=sliding --stride=32] [--tokens=16384]
   python -m posenc_jax.evaluate --workdir=/tmp/probe_copy --protocol=probes --lengths=32,64,128
+  python -m posenc_jax.evaluate --workdir=/tmp/posenc_demo --protocol=indicators
 
 ``--protocol=loss`` (default): the objective's metrics on ``--split`` as the trainer's
 evaluation computes them (masked LM: loss and accuracy; causal LM: loss, accuracy and
@@ -15,6 +16,9 @@ beside the perplexity of a unigram model of the train split on those tokens (cau
 a length the scheme cannot reach (a learned table of ``max_len`` rows) is ``n/a`` with the
 reason. ``--protocol=probes``: a synthetic-probe run's (``configs/probe.py``) accuracy on its
 probe at each of ``--lengths`` (``--examples`` of the held-out ``--seed``), beside chance.
+``--protocol=indicators``: Wang et al.'s property indicators (their Table 2) of an encoder
+run, from identical-word probing of its first layer (``--examples`` words of ``--seed``),
+beside the paper's row for its scheme.
 
 The model is built from ``<workdir>/config.json`` and restored from the newest checkpoint
 that restores and verifies (``--checkpoint=latest``), from ``<workdir>/best``
@@ -109,9 +113,11 @@ FLAG_SPECS = (
      "extrapolation: the first N tokens of the split (default 16384)"),
     ("batch_size", cli.positive_int, None,
      "extrapolation: windows per step (default: the training batch's tokens)"),
-    ("examples", cli.positive_int, None, "probes: examples scored at each length (default 256)"),
+    ("examples", cli.positive_int, None, "probes: examples scored at each length (default "
+     "256); indicators: identical-word sequences probed (default 300)"),
     ("seed", _non_negative, None,
-     "probes: the examples' seed (default the trainer's held-out one)"),
+     "probes: the examples' seed (default the trainer's held-out one); indicators: the "
+     "probing words' (default 0)"),
     ("mask_seed", _non_negative, None,
      "extrapolation, masked LM: the stream's masking seed (default 0)"),
 )

@@ -63,11 +63,21 @@ def fake_run(folder, scheme, seed, *, task, objective, best=None, evals=(), tota
     (folder / "eval" / f"{evaluation_report.file_stem(doc)}.json").write_text(json.dumps(doc))
 
 
+# An indicators document (the evaluate tool's, its default settings) of a pre-trained model.
+INDICATORS = {"protocol": "indicators", "settings": {"examples": 300, "seed": 0}, "step": 300,
+              "length": 64, "examples": 300, "paper_row": None,
+              "indicators": {"monotonicity_all": 0.3, "monotonicity_first_k": 0.1,
+                             "translation_invariance_with_cls": 0.2,
+                             "translation_invariance_without_cls": 0.1, "symmetry": 0.01,
+                             "direction_balance": 1.1}}
+
+
 def fake_glue_cell(cell, log):
-  """A runner: the cell's pre-training and fine-tuning workdirs, scores from SCORES."""
+  """A runner: the cell's pre-training (with its indicators) and fine-tuning workdirs, scores
+  from SCORES."""
   log.write_text("fake\n")
   fake_run(log.parent / "train", cell.scheme, cell.seed, task="wordnet_glosses",
-           objective="mlm")
+           objective="mlm", evals=[INDICATORS])
   for task, score in zip(TASKS, SCORES[(cell.scheme, cell.seed)]):
     fake_run(log.parent / task, cell.scheme, cell.seed, task=task, objective="classification",
              best=score)
@@ -430,7 +440,7 @@ def test_pretrain_seeds_pretrain_once_and_the_other_seeds_fine_tune_that_model()
   config.tasks = "wordnet_order,wordnet_hypernym"
   cells = plan.cells(config, "/r")
   assert [(c.name, [s.name for s in c.steps]) for c in cells] == [
-      (f"{row}/seed{seed}", (["train"] if seed == 1 else []) + [
+      (f"{row}/seed{seed}", (["train", "evaluate indicators"] if seed == 1 else []) + [
           "finetune wordnet_order", "finetune wordnet_hypernym"])
       for row in ("bert", "none") for seed in (3, 1, 2)]
   for cell in cells:
@@ -440,7 +450,7 @@ def test_pretrain_seeds_pretrain_once_and_the_other_seeds_fine_tune_that_model()
   train = next(s for s in cells[1].steps if s.name == "train")
   assert train.workdir == "/r/bert/seed1/train" and "--config.seed=1" in train.argv
   config.pretrain_seeds = ""  # every seed pre-trains its own
-  assert all(c.steps[0].name == "train" and c.steps[1].argv[2] ==
+  assert all(c.steps[0].name == "train" and c.steps[2].argv[2] ==
              f"--init_checkpoint={c.folder}/train" for c in plan.cells(config, "/r"))
 
 
@@ -769,6 +779,8 @@ def test_a_real_grid_of_two_schemes_and_two_seeds_trains_collects_and_costs(tmp_
   cost = summary["cost"]["rows"]
   assert cost["alibi"]["lengths"]["16"]["memory_ratio"] == 1.0
   assert cost["rope"]["lengths"]["32"]["train_ratio"]["median"] > 0
+  assert cost["rope"]["lengths"]["32"]["infer_ratio"]["median"] > 0
+  assert cost["alibi"]["lengths"]["16"]["infer_ratio"]["median"] > 0
   assert {"16", "32"} == set(summary["cost"]["noise"])
   collected = collect.collect([str(tmp_path)])
   assert [(r["scheme"], r["seed"]) for r in collected] == [
@@ -827,6 +839,31 @@ def test_cost_columns_show_each_length_with_the_rounds_range_and_the_noise(tmp_p
       "| n/a | n/a | n/a |")
   assert ("Timing noise, rope timed against itself: 1.00 (0.90-1.20) at 32, 1.00 (0.95-1.05) "
           "at 64.") in text
+
+
+def test_inference_columns_follow_the_step_times_where_the_cost_timed_it(tmp_path):
+  lm_runs(tmp_path, {"rope": [(20.0, 25.0, None)] * 3, "alibi": [(21.0, 21.0, None)] * 3})
+  train = {"median": 1.1, "min": 1.0, "max": 1.3}
+  infer = {"median": 0.9, "min": 0.8, "max": 1.0}
+  cost = {"baseline": "rope", "lengths": [32, 64], "note": "Cost: ...", "rows": {
+      "rope": {"model": "lm", "lengths": {
+          n: {"train_ratio": train, "infer_ratio": infer, "memory_ratio": 1.0}
+          for n in ("32", "64")}},
+      "alibi": {"model": "lm", "lengths": {
+          "32": {"train_ratio": train, "infer_ratio": infer, "memory_ratio": 1.2}}}}}
+  text = report.markdown(compare_cli.summarise(collect.collect([str(tmp_path)]), [], cost=cost))
+  head = next(line for line in text.splitlines() if line.startswith("| scheme |"))
+  assert head.endswith("| step time at 32 (x rope) | step time at 64 (x rope) | inference at 32 "
+                       "(x rope) | inference at 64 (x rope) | peak memory at 64 (x rope) |")
+  assert next(line for line in text.splitlines() if line.startswith("| alibi |")).endswith(
+      "| 1.10 (1.00-1.30) | n/a | 0.90 (0.80-1.00) | n/a | n/a |")
+  path = tmp_path / "cost.json"
+  cost["rows"]["alibi"]["lengths"]["32"]["infer_ratio"] = {"median": "fast"}
+  path.write_text(json.dumps(cost))
+  with pytest.raises(collect.CollectError, match=(
+      rf"^collect: {path}: rows.alibi.lengths.32.infer_ratio.median: got 'fast'; expected a "
+      "finite number$")):
+    collect.read_cost(epath.Path(path))
 
 
 def test_only_rows_whose_seed_ranges_do_not_overlap_are_worded_as_separated(tmp_path):

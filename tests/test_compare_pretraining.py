@@ -11,7 +11,7 @@ import pytest
 
 from posenc_jax import compare as compare_cli
 from posenc_jax.comparison import collect, plots, report
-from tests.test_compare import _rewrite, fake_run
+from tests.test_compare import INDICATORS, _rewrite, fake_run
 
 UNIGRAM = 1000.0  # the unigram's perplexity of the held-out masked tokens
 # Each seed's held-out loss at steps 100, 200, 300; bert's final losses' median is 5.2.
@@ -214,3 +214,99 @@ def test_results_md_is_rebuilt_from_results_json(tmp_path):
   text = (tmp_path / "out" / "results.md").read_text()
   assert "did not learn (ppl 600.0 at step 100" in text and "vs chance 50.0000)" in text
   assert report.markdown(json.loads((tmp_path / "out" / "results.json").read_text())) == text
+
+
+def indicators_doc(values, paper_row):
+  """An ``indicators`` document as the evaluate tool writes it, with these Table 2 values."""
+  from posenc_jax.analysis.indicators import TABLE2_COLUMNS  # noqa: PLC0415
+  return INDICATORS | {"paper_row": paper_row, "indicators": dict(zip(TABLE2_COLUMNS, values))}
+
+
+def test_the_pretrained_models_indicators_sit_beside_the_papers_rows(tmp_path):
+  for scheme, values, paper_row in (("rope", (0.5,) * 6, None),
+                                    ("bert", (0.1, 0.2, 0.3, 0.4, 0.5, 1.25), "BERT-style APE")):
+    folder = pretraining_run(tmp_path / "runs", scheme, 0, (5.0,))
+    (folder / "eval").mkdir()
+    (folder / "eval" / "indicators-examples=300,seed=0.json").write_text(
+        json.dumps(indicators_doc(values, paper_row)))
+  summary = compare_cli.summarise(collect.collect([str(tmp_path / "runs")]), [])
+  assert [(r["label"], r["paper_row"]) for r in summary["indicators"]] == [
+      ("bert", "BERT-style APE"), ("rope", None)]
+  report.write(str(tmp_path / "out"), summary)
+  text = (tmp_path / "out" / "results.md").read_text()
+  section = text.partition("## Property indicators")[2]
+  assert rows(section)[1:4] == [
+      "| bert (seed 0, step 300) | 0.1000 | 0.2000 | 0.3000 | 0.4000 | 0.5000 | 1.2500 |",
+      "| Wang et al.: BERT-style APE | 0.2461 | 0.0208 | 0.5030 | 0.0143 | 0.0012 | 1.1940 |",
+      "| rope (seed 0, step 300) | 0.5000 | 0.5000 | 0.5000 | 0.5000 | 0.5000 | 0.5000 |"]
+  assert "300 words at length 64" in section
+  assert report.markdown(json.loads((tmp_path / "out" / "results.json").read_text())) == text
+
+
+def test_a_foreign_indicators_value_is_one_line_naming_the_file_and_field(tmp_path):
+  folder = pretraining_run(tmp_path, "bert", 0, (5.0,))
+  (folder / "eval").mkdir()
+  doc = indicators_doc((0.1,) * 6, None)
+  doc["indicators"]["symmetry"] = "flat"
+  path = folder / "eval" / "indicators-examples=300,seed=0.json"
+  path.write_text(json.dumps(doc))
+  with pytest.raises(collect.CollectError) as error:
+    collect.collect([str(tmp_path)])
+  assert str(error.value) == (f"collect: {path}: indicators.symmetry: got 'flat'; expected a "
+                              "finite number")
+
+
+def test_each_pretraining_of_the_finetune_protocol_is_scored_with_the_indicators():
+  from posenc_jax.comparison import plan  # noqa: PLC0415
+  from posenc_jax.configs.compare import get_config  # noqa: PLC0415
+
+  cells = plan.cells(get_config("pretrain_finetune"), "/r")
+  for cell in cells:
+    names = [step.name for step in cell.steps]
+    pretrains = cell.seed == 0  # pretrain_seeds 0: the other seeds fine-tune seed 0's model
+    assert names == (["train", "evaluate indicators"] if pretrains else []) + [
+        "finetune wordnet_order"], (cell.name, names)
+    if pretrains:
+      step = cell.steps[1]
+      assert step.workdir == f"/r/{cell.scheme}/seed0/train"
+      assert step.argv == ("posenc_jax.evaluate", f"--workdir={step.workdir}",
+                           "--protocol=indicators")
+  for experiment in ("extrapolation", "synthetic"):
+    assert not [s for c in plan.cells(get_config(experiment), "/r") for s in c.steps
+                if s.name == "evaluate indicators"]
+
+
+def test_a_tiny_real_grid_pretrains_scores_indicators_and_fine_tunes(tmp_path):
+  """train.py, the evaluate tool's indicators and finetune.py (forked from a server that
+  imported JAX), at a few steps of a one-layer model: the pre-training table with its curve,
+  the indicators and the fine-tuning table, and the same from --collect."""
+  from posenc_jax.comparison import run  # noqa: PLC0415
+  from posenc_jax.configs.compare import get_config  # noqa: PLC0415
+  from tests import forked_cli  # noqa: PLC0415
+
+  config = get_config("pretrain_finetune,quick")  # DIET-REL and none, one seed
+  config.schemes = "diet_rel"
+  config.train.update(dict(total_steps=2, seq_len=16, batch_size=4, eval_steps=1, log_every=1,
+                           eval_every=1, checkpoint_every=2, optimizer=dict(warmup_steps=1)))
+  config.train.model = dict(d_model=32, num_heads=2, mlp_dim=64, num_layers=1, max_len=16)
+  config.finetune.update(dict(total_steps=2, batch_size=4, seq_len=16, log_every=1,
+                              eval_every=1, checkpoint_every=2))
+
+  def forked(command, out):
+    done = forked_cli.run(command[1:], cwd=str(tmp_path), timeout=300)
+    out.write(done.stdout + done.stderr)
+    return done.returncode
+
+  summary = compare_cli.compare(config, str(tmp_path / "grid"),
+                                lambda cell, log: run.run_steps(cell, log, forked),
+                                say=lambda line: None)
+  assert not summary["failed"], summary["failed"]
+  finetune, pretrain = summary["tables"]
+  assert (finetune["protocol"], pretrain["protocol"]) == ("finetune", "pretrain")
+  assert [r["label"] for r in finetune["rows"] + pretrain["rows"]] == ["diet_rel"] * 2
+  (curve,) = [r["curve"] for r in summary["records"] if r["curve"]]
+  assert [point["step"] for point in curve] == [1, 2]
+  (indicators,) = summary["indicators"]
+  assert (indicators["label"], indicators["seed"], indicators["length"]) == ("diet_rel", 0, 16)
+  again = compare_cli.summarise(collect.collect([str(tmp_path / "grid")]), [], config)
+  assert (again["tables"], again["indicators"]) == (summary["tables"], summary["indicators"])

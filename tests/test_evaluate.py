@@ -559,12 +559,40 @@ def test_probes_past_a_learned_table_are_na_and_other_runs_are_refused(tmp_path,
     evaluate_workdir(lm_run[0], "probes")
 
 
+def test_indicators_are_the_analysis_tools_on_the_restored_model_beside_the_papers_row(
+    mlm_run, tmp_path, capsys):
+  from posenc_jax import analysis  # noqa: PLC0415
+
+  workdir, _, _ = mlm_run
+  out = tmp_path / "eval"
+  doc = evaluate_cli.main(["--workdir", workdir, "--protocol=indicators", "--examples=6",
+                         "--seed=2", f"--out={out}"])
+  model = analysis.from_checkpoint(workdir)
+  probe = analysis.identical_word_probing(model.encoder, model.variables, model.tokens,
+                                          length=TRAIN_LEN, num_words=6, seed=2)
+  assert doc["indicators"] == analysis.indicators(probe.attention, probe.special_positions)
+  assert (doc["length"], doc["examples"], doc["special_positions"]) == (
+      TRAIN_LEN, 6, [0, TRAIN_LEN - 1])
+  assert doc["settings"] == {"examples": 6, "seed": 2}
+  assert doc["paper_row"] == "BERT-style APE" and doc["paper"]["monotonicity_all"] == 0.2461
+  assert json.loads((out / "indicators-examples=6,seed=2.json").read_text()) == doc
+  printed = capsys.readouterr().out
+  assert "ours: bert" in printed and "paper: BERT-style APE" in printed
+
+
+def test_indicators_of_a_causal_lm_are_one_line_saying_why(lm_run):
+  with pytest.raises(EvaluationError, match=(
+      r"^protocol: 'indicators': model: a decoder-only causal language model \(head 'lm'\); "
+      r"indicators: identical-word probing")):
+    evaluate_workdir(lm_run[0], "indicators", examples=2)
+
+
 def test_help_lists_every_protocol(capsys):
   with pytest.raises(SystemExit) as exit_info:
     evaluate_cli.parse_args(["--help"])
   text = capsys.readouterr().out
   assert exit_info.value.code == 0 and "\nProtocols (--protocol):\n" in text
-  for name in ("loss", "extrapolation", "probes"):
+  for name in ("loss", "extrapolation", "probes", "indicators"):
     assert f"\n  {name:<14}" in text
 
 
@@ -589,7 +617,7 @@ def test_the_command_lines_compare_plans_parse_to_their_options():
     config = get_config(experiment)
     config.evaluate.update(dict(windows="non_overlapping,sliding", stride=64, tokens=4096))
     steps += [s for c in plan.cells(config, "/tmp/root") for s in c.steps if s.evaluation]
-  assert {s.evaluation[0] for s in steps} == {"extrapolation", "probes"}
+  assert {s.evaluation[0] for s in steps} == {"extrapolation", "probes", "indicators"}
   for step in steps:
     args = evaluate_cli.parse_args(list(step.argv[1:]))
     protocol, options = step.evaluation

@@ -49,7 +49,9 @@ def test_config_dict_and_plain_dict_build_the_same_scheme():
     ({"name": "alibi", "causal": None}, "scheme 'alibi': causal must be true or false, got None"),
     ({"name": "rope", "base": -1.0}, "scheme 'rope': base must be a finite number > 1, got -1.0"),
     ({"name": "learned_ape", "max_len": 4}, "scheme 'learned_ape': unknown field 'max_len'; "
-                                            "allowed fields: none"),
+                                            "allowed fields: init_std"),
+    ({"name": "learned_ape", "init_std": -0.02},
+     "scheme 'learned_ape': init_std must be a finite number >= 0, got -0.02"),
     ("diet_abs", "scheme config must be a mapping with a 'name', got 'diet_abs'"),
     ({"name": "fire", "mlp_width": 0}, "scheme 'fire': mlp_width must be a positive integer, got 0"),
     ({"name": "fire", "init_c": 0.0},

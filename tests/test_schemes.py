@@ -307,6 +307,14 @@ def test_learned_ape_adds_table_rows():
   np.testing.assert_allclose(st.embed(jnp.zeros((1, LENGTH, 32)))[0], table[:LENGTH], rtol=1e-6)
 
 
+@pytest.mark.parametrize("init_std", [0.02, 0.5, 0.0])
+def test_learned_ape_table_starts_at_init_std(init_std):
+  module = build_scheme({"name": "learned_ape", "init_std": init_std}, **DIMS)
+  params = module.init(jax.random.key(0), LENGTH, segment_ids())
+  table = np.asarray(params["params"]["position_embedding"].value)
+  assert table.std() == pytest.approx(init_std, rel=0.05, abs=0.0)
+
+
 def test_every_scheme_jits_and_differentiates(scheme_name):
   """jit + grad through scheme and attention; finite values and some gradient signal.
 

@@ -148,9 +148,11 @@ def _lm_view(cfg: ModelConfig, params: Any) -> tuple[BertEncoder, dict[str, Any]
   return view, {"params": {"position": decoder.get("position", {}), **layers}}
 
 
-def _loaded(cfg: ModelConfig, head: str, params: Any, source: str, step: int | None = None
+def loaded(cfg: ModelConfig, head: str, params: Any, source: str, step: int | None = None
             ) -> LoadedModel:
-  """The encoder (``params`` of a BERT model or head) or an LM's positional view."""
+  """The encoder of ``params`` (a BERT model's or head's: ``head`` ``encoder``, ``mlm``,
+  ``classification``, ...) or an LM's positional view (``head`` ``lm``), as a
+  :class:`LoadedModel` with the bundled vocabularies' probing tokens."""
   tokens = bundled_tokens(cfg.vocab_size)
   if head == "lm":
     encoder, variables = _lm_view(cfg, params)
@@ -177,7 +179,7 @@ def from_config(config: Any, *, seed: int = 0, name: str | None = None) -> Loade
   from posenc_jax.models.build import build_model  # noqa: PLC0415
   model = build_model(cfg, "lm") if head == "lm" else BertEncoder(cfg)
   params = nn.unbox(jax.jit(model.init)(jax.random.key(seed), _init_ids(cfg))["params"])
-  return _loaded(cfg, head if head == "lm" else "encoder", params,
+  return loaded(cfg, head if head == "lm" else "encoder", params,
                  f"fresh:{label} (seed {seed})")
 
 
@@ -252,7 +254,7 @@ def from_checkpoint(workdir: str, config: Any = None, *, step: int | None = None
   check_model(cfg, head)
   model = build_model(cfg, head, num_labels=num_labels)
   step, params = restore_params(workdir, abstract_params(model), step=step)
-  return _loaded(cfg, head, params, f"checkpoint:{absolute(workdir)}@{step}", step)
+  return loaded(cfg, head, params, f"checkpoint:{absolute(workdir)}@{step}", step)
 
 
 def from_hf(model_dir: str | os.PathLike | None = None) -> LoadedModel:

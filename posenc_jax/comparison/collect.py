@@ -161,9 +161,19 @@ def best_score(workdir: epath.Path, metric: str | None) -> dict[str, Any] | None
 def check_evaluation(path: epath.Path, doc: Any) -> dict[str, Any]:
   """``doc`` (read from ``path``) after checking the fields the tables read: every
   document's ``protocol`` and ``settings``; an extrapolation or probes document's lengths
-  and values (:mod:`posenc_jax.evaluation.runs`)."""
+  and values; an indicators document's length, examples, paper row and the six values of
+  Wang et al.'s Table 2 (:mod:`posenc_jax.evaluation.runs`)."""
   protocol = field(path, doc, "protocol", "string")
   field(path, doc, "settings", "object")
+  if protocol == "indicators":
+    from posenc_jax.analysis.indicators import TABLE2_COLUMNS  # noqa: PLC0415
+    for name in ("length", "examples"):
+      field(path, doc, name, "integer")
+    field(path, doc, "paper_row", "string", null=True)
+    values = field(path, doc, "indicators", "object")
+    for name in TABLE2_COLUMNS:
+      field(path, values, name, "number", where="indicators.")
+    return doc
   if protocol not in CURVES:
     return doc
   field(path, doc, "train_length", "integer")
@@ -273,9 +283,12 @@ def read_cost(path: epath.Path) -> dict[str, Any]:
     field(path, row, "model", "string", where=where)
     for length, at in field(path, row, "lengths", "object", where=where).items():
       field(path, at, "memory_ratio", "number", null=True, where=f"{where}lengths.{length}.")
-      for name in ("median", "min", "max"):
-        field(path, field(path, at, "train_ratio", "object", where=f"{where}lengths.{length}."),
-              name, "number", where=f"{where}lengths.{length}.train_ratio.")
+      for kind in ("train_ratio", "infer_ratio"):  # inference: timed since 2026-11-29
+        if kind == "infer_ratio" and kind not in at:
+          continue
+        for name in ("median", "min", "max"):
+          field(path, field(path, at, kind, "object", where=f"{where}lengths.{length}."),
+                name, "number", where=f"{where}lengths.{length}.{kind}.")
   noise = field(path, cost, "noise", "object") if "noise" in cost else {}
   for length, noise in noise.items():
     for name in ("median", "min", "max"):

@@ -4,9 +4,10 @@ language model for an LM experiment (extrapolation, probes; with the corpus's vo
 else the masked-LM BERT (the causal LM for a causal-only scheme and its baseline,
 :func:`~posenc_jax.benchmarks.model_steps.model_of`). At each of the cost's lengths (by
 default the training length and the longest evaluated one) with the same tokens per step,
-each scheme's train step (forward, backward, AdamW) is timed alternately with the
-baseline's in this process, round by round; the baseline is also timed against itself,
-so that the table shows the timing's own noise beside the ratios. Peak memory is what XLA
+each scheme's train step (forward, backward, AdamW) and its inference (the forward pass)
+are timed alternately with the baseline's in this process, round by round; the baseline's
+train step is also timed against itself, so that the table shows the timing's own noise
+beside the ratios. Peak memory is what XLA
 plans for the compiled step (on every backend, and per scheme, unlike a device's running
 peak).
 """
@@ -44,8 +45,8 @@ def measure(size: str, schemes: list[str], baseline: str, cost: ml_collections.C
             lengths: list[int], lm: bool = False, corpus: str | None = None) -> dict[str, Any]:
   """The cost table: ``{"baseline", "size", "batch", "lengths", "dtype", "note", "noise":
   {length: spread of the baseline timed against itself}, "rows": {scheme: {"model",
-  "lengths": {length: {"train_ms", "train_ratio": spread, "peak_bytes", "memory_ratio"}}} or
-  {"na": reason}}}``.
+  "lengths": {length: {"train_ms", "train_ratio": spread, "infer_ms", "infer_ratio": spread,
+  "peak_bytes", "memory_ratio"}}} or {"na": reason}}}``.
 
   Args:
     size: the experiment's size preset (``bert_tiny``, ...).
@@ -69,8 +70,9 @@ def measure(size: str, schemes: list[str], baseline: str, cost: ml_collections.C
   models = ("the causal LM the experiment trains" + (f" ({corpus})" if corpus else "")
             if lm else "BERT MLM" + (f" (causal LM for {', '.join(on_lm)}: causal-only, and "
                                      f"{baseline} beside them)" if on_lm else ""))
-  note = (f"Cost: {models} train step at {size}, {tokens} tokens per step "
-          f"({', '.join(f'batch {batches[n]} x {n}' for n in lengths)}), {cost.dtype}; per "
+  note = (f"Cost: {models} train step and inference (forward pass) at {size}, {tokens} "
+          f"tokens per step ({', '.join(f'batch {batches[n]} x {n}' for n in lengths)}), "
+          f"{cost.dtype}; per "
           f"round against {baseline} on the same model, median (min-max) of {cost.repeats} "
           f"rounds; noise: {baseline} timed against itself; peak memory as XLA plans the "
           "compiled step.")
@@ -82,27 +84,29 @@ def measure(size: str, schemes: list[str], baseline: str, cost: ml_collections.C
                           f"({', '.join(sizes)})"}
   for length in lengths:
     dims = dict(batch=batches[length], length=length, dtype=cost.dtype, corpus=corpus)
-    bases = {}  # head -> the baseline's (train step, peak bytes) on that model
+    bases = {}  # head -> the baseline's (train step, inference, peak bytes) on that model
     for scheme in schemes:
       model = head(scheme)
       if model not in bases:  # a baseline that does not build raises: no ratio without it
-        step = model_steps.compiled_steps(sizes[size], baseline, head=model, **dims)[0]
-        bases[model] = (step, peak_bytes(sizes[size], baseline, head=model, **dims))
+        steps = model_steps.compiled_steps(sizes[size], baseline, head=model, **dims)[:2]
+        bases[model] = (*steps, peak_bytes(sizes[size], baseline, head=model, **dims))
         if model == head(baseline):
-          out["noise"][str(length)] = spread(timing.ratios(step, step, cost.repeats)[2])
-      base_train, base_bytes = bases[model]
+          out["noise"][str(length)] = spread(timing.ratios(steps[0], steps[0], cost.repeats)[2])
+      base_train, base_infer, base_bytes = bases[model]
       row = out["rows"].setdefault(scheme, {"model": model, "lengths": {}})
       if "na" in row:
         continue
       try:
-        train = base_train if scheme == baseline else model_steps.compiled_steps(
-            sizes[size], scheme, head=model, **dims)[0]
+        train, infer = (base_train, base_infer) if scheme == baseline else (
+            model_steps.compiled_steps(sizes[size], scheme, head=model, **dims)[:2])
         train_s, _, ratios = timing.ratios(train, base_train, cost.repeats)
+        infer_s, _, infer_ratios = timing.ratios(infer, base_infer, cost.repeats)
         memory = peak_bytes(sizes[size], scheme, head=model, **dims)
       except Exception as e:  # noqa: BLE001 - one scheme that does not build is one n/a row
         out["rows"][scheme] = {"na": f"at length {length}: {first_line(e)}"}
         continue
       row["lengths"][str(length)] = {
-          "train_ms": 1e3 * train_s, "train_ratio": spread(ratios), "peak_bytes": memory,
+          "train_ms": 1e3 * train_s, "train_ratio": spread(ratios),
+          "infer_ms": 1e3 * infer_s, "infer_ratio": spread(infer_ratios), "peak_bytes": memory,
           "memory_ratio": memory / base_bytes if memory and base_bytes else None}
   return out

@@ -6,7 +6,9 @@ workdir: ``train`` (the pre-training or LM run), ``<task>`` (a fine-tuning run f
 ``train``; or, for probes, the probe's training run), and the evaluate tool writes into
 the workdir it scores. With ``pretrain_seeds`` (the fine-tuning protocol) only those seeds
 pre-train; every other seed's cell fine-tunes from the first of them (``seed<first>/train``),
-as DIET and TUPE fine-tune one pre-trained model per scheme with several seeds.
+as DIET and TUPE fine-tune one pre-trained model per scheme with several seeds. Each
+pre-trained model of the fine-tuning protocol is also scored by the evaluate tool's
+``indicators`` (Wang et al.'s Table 2).
 """
 
 from __future__ import annotations
@@ -225,7 +227,7 @@ def evaluate_options(config: ml_collections.ConfigDict) -> list[dict[str, Any]]:
 def _evaluate(workdir: str, protocol: str, lengths_: list[int], options: dict[str, Any]
               ) -> Step:
   argv = ("posenc_jax.evaluate", f"--workdir={workdir}", f"--protocol={protocol}",
-          f"--lengths={','.join(map(str, lengths_))}",
+          *([f"--lengths={','.join(map(str, lengths_))}"] if lengths_ else []),
           *(f"--{k}={v}" for k, v in options.items()))
   windows = f" ({options['windows']})" if "windows" in options else ""
   return Step(f"evaluate {protocol}{windows}", workdir, argv, (protocol, dict(options)))
@@ -269,6 +271,8 @@ def cells(config: ml_collections.ConfigDict, root: str) -> list[Cell]:
           steps.append(Step("train", workdir, ("posenc_jax.train", f"--config={spec}",
                                                f"--workdir={workdir}", *train),
                             params_only=params_only))
+          if plan["protocol"] == "finetune":  # Wang et al.'s Table 2 of the pre-trained model
+            steps.append(_evaluate(workdir, "indicators", [], {}))
         else:  # fine-tunes the first pre-training seed's model (made earlier in this order)
           workdir = f"{root.rstrip('/')}/{label}/seed{plan['pretrain_seeds'][0]}/train"
         if plan["protocol"] == "extrapolation":

@@ -340,6 +340,56 @@ def _pretraining(title: str, members: list[dict[str, Any]], order: list[str], si
           "about": {"task": members[0]["task"]} | _runs(members), "rows": rows}
 
 
+def row_order(records: list[dict[str, Any]], schemes: Sequence[str] = ()) -> list[str]:
+  """The records' row labels (``<scheme>``, or ``<size>,<scheme>`` with several sizes) in the
+  order of ``schemes``, then any others, sorted."""
+  sizes = {r["size"] for r in records}
+  labels = sorted({_label(r, sizes) for r in records})
+  order = [lb for s in schemes for lb in labels if lb.rsplit(",", 1)[-1] == s]
+  return order + [lb for lb in labels if lb not in order]
+
+
+def indicator_rows(records: list[dict[str, Any]], schemes: Sequence[str] = ()
+                   ) -> list[dict[str, Any]]:
+  """Wang et al.'s property indicators of every run the evaluate tool scored with
+  ``indicators`` (the pre-trained models of the fine-tuning protocol), rows in the order of
+  :func:`row_order`, then seed: ``[{"label", "seed", "step", "length", "examples",
+  "indicators", "paper_row"}]`` (one per run and settings)."""
+  from posenc_jax.analysis.indicators import TABLE2_COLUMNS  # noqa: PLC0415
+
+  sizes = {r["size"] for r in records}
+  order = row_order(records, schemes)
+  rows = [{"label": _label(r, sizes), "seed": r["seed"], "step": doc["step"],
+           "length": doc["length"], "examples": doc["examples"],
+           "indicators": {c: doc["indicators"][c] for c in TABLE2_COLUMNS},
+           "paper_row": doc["paper_row"]}
+          for r in records for doc in r["eval"].values() if doc["protocol"] == "indicators"]
+  return sorted(rows, key=lambda row: (order.index(row["label"]), row["seed"]))
+
+
+def _indicators_markdown(rows: list[dict[str, Any]]) -> list[str]:
+  """The indicators' section of ``results.md``: one line per pre-trained model, each followed
+  by Wang et al.'s row for its scheme where the paper has one."""
+  from posenc_jax.analysis.indicators import PAPER_TABLE2, TABLE2_COLUMNS  # noqa: PLC0415
+
+  words = sorted({(row["examples"], row["length"]) for row in rows})
+  heads = ["monotonicity (all offsets)", "monotonicity (first 20)",
+           "translation invariance w/ [CLS]", "w/o [CLS]", "symmetry", "direction balance"]
+  lines = ["## Property indicators of the pre-trained models (Wang et al. Table 2 layout)", "",
+           "Identical-word probing of each model's first layer (" + "; ".join(
+               f"{n} words at length {length}" for n, length in words) + "; `python -m "
+           "posenc_jax.evaluate --protocol=indicators`), beside Wang et al.'s row for the same "
+           "scheme where the paper has one (their models: BERT-base, pre-trained at full "
+           "scale).", "", _line(["model", *heads]), "|---|" + "---|" * len(heads)]
+  for row in rows:
+    lines.append(_line([f"{row['label']} (seed {row['seed']}, step {row['step']})",
+                        *(f"{row['indicators'][c]:.4f}" for c in TABLE2_COLUMNS)]))
+    if row["paper_row"] in PAPER_TABLE2:
+      lines.append(_line([f"Wang et al.: {row['paper_row']}",
+                          *(f"{v:.4f}" for v in PAPER_TABLE2[row["paper_row"]])]))
+  return lines + [""]
+
+
 def tables(records: list[dict[str, Any]], schemes: Sequence[str] = (),
            tasks: Sequence[str] = (), protocol: str | None = None,
            evaluate: list[dict[str, Any]] | None = None,
@@ -357,9 +407,7 @@ def tables(records: list[dict[str, Any]], schemes: Sequence[str] = (),
       what the table states (training length, unigram, chance, corpus), named.
   """
   sizes = {r["size"] for r in records}
-  labels = sorted({_label(r, sizes) for r in records})
-  order = [lb for s in schemes for lb in labels if lb.rsplit(",", 1)[-1] == s]
-  order += [lb for lb in labels if lb not in order]
+  order = row_order(records, schemes)
   dev = [r for r in records if r["objective"] in FINETUNE_OBJECTIVES and r["best"]]
   out = [_finetune(dev, order, sizes, tasks)] if dev else []
   pretrained = [r for r in records if r["curve"]]
@@ -595,11 +643,28 @@ def _ratio_text(ratio: dict[str, float]) -> str:
   return f"{ratio['median']:.2f} ({ratio['min']:.2f}-{ratio['max']:.2f})"
 
 
-def _cost_texts(row: dict[str, Any], lengths: list[str]) -> list[str]:
-  """A scheme's cost cells: the step-time ratio at each length, the memory ratio at the
-  longest (``n/a`` where not measured)."""
+def _timed(cost: dict[str, Any]) -> list[str]:
+  """The steps a cost table timed: ``train``, and ``infer`` where it timed inference too (a
+  page measured before 2026-11-29 did not)."""
+  rows = (cost.get("rows") or {}).values()
+  return ["train"] + (["infer"] if any("infer_ratio" in at for row in rows
+                                       for at in (row.get("lengths") or {}).values()) else [])
+
+
+def _cost_heads(cost: dict[str, Any], lengths: list[str]) -> list[str]:
+  """The cost columns' headers (:func:`_cost_texts`'s cells)."""
+  base = cost.get("baseline")
+  names = {"train": "step time", "infer": "inference"}
+  return ([f"{names[kind]} at {n} (x {base})" for kind in _timed(cost) for n in lengths]
+          + ([f"peak memory at {lengths[-1]} (x {base})"] if lengths else []))
+
+
+def _cost_texts(cost: dict[str, Any], row: dict[str, Any], lengths: list[str]) -> list[str]:
+  """A scheme's cost cells: the train step's time ratio at each length (then the inference's,
+  where timed), the memory ratio at the longest (``n/a`` where not measured)."""
   at = row.get("lengths") or {}
-  texts = [_ratio_text(at[n]["train_ratio"]) if n in at else "n/a" for n in lengths]
+  texts = [_ratio_text(at[n][f"{kind}_ratio"]) if n in at else "n/a"
+           for kind in _timed(cost) for n in lengths]
   memory = (at.get(lengths[-1]) or {}).get("memory_ratio")
   return texts + [f"{memory:.2f}" if memory is not None else "n/a"]
 
@@ -622,8 +687,7 @@ def markdown(summary: dict[str, Any]) -> str:
     heads = [f"{c} ({int(c) / train:.3g}x)" if train else c for c in table["columns"]]
     heads += ["average"] if table["rows"] and "average" in table["rows"][0] else []
     cost_lengths = [str(n) for n in cost.get("lengths") or []] if with_cost else []
-    heads += [f"step time at {n} (x {base})" for n in cost_lengths]
-    heads += [f"peak memory at {cost_lengths[-1]} (x {base})"] if cost_lengths else []
+    heads += _cost_heads(cost, cost_lengths) if cost_lengths else []
     seeds = ["seeds"] if table["protocol"] == "finetune" else ["seeds", "learned"]
     what = table["metric"] if curve else f"{table['metric']}, median (min-max) over seeds"
     lines += [f"## {table['title']}: {what}", "", *_about(table), "",
@@ -635,7 +699,7 @@ def markdown(summary: dict[str, Any]) -> str:
     for row in table["rows"]:
       counts, texts = _row(table, row)
       if cost_lengths:
-        texts += _cost_texts(cost["rows"].get(plan.scheme_of(row["label"].rsplit(",", 1)[-1]),
+        texts += _cost_texts(cost, cost["rows"].get(plan.scheme_of(row["label"].rsplit(",", 1)[-1]),
                                               {}),
                              cost_lengths)
       lines.append(_line([row["label"], *counts, *texts]))
@@ -643,6 +707,8 @@ def markdown(summary: dict[str, Any]) -> str:
                     for c, reason in row["na"].items()})
     lines += [""] + [f"n/a: {n}" for n in notes] + ([""] if notes else [])
     lines += _separated_text(table) if curve else []
+  if summary.get("indicators"):
+    lines += _indicators_markdown(summary["indicators"])
   if cost.get("note"):
     lines += [cost["note"], ""]
   if cost.get("noise"):

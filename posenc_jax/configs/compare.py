@@ -16,7 +16,9 @@ The argument is the experiment, optionally with a variant: ``<experiment>[,<vari
   halves swapped: no position scores exactly 50%), 200 steps. Tables: pre-training
   (held-out masked-LM perplexity against the unigram's, steps to the baseline's final loss,
   curves), per task the median over seeds of each run's best dev score with the range, a
-  majority-class row, and the cost. Default: the core contrasts (learned APE, TUPE-A,
+  majority-class row, each pre-trained model's property indicators beside Wang et al.'s
+  rows (the evaluate tool's ``indicators``), and the cost (training and inference).
+  Default: the core contrasts (learned APE, TUPE-A,
   DIET-ABS shared, DIET-REL, T5, none), 3 seeds. Variants: ``quick`` (DIET-REL against
   none, 1 seed, 300 pre-training steps, no cost), ``all`` (every encoder scheme of the
   seeds, and ``wordnet_hypernym``, a gloss pair, for the segment comparisons: learned and

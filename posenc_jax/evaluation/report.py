@@ -51,13 +51,24 @@ def file_stem(document: Mapping[str, Any]) -> str:
 
 def table(document: dict[str, Any]) -> str:
   """The document as console lines: a header stating the protocol, then one row per
-  metric (``loss``) or per length (``extrapolation``, ``probes``)."""
+  metric (``loss``) or per length (``extrapolation``, ``probes``), or Wang et al.'s Table 2
+  layout (``indicators``)."""
   head = (f"{document['protocol']}: {document['workdir']} step {document['step']} "
           f"(checkpoint {document['checkpoint']}), objective {document['objective']}")
   if document["protocol"] == "loss":
     width = max(map(len, document["metrics"]), default=0)
     return "\n".join([f"{head}, split {document['split']}"] + [
         f"  {name:<{width}}  {value:.6g}" for name, value in document["metrics"].items()])
+  if document["protocol"] == "indicators":
+    from posenc_jax.analysis.indicators import format_table2  # noqa: PLC0415
+    differences = document["paper_setup_differences"]
+    return "\n".join([
+        f"{head}, {document['examples']} identical-word sequences of length "
+        f"{document['length']}, layer {document['layer']}",
+        format_table2([{"label": document["scheme"], "indicators": document["indicators"],
+                        "paper_row": document["paper_row"]}], paper=False),
+        *([f"not Wang et al.'s Table 2 setup: {'; '.join(differences)}"] if differences
+          else [])])
   if document["protocol"] == "probes":
     probe = ", ".join(f"{k}={v}" for k, v in document["probe"].items() if k != "name")
     return _length_table([

@@ -25,6 +25,9 @@ entry of :data:`PROTOCOLS`):
   add-one smoothed unigram model of the task's ``train`` split (a reference no scheme should
   need a position for), and ``corpus_sha256`` for the bundled corpus
   (:mod:`posenc_jax.data.stdlib_corpus`).
+* ``indicators``: Wang et al.'s property indicators (their Table 2) of an encoder run, from
+  identical-word probing of its first layer at its training length, beside the paper's row
+  for its scheme (:func:`indicators_protocol`).
 * ``probes``: a synthetic-probe run's (:mod:`posenc_jax.data.probes`) accuracy on its probe at
   several lengths, the same held-out examples for every run, and at each length the
   accuracy of chance (:meth:`~posenc_jax.data.probes.Probe.chance`).
@@ -528,6 +531,46 @@ def probes_protocol(run: Run, *, lengths: Sequence[int] | None = None, examples:
           "randomized_positions": randomized, "examples": examples, "seed": seed, "rows": rows}
 
 
+# ------------------------------------------------------------------------ indicators protocol
+
+
+def indicators_protocol(run: Run, *, examples: int = 300, seed: int = 0,
+                        progress: Callable[[str], None] = _quiet) -> dict[str, Any]:
+  """Wang et al.'s property indicators of an encoder run (their Table 2): identical-word
+  probing of the first layer at the run's training length (at most ``max_len``),
+  ``examples`` words drawn with ``seed`` (the paper: 300), monotonicity over every offset and
+  the first 20, translation invariance with and without [CLS], symmetry and direction
+  balance within 20 (:mod:`posenc_jax.analysis.indicators`), beside the paper's row for the
+  run's scheme where one has its setup (``paper_row``, ``paper``; else
+  ``paper_setup_differences`` says what differs). A masked LM or a fine-tuned BERT; a causal
+  LM or an encoder-decoder is one line (identical-word probing reads attention to both sides
+  of each position)."""
+  from posenc_jax import analysis  # noqa: PLC0415
+  from posenc_jax.analysis.loading import check_model, loaded  # noqa: PLC0415
+
+  cfg = model_config(run.config.model)
+  head = run.config.get("head", "mlm")
+  try:
+    check_model(cfg, head, "indicators")
+    model = loaded(cfg, head, run.params, f"checkpoint:{run.workdir}@{run.step}", run.step)
+    length = min(int(run.config.seq_len), cfg.max_len)
+    probe = analysis.identical_word_probing(model.encoder, model.variables, model.tokens,
+                                            length=length, num_words=examples, seed=seed)
+  except analysis.AnalysisError as e:
+    raise EvaluationError(f"protocol: 'indicators': {e}") from None
+  values = analysis.indicators(probe.attention, probe.special_positions)  # the paper's 20
+  row = analysis.paper_row(cfg.scheme)
+  progress(f"indicators: {len(probe.words)} words at length {length}, layer {probe.layer}")
+  return {"protocol": "indicators", "workdir": run.workdir, "step": run.step,
+          "checkpoint": run.checkpoint, "objective": run.config.objective,
+          "settings": protocol_settings("indicators", run.config, examples=examples, seed=seed),
+          "length": length, "layer": probe.layer, "examples": len(probe.words),
+          "special_positions": list(probe.special_positions), "indicators": values,
+          "paper_row": row,
+          "paper": dict(zip(analysis.TABLE2_COLUMNS, analysis.PAPER_TABLE2[row])) if row
+          else None, "paper_setup_differences": analysis.paper_setup_differences(cfg.scheme)}
+
+
 def check_lengths(lengths: Sequence[int]) -> list[int]:
   """``lengths`` as a list, after checking they are positive integers, increasing."""
   lengths = list(lengths)
@@ -557,6 +600,7 @@ PROTOCOLS: dict[str, Callable[..., dict[str, Any]]] = {
     "loss": loss_protocol,
     "extrapolation": extrapolation_protocol,
     "probes": probes_protocol,
+    "indicators": indicators_protocol,
 }
 
 
@@ -565,6 +609,7 @@ SETTINGS: dict[str, tuple[str, ...]] = {
     "loss": ("split", "eval_steps"),
     "extrapolation": ("split", "windows", "stride", "tokens", "mask_seed"),
     "probes": ("examples", "seed"),
+    "indicators": ("examples", "seed"),
 }
 
 

@@ -7,7 +7,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from posenc_jax.schemes.base import BOOL, Scheme
+from posenc_jax.schemes.base import BOOL, NON_NEGATIVE_FLOAT, Scheme
 from posenc_jax.terms import InputEmbedding, SchemeTerms, lookup_rows
 
 Array = jax.Array
@@ -41,17 +41,25 @@ def sinusoid_param(module: Scheme, dim: int, learnable: bool) -> Array:
 
 
 class LearnedAPE(Scheme):
-  """``x_i = w_i + p_i`` with ``p`` an ``[L_max, d]`` table, init N(0, 0.02)."""
+  """``x_i = w_i + p_i`` with ``p`` an ``[L_max, d]`` table, init ``N(0, init_std^2)``.
+
+  Attributes:
+    init_std: the table's initial standard deviation (BERT's 0.02; 0 starts from no
+      position at all).
+  """
+
+  init_std: float = 0.02
 
   scheme_name = "learned_ape"
   absolute_table = True
   fits_linformer = True
+  hyperparameters = {"init_std": NON_NEGATIVE_FLOAT}
 
   @nn.compact
   def __call__(self, length, segment_ids=None, position_ids=None):
     self.check_length(length)
     ids = self.check_position_ids(length, position_ids, self.max_len)
-    table = self.logical_param("position_embedding", nn.initializers.normal(0.02),
+    table = self.logical_param("position_embedding", nn.initializers.normal(self.init_std),
                                (self.max_len, self.d_model), ("abspos", "embed"))
     rows = table[:length] if ids is None else lookup_rows(table, ids)  # [L, d] or [B, L, d]
     return SchemeTerms(embedding=InputEmbedding(rows))

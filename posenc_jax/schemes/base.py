@@ -64,6 +64,7 @@ def is_finite_number(x: Any) -> bool:
 POSITIVE_INT = Check(lambda x: is_int(x) and x > 0, "a positive integer")
 NON_NEGATIVE_INT = Check(lambda x: is_int(x) and x >= 0, "an integer >= 0")
 POSITIVE_FLOAT = Check(lambda x: is_finite_number(x) and x > 0, "a finite positive number")
+NON_NEGATIVE_FLOAT = Check(lambda x: is_finite_number(x) and x >= 0, "a finite number >= 0")
 BOOL = Check(lambda x: isinstance(x, bool), "true or false")
 
 
