@@ -19,7 +19,7 @@ def get_config(name, arg):
 
 
 @pytest.mark.parametrize("name,arg,expect", [
-    ("pretrain", "bert_tiny,diet_abs_share", dict(objective="mlm", total_steps=800,
+    ("pretrain", "bert_tiny,diet_abs_share", dict(objective="mlm", total_steps=600,
                                                   mask_rate=0.4)),
     ("pretrain", "bert_base,diet_abs_share,diet_protocol",
      dict(batch_size=4096, total_steps=500_000, seq_len=128)),
@@ -228,3 +228,19 @@ def test_the_demo_gives_each_scheme_its_calibrated_position_learning_rate():
   assert pretrain.get_config("bert_base,t5,tupe_protocol").optimizer.position_lr_scale == 1.0
   config = _parsed("configs/pretrain.py:bert_demo,t5", "--config.optimizer.position_lr_scale=2")
   assert config.optimizer.position_lr_scale == 2.0
+
+
+def test_the_demo_starts_learned_ape_at_zero_and_the_protocols_at_berts_init():
+  """DEMO_SCHEME_FIELDS: the demo's learned APE (and Linformer's input APE) table starts at
+  zero, a paper's protocol keeps BERT's N(0, 0.02), and the flag still overrides it."""
+  from posenc_jax.configs import pretrain  # noqa: PLC0415
+  from posenc_jax.models.config import model_config  # noqa: PLC0415
+  from posenc_jax.presets import scheme_name  # noqa: PLC0415
+  for preset in ("bert", "linformer"):
+    model = pretrain.get_config(f"bert_demo,{preset}").model
+    assert dict(model.scheme) == {"name": "learned_ape", "init_std": 0.0}
+    assert scheme_name(model_config(model).to_dict()) == preset  # still the preset's row
+  assert dict(pretrain.get_config("bert_base,bert,diet_protocol").model.scheme) == {
+      "name": "learned_ape"}
+  config = _parsed("configs/pretrain.py:bert_demo,bert", "--config.model.scheme.init_std=0.02")
+  assert config.model.scheme.init_std == 0.02

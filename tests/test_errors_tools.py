@@ -89,7 +89,7 @@ CASES = [
     ("train.py", ["--config.optimizer.schedule=cosine", RUN], "train.py: optimizer.schedule:",
      ["got 'cosine'"]),
     ("train.py", ["--config.optimizer.warmup_steps=100000", RUN],
-     "train.py: optimizer.warmup_steps:", ["got 100000", "total_steps=800"]),
+     "train.py: optimizer.warmup_steps:", ["got 100000", "total_steps=600"]),
     ("train.py", ["--config.model.dtype=float16", RUN], "train.py: model.dtype:",
      ["got 'float16'", "bfloat16"]),
     ("train.py", ["--config.model.head_dim=-3", RUN], "train.py: model.head_dim:", ["got -3"]),
