@@ -274,6 +274,32 @@ def test_a_modified_row_trains_its_scheme_with_the_modifier_and_collects_as_its_
       "rope", "rope+randomized_positions"]
 
 
+def test_a_model_modifier_row_pretrains_with_that_preset_and_collects_as_its_own_row(
+    tmp_path):
+  """``diet_abs_share+segment_per_head``: the preset joins the config spec (DIET's per-head
+  segments against the plain row's input segments), and the runs' models name the rows."""
+  config = get_config("pretrain_finetune")
+  config.update(dict(schemes="diet_abs_share,diet_abs_share+segment_per_head", seeds="0",
+                     tasks="wordnet_hypernym"))
+  plain, per_head = plan.cells(config, str(tmp_path))
+  assert per_head.name == "diet_abs_share+segment_per_head/seed0"
+  assert (f"--config=configs/pretrain.py:bert_demo,diet_abs_share,segment_per_head"
+          in per_head.steps[0].argv)
+  assert "--config=configs/pretrain.py:bert_demo,diet_abs_share" in plain.steps[0].argv
+  assert not any("segment_per_head" in a for a in plain.steps[0].argv + per_head.steps[0].argv
+                 if a.startswith("--config."))
+  for cell in (plain, per_head):
+    fake_run(tmp_path / cell.name / "wordnet_hypernym", "diet_abs_share", 0,
+             task="wordnet_hypernym", objective="classification", best=60.0)
+  _rewrite(tmp_path / per_head.name / "wordnet_hypernym" / "config.json",
+           lambda d: d["model"].update(segment={"name": "segment_per_head", "num_segments": 2,
+                                                "sharing": "none"}))
+  records = collect.collect([str(tmp_path)])
+  assert sorted(r["scheme"] for r in records) == [
+      "diet_abs_share", "diet_abs_share+segment_per_head"]
+  assert plan.row_name("rope", {"model": {"segment": None}}) == "rope"
+
+
 def test_runs_evaluated_with_different_settings_are_never_mixed(tmp_path):
   lm_runs(tmp_path / "a", {"rope": [(20.0, 25.0, None)]})
   lm_runs(tmp_path / "b", {"alibi": [(20.0, 25.0, None)]}, tokens=16384)
@@ -537,6 +563,9 @@ def test_a_failing_step_is_its_status_and_last_line_and_the_log_holds_its_output
     ("sizes", "bert_huge", "sizes: 'bert_huge' is unknown"),
     ("schemes", "rope+randomized", "schemes: modifier 'randomized' of 'rope+randomized' is "
      "unknown; did you mean 'randomized_positions'?"),
+    ("schemes", "rope+segment_per_hed", "schemes: modifier 'segment_per_hed' of "
+     "'rope+segment_per_hed' is unknown; did you mean 'segment_per_head'?; allowed: "
+     "randomized_positions, segment_per_head"),
     ("schemes", "rope+randomized_positions", "randomized_positions: unset, but row "
      "'rope+randomized_positions' needs its value"),
     ("keep", "param", "keep: got 'param'; did you mean 'params'?; allowed: params, all"),

@@ -20,14 +20,20 @@ from typing import Any
 import ml_collections
 
 from posenc_jax.messages import nearest
-from posenc_jax.presets import POSITION_PRESETS, SIZES
+from posenc_jax.presets import POSITION_PRESETS, SCHEME_PRESETS, SIZES
 
 PROTOCOLS = ("finetune", "extrapolation", "probes")
-# A row is a position preset, optionally with training modifiers: ``<scheme>+<modifier>``.
-# Each modifier sets the train.py field of the same name to the experiment's value of it:
+# A row is a position preset, optionally with modifiers: ``<scheme>+<modifier>``. A training
+# modifier sets the train.py field of the same name to the experiment's value of it:
 # ``rope+randomized_positions`` trains RoPE on randomized position ids drawn from
-# ``[0, config.randomized_positions)`` (Ruoss et al. 2023) beside a plain ``rope`` row.
-MODIFIERS = ("randomized_positions",)
+# ``[0, config.randomized_positions)`` (Ruoss et al. 2023) beside a plain ``rope`` row. A
+# model modifier is the model preset of that name (posenc_jax.presets) added to the run's
+# config spec after the scheme: ``diet_abs_share+segment_per_head`` pre-trains DIET-ABS with
+# per-head segment attention beside a plain ``diet_abs_share`` row, whose segments are input
+# embeddings (DIET Tables 5, 8).
+TRAIN_MODIFIERS = ("randomized_positions",)
+MODEL_MODIFIERS = ("segment_per_head",)
+MODIFIERS = TRAIN_MODIFIERS + MODEL_MODIFIERS
 # What a cell keeps (``config.keep``): its final parameters only, or all its checkpoints.
 KEEP = ("params", "all")
 
@@ -115,10 +121,35 @@ def scheme_of(row: str) -> str:
   return row.split("+", 1)[0]
 
 
+def presets_of(row: str) -> str:
+  """The presets a row's config spec names after its size: the position preset, then each
+  model modifier (``diet_abs_share,segment_per_head`` for ``diet_abs_share+segment_per_head``)."""
+  scheme, *modifiers = row.split("+")
+  return ",".join([scheme, *(m for m in modifiers if m in MODEL_MODIFIERS)])
+
+
+def _has_preset(model: Any, preset: dict[str, Any]) -> bool:
+  """Whether ``model`` (a config's model mapping) has every field of ``preset`` (a mapping
+  value: every key of it)."""
+  for key, value in preset.items():
+    have = model.get(key) if hasattr(model, "get") else None
+    if isinstance(value, dict):
+      if not hasattr(have, "get") or any(have.get(k) != v for k, v in value.items()):
+        return False
+    elif have != value:
+      return False
+  return True
+
+
 def row_name(scheme: str, train_config: Any) -> str:
   """The row of a run of ``scheme`` whose train.py config is ``train_config`` (a mapping):
-  ``scheme``, then ``+<modifier>`` for each of :data:`MODIFIERS` the run set."""
-  return scheme + "".join(f"+{m}" for m in MODIFIERS if train_config.get(m) is not None)
+  ``scheme``, then ``+<modifier>`` for each of :data:`TRAIN_MODIFIERS` the run set and each of
+  :data:`MODEL_MODIFIERS` whose preset's fields its model has."""
+  model = train_config.get("model") or {}
+  return scheme + "".join(
+      f"+{m}" for m in MODIFIERS
+      if (train_config.get(m) is not None if m in TRAIN_MODIFIERS
+          else _has_preset(model, SCHEME_PRESETS[m])))
 
 
 def _rows(config) -> list[str]:
@@ -135,7 +166,7 @@ def _rows(config) -> list[str]:
       if modifier not in MODIFIERS:
         raise PlanError(f"schemes: modifier {modifier!r} of {row!r} is unknown"
                         f"{nearest(modifier, MODIFIERS)} allowed: {', '.join(MODIFIERS)}")
-      if config.get(modifier) is None:
+      if modifier in TRAIN_MODIFIERS and config.get(modifier) is None:
         raise PlanError(f"{modifier}: unset, but row {row!r} needs its value (e.g. "
                         f"--config.{modifier}=...)")
   return rows
@@ -251,10 +282,10 @@ def cells(config: ml_collections.ConfigDict, root: str) -> list[Cell]:
       label = scheme if len(plan["sizes"]) == 1 else f"{size},{scheme}"
       for seed in plan["seeds"]:
         folder = f"{root.rstrip('/')}/{label}/seed{seed}"
-        fill = dict(size=size, scheme=scheme_of(scheme))
+        fill = dict(size=size, scheme=presets_of(scheme))
         train = overrides(config.train) + [f"--config.seed={seed}"] + [
-            f"--config.{m}={config.get(m)}" for m in scheme.split("+")[1:]] + _one_checkpoint(
-                config.train, params_only)
+            f"--config.{m}={config.get(m)}" for m in scheme.split("+")[1:]
+            if m in TRAIN_MODIFIERS] + _one_checkpoint(config.train, params_only)
         steps = []
         if plan["protocol"] == "probes":
           for task in plan["tasks"]:

@@ -23,7 +23,8 @@ The argument is the experiment, optionally with a variant: ``<experiment>[,<vari
   none, 1 seed, 300 pre-training steps, no cost), ``all`` (every encoder scheme of the
   seeds, and ``wordnet_hypernym``, a gloss pair, for the segment comparisons: learned and
   sinusoidal APE, Shaw, sinusoidal RPE, T5, TUPE-A, TUPE-R, BERT-A^d, DIET-REL, DIET-ABS at
-  rank 64 and 128 and with sharing none, layer and head, Linformer with input APE against
+  rank 64 and 128 and with sharing none, layer and head, DIET-ABS with per-head segments
+  (``diet_abs_share+segment_per_head``) against input segments, Linformer with input APE against
   DIET-ABS-LIN, RoPE, ALiBi and none), ``gpu`` and ``tpu`` (``bert_small`` pre-trained on
   English Wikipedia, 100k steps of 256 x 128, then the GLUE tasks and SQuAD v1.1 with
   configs/finetune_glue.py; prepare the data first: see docs/data.md).
@@ -125,10 +126,12 @@ KAZEMNEJAD_SCHEMES = "none,t5,alibi,rope,bert"
 # layer-wise sharing, DIET-REL, T5's buckets, and no position as the control row.
 CORE_ENCODER_SCHEMES = "bert,tupe_a,diet_abs_share,diet_rel,t5,none"
 # Every encoder scheme of the seeds (DIET-ABS at rank 64 and 128 and with sharing none,
-# layer and head; DIET-ABS-LIN against Linformer with input APE), with RoPE, ALiBi and none.
+# layer and head, and with per-head segments against input segments; DIET-ABS-LIN against
+# Linformer with input APE), with RoPE, ALiBi and none.
 SEED_ENCODER_SCHEMES = ("bert,sinusoidal,shaw,sinusoidal_rpe,t5,tupe_a,tupe_r,bert_ad,diet_rel,"
-                        "diet_abs,diet_abs_share,diet_abs_rank64_share,diet_abs_share_head,"
-                        "linformer,diet_abs_lin,rope,alibi,none")
+                        "diet_abs,diet_abs_share,diet_abs_share+segment_per_head,"
+                        "diet_abs_rank64_share,diet_abs_share_head,linformer,diet_abs_lin,rope,"
+                        "alibi,none")
 PRETRAIN_STEPS = DEMO["total_steps"]  # every cell's pre-training: the demo's (configs/pretrain.py)
 QUICK_PRETRAIN_STEPS = 300
 FINETUNE_STEPS = 150
