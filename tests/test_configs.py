@@ -229,18 +229,3 @@ def test_the_demo_gives_each_scheme_its_calibrated_position_learning_rate():
   config = _parsed("configs/pretrain.py:bert_demo,t5", "--config.optimizer.position_lr_scale=2")
   assert config.optimizer.position_lr_scale == 2.0
 
-
-def test_the_demo_starts_learned_ape_at_zero_and_the_protocols_at_berts_init():
-  """DEMO_SCHEME_FIELDS: the demo's learned APE (and Linformer's input APE) table starts at
-  zero, a paper's protocol keeps BERT's N(0, 0.02), and the flag still overrides it."""
-  from posenc_jax.configs import pretrain  # noqa: PLC0415
-  from posenc_jax.models.config import model_config  # noqa: PLC0415
-  from posenc_jax.presets import scheme_name  # noqa: PLC0415
-  for preset in ("bert", "linformer"):
-    model = pretrain.get_config(f"bert_demo,{preset}").model
-    assert dict(model.scheme) == {"name": "learned_ape", "init_std": 0.0}
-    assert scheme_name(model_config(model).to_dict()) == preset  # still the preset's row
-  assert dict(pretrain.get_config("bert_base,bert,diet_protocol").model.scheme) == {
-      "name": "learned_ape"}
-  config = _parsed("configs/pretrain.py:bert_demo,bert", "--config.model.scheme.init_std=0.02")
-  assert config.model.scheme.init_std == 0.02
