@@ -12,7 +12,10 @@
   on GPU and on splash attention on TPU where they fit; dense terms (Shaw's
   query-dependent term, CoPE's term of q and k, per-example biases) go to
   :func:`jax.nn.dot_product_attention` as a bias. A separable term ``r_i + s_j`` (the
-  forgetting gates) goes to the Pallas kernel as its two vectors, added in float32.
+  forgetting gates) goes to the Pallas kernel as its two vectors, added in float32; under a
+  causal mask in bfloat16 on a GPU, where it is ``s_j`` up to a row constant (causal ALiBi
+  too), ``s`` folds into q/k channels and cuDNN runs without a bias
+  (:mod:`posenc_jax.terms.channels`).
 * ``route="auto"`` (the default): the fused route on GPU and TPU, the reference route
   on CPU and where a term cannot fuse.
 
@@ -44,7 +47,7 @@ from posenc_jax.kernels.dropout import dropout_multipliers, dropout_seed
 from posenc_jax.kernels.precision import dot_precision
 from posenc_jax.messages import nearest
 from posenc_jax.schemes.base import is_finite_number, is_int
-from posenc_jax.terms import SchemeTerms, Term, toeplitz_bias
+from posenc_jax.terms import SchemeTerms, Term, key_channels, toeplitz_bias
 
 Array = jax.Array
 Route = Literal["auto", "reference", "fused"]
@@ -212,10 +215,12 @@ def _execute(plan: route_plan.Plan, q, k, v, terms, mask, causal, scale, *, segm
     return _reference(q, k, v, terms, mask, causal, scale, dropout_rate, seed, segment_ids,
                       precision)
   q_parts, k_parts, dense, offsets, zero_first, rows, cols = [q], [k], [], [], [], [], []
-  closed = None
+  key_vectors, closed = [], None
   for term, entry in zip(terms, plan.entries):
     if entry == "table":
       dense.append(term.logits(q, scale))
+    elif entry == "channels":
+      key_vectors.append(term.key_vector(k.shape[1]))
     elif entry != "transform":
       part = term.fused(q, scale)
       if entry == "bias":
@@ -234,6 +239,10 @@ def _execute(plan: route_plan.Plan, q, k, v, terms, mask, causal, scale, *, segm
       else:  # "kernel", "offsets": the Toeplitz vector, in the tiles or materialised
         offsets.append(part.offset_bias)
         zero_first.append(part.zero_first)
+  if key_vectors:  # separable under the causal mask: s_j folded into q/k channels
+    part = key_channels(sum(key_vectors[1:], key_vectors[0]), q.shape[1], scale, q.dtype)
+    for parts, extra, x in ((q_parts, part.q_extra, q), (k_parts, part.k_extra, k)):
+      parts.append(jnp.broadcast_to(extra, x.shape[:3] + extra.shape[-1:]))
   head_dim = v.shape[-1]
   q = jnp.concatenate(q_parts, axis=-1)
   k = jnp.concatenate(k_parts, axis=-1)

@@ -27,6 +27,9 @@ What the plan decides, in order:
    tiles from its parameters where it is the call's only Toeplitz term and the route table
    has not measured the Hopper passes faster); a separable term's row and column vectors
    (the forgetting gates) go to the kernel too, which adds them to its tiles in float32;
+   under a causal mask in bfloat16 on a GPU, terms that are ``r_i + s_j`` there (causal
+   ALiBi, the forgetting gates) fold ``s`` into q/k channels instead, so that cuDNN runs the
+   call without a bias (:func:`_channel_terms`, :mod:`posenc_jax.terms.channels`);
    dense terms are a bias. A batch-free Toeplitz or factored term is materialised once per
    call as a bias instead where the route table measured that faster (not with dropout or
    packed segments, which need the kernel).
@@ -60,6 +63,7 @@ from posenc_jax import route_table
 from posenc_jax.kernels import blocks, hopper_flash, relative_flash
 from posenc_jax.kernels.blocks import KernelBlocks
 from posenc_jax.terms import Term, TermForm
+from posenc_jax.terms.channels import channel_count
 
 ROUTES = ("auto", "reference", "fused")
 IMPLEMENTATIONS = ("xla", "cudnn")
@@ -71,9 +75,11 @@ MASK_KINDS = ("none", "key", "full")  # no mask, a [B, Lk] key mask, a mask broa
 # "table" (materialised once per call: the route table measured that faster), "vectors" (a
 # separable term's row and column vectors, added in the kernel's tiles), "broadcast" (the two
 # vectors broadcast to a dense bias: the kernel cannot run), "registers" (a closed-form
-# Toeplitz term evaluated in the kernel's tiles from its parameters: no vector).
+# Toeplitz term evaluated in the kernel's tiles from its parameters: no vector), "channels" (a
+# term separable under the causal mask, its key vector folded into q/k channels:
+# posenc_jax.terms.channels).
 ENTRIES = ("logits", "transform", "fold", "kernel", "bias", "offsets", "table", "vectors",
-           "broadcast", "registers")
+           "broadcast", "registers", "channels")
 RUNNERS = ("reference", "kernel", "splash", "dot_product_attention")
 # How a mask reaches dot_product_attention: None (no mask), "mask" (as given, 4-D), "full"
 # (broadcast to [B, 1, Lq, Lk]), "lengths or kernel" / "lengths or full" (sequence lengths
@@ -268,6 +274,31 @@ def _kernel_plan(q_len: int, k_len: int, qk_dim: int, v_dim: int, dtype, *, bias
                     closed=closed is not None and not hopper)
 
 
+def _channel_terms(forms: Sequence[TermForm], entries: Sequence[str], q_shape: Sequence[int],
+                   k_shape: Sequence[int], dtype, *, mask: str, causal: bool, dropout: bool,
+                   segments: bool, implementation: str | None, device: Device) -> list[int]:
+  """The terms whose key vectors fold into q/k channels (:mod:`posenc_jax.terms.channels`),
+  or none: under a causal mask, on a GPU, in bfloat16 (float16's range cannot hold ``s / c``
+  at long lengths; float32 does not run on cuDNN), when every term is ``causal_separable`` or
+  already in q/k (a transform, a fold), nothing needs the kernel (packed segments, dropout,
+  a 4-D mask) and cuDNN takes the folded width without a bias. ``q_shape``: q's after the
+  folds so far; ``k_shape``: ``[B, Lk, H]``."""
+  candidates = [i for i, (f, e) in enumerate(zip(forms, entries))
+                if f.causal_separable and e not in ("transform", "fold")]
+  if (not candidates or not causal or dropout or segments or mask == "full"
+      or device.platform != "gpu" or implementation == "xla"
+      or jnp.dtype(dtype) != jnp.dtype(jnp.bfloat16)
+      or any(e not in ("transform", "fold") for i, e in enumerate(entries)
+             if i not in candidates)):
+    return []
+  width = q_shape[-1] + channel_count(dtype)
+  width += -width % 8
+  why = cudnn_unsupported((*q_shape[:3], width), (*k_shape, width), dtype, has_bias=False,
+                          backend=device.platform,
+                          compute_capability=float(device.compute_capability or 0))
+  return [] if why else candidates
+
+
 def plan(q_shape: Sequence[int], k_shape: Sequence[int], v_shape: Sequence[int], dtype,
          forms: Sequence[TermForm], *, mask: str = "none", causal: bool = False,
          dropout: bool = False, segments: bool = False, route: str = "auto",
@@ -332,6 +363,14 @@ def plan(q_shape: Sequence[int], k_shape: Sequence[int], v_shape: Sequence[int],
     width += form.rank if entry == "fold" else 0
     if entry == "kernel":
       zero_firsts.add(form.zero_first)
+  folds = _channel_terms(forms, entries, (batch, q_len, heads, width), (batch, k_len, heads),
+                         dtype, mask=mask, causal=causal, dropout=dropout, segments=segments,
+                         implementation=implementation, device=device)
+  if folds:
+    entries = ["channels" if i in folds else e for i, e in enumerate(entries)]
+    width += channel_count(dtype)
+    notes.append(f"{', '.join(names[i] for i in folds)}: separable under the causal mask, "
+                 f"folded into {channel_count(dtype)} q/k channels for cuDNN without a bias")
   if closed and "kernel" in entries:
     entries[entries.index("kernel")] = "registers"  # "offsets" below where the kernel does not run
   else:

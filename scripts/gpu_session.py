@@ -32,6 +32,16 @@ Phases (each fits the device tool's 10-minute call):
 
       python3 scripts/gpu_session.py issue40
 
+- ``issue51``: the separable causal terms folded into q/k channels for cuDNN
+  (``posenc_jax/terms/channels.py``), in one call (default budget 540 s): FlexAttention's
+  ALiBi anchor at B=2 L=8192; causal attention alone (``benchmarks.routes --causal``: the
+  ``cudnn alibi channels`` and ``cudnn fox channels`` rows against cuDNN without a bias) at
+  B=2 L=8192 and B=32 L=512; the causal LMs at BERT-small dims, B=2 L=8192 (``none``,
+  ``alibi``, ``fox`` against ``none``, ``benchmarks.steps --model lm``). The targets: the
+  channel rows and the LMs at most 1.15x their no-bias baselines::
+
+      python3 scripts/gpu_session.py issue51
+
 The device image has JAX, Flax, Optax, Orbax, chex and pytest but not ml-collections:
 put its wheel in the ignored folder ``.gpu/whl`` and carry ``.gpu``
 (``../shared/gpu/README.md``)::
@@ -70,8 +80,8 @@ LENGTHS = (512, 2048, 8192, 16384)
 MODEL = ["--size", "base", "--length", "512", "--batch", "32", "--dtype", "bfloat16"]
 SCHEMES = {"model_relative": "t5,diet_rel,diet_rel_share,shaw,tupe_r,alibi",
            "model_absolute": "diet_abs,diet_abs_share,tupe_a,rope"}
-PHASES = ("kernels", *SCHEMES, "compile", "issue40")
-BUDGETS = {"issue40": 540.0}  # seconds; the other phases 570 (the device call's limit: 600)
+PHASES = ("kernels", *SCHEMES, "compile", "issue40", "issue51")
+BUDGETS = {"issue40": 540.0, "issue51": 540.0}  # seconds; the other phases 570 (the device call's limit: 600)
 # Run compiled on the GPU; the tests that only lower for an accelerator already run in CI.
 KERNEL_TESTS = ["tests/test_hopper_flash.py", "tests/test_relative_flash.py", "-k", "not lower"]
 # Issue 40: the attention shapes (B, L; H=12, D=64) and the whole models (size, L, B, baseline,
@@ -79,6 +89,9 @@ KERNEL_TESTS = ["tests/test_hopper_flash.py", "tests/test_relative_flash.py", "-
 ISSUE40_ATTENTION = ((2, 8192), (32, 512))
 ISSUE40_MODELS = (("small", 8192, 2, "none", "none,alibi,kerple_log,fire,fox"),
                   ("base", 512, 32, "bert", "bert,alibi,kerple_log,t5,cope,fire"))
+# Issue 51: causal attention alone (the channel rows against cuDNN without a bias), then the
+# causal LMs of causal ALiBi and FoX against no position, at the same shapes.
+ISSUE51_LM = ("small", 8192, 2, "none", "none,alibi,fox")
 
 
 def absent_script(argv: list[str]) -> str | None:
@@ -120,6 +133,19 @@ def commands(phase: str, routes: str, lengths=LENGTHS,
             str(batch), "--dtype", "bfloat16", "--step", "trainer", "--baseline", baseline,
             "--schemes", schemes])
           for size, length, batch, baseline, schemes in ISSUE40_MODELS]]
+  if phase == "issue51":  # the anchors, causal attention alone, the causal LMs
+    size, length, batch, baseline, schemes = ISSUE51_LM
+    return [
+        ("torch_flex_alibi", [sys.executable, str(ANCHORS / "torch_flex_alibi.py"),
+                              "2", "8192", "12", "64"]),
+        *[(f"attention_causal_{length}", module + [
+            "posenc_jax.benchmarks.routes", "--batch", str(batch), "--length", str(length),
+            "--heads", "12", "--head_dim", "64", "--dtype", "bfloat16", "--causal"])
+          for batch, length in ISSUE40_ATTENTION],
+        (f"lm_{size}_{length}", module + [
+            "posenc_jax.benchmarks.steps", "--size", size, "--length", str(length), "--batch",
+            str(batch), "--dtype", "bfloat16", "--step", "trainer", "--model", "lm",
+            "--baseline", baseline, "--schemes", schemes])]
   raise ValueError(f"phase: got {phase!r}; allowed: {', '.join(PHASES)}")
 
 

@@ -156,14 +156,24 @@ def test_every_layer_takes_the_kernel_in_either_layout(on_platform, scan_layers,
   assert text.count(TRITON) == layers * 3  # forward, dq, dk/dv
 
 
-@pytest.mark.parametrize("platform, kernel", [("gpu", TRITON), ("tpu", MOSAIC)])
-def test_forgetting_gates_take_the_pallas_kernel(on_platform, platform, kernel):
-  """The language model's bf16 step with forgetting gates: the row and column vectors go to
-  the Pallas kernel (forward, dq with the rows' gradient, dk/dv with the columns')."""
-  on_platform(platform)
+def test_forgetting_gates_take_the_pallas_kernel_on_tpu(on_platform):
+  """The language model's bf16 step with forgetting gates on a TPU: the row and column vectors
+  go to the Pallas kernel (forward, dq with the rows' gradient, dk/dv with the columns')."""
+  on_platform("tpu")
   text = lowered_train_step(_train_config("bert_tiny,fox", "lm", attention_dropout_rate=0.0),
-                            "cuda" if platform == "gpu" else "tpu")
-  assert text.count(kernel) >= 3
+                            "tpu")
+  assert text.count(MOSAIC) >= 3
+
+
+@pytest.mark.parametrize("preset", ["fox", "alibi"])
+def test_causal_separable_terms_fold_into_channels_for_cudnn(on_platform, preset):
+  """The language model's bf16 step with forget gates or causal ALiBi on a GPU: the key
+  vector folds into q/k channels and cuDNN runs forward and backward without a bias; no
+  Triton kernel is left."""
+  on_platform("gpu")
+  text = lowered_train_step(_train_config(f"bert_tiny,{preset}", "lm",
+                                          attention_dropout_rate=0.0), "cuda")
+  assert text.count(CUDNN) >= 2 and TRITON not in text
 
 
 def test_tpu_training_step_takes_the_pallas_kernels(on_platform):

@@ -153,14 +153,18 @@ def test_bfloat16_inputs_keep_the_vectors_in_float32():
   assert np.abs(run(rounded, -rounded).astype(jnp.float32) - want).max() > 0.2
 
 
-FORMS = [TermForm("ForgettingGates", entry="separable")]
+FORMS = [TermForm("ForgettingGates", entry="separable", causal_separable=True)]
 SHAPE = (2, 512, 4, 64)
 
 
 @pytest.mark.parametrize("device,mask,want", [
-    # The kernel takes the two vectors; the Hopper passes decline them.
-    (route_plan.Device("gpu", "NVIDIA H100 80GB HBM3", "9.0"), "key",
+    # Packed segments (cuDNN takes no segment ids): the kernel takes the two vectors; the
+    # Hopper passes decline them.
+    (route_plan.Device("gpu", "NVIDIA H100 80GB HBM3", "9.0"), "segments",
      ("kernel", ("vectors",), "tiles", True)),
+    # Without packed segments, the key vector folds into q/k channels for cuDNN.
+    (route_plan.Device("gpu", "NVIDIA H100 80GB HBM3", "9.0"), "key",
+     ("dot_product_attention", ("channels",), "tiles", False)),
     # No splash attention on TPU: it takes no bias.
     (route_plan.Device("tpu", "TPU v5 lite"), "none", ("kernel", ("vectors",), "tiles", True)),
     # A 4-D mask: the kernel cannot run, dot_product_attention takes r_i + s_j as a bias.
@@ -168,7 +172,10 @@ SHAPE = (2, 512, 4, 64)
      ("dot_product_attention", ("broadcast",), None, None)),
 ])
 def test_the_plan_sends_separable_terms_to_the_kernel(device, mask, want):
-  plan = route_plan.plan(SHAPE, SHAPE, SHAPE, "bfloat16", FORMS, mask=mask, causal=True,
+  assert FORMS == [term(*gate_params(), inputs()).fused_form()]
+  segments = mask == "segments"
+  plan = route_plan.plan(SHAPE, SHAPE, SHAPE, "bfloat16", FORMS,
+                         mask="key" if segments else mask, causal=True, segments=segments,
                          device=device, table=route_table.RouteTable())
   kernel = plan.kernel
   got = (plan.runner, plan.entries, kernel and kernel.forward,

@@ -25,7 +25,7 @@ def test_every_bench_command_passes_the_bench_flag_checks(phase, tmp_path):
   for bench, argv in benches:
     args = bench.parse_args(argv)
     assert args.dtype == "bfloat16" and (bench is routes or args.size in ("base", ("base",))
-                                         or phase == "issue40")  # and BERT-small at 8k
+                                         or phase in ("issue40", "issue51"))  # BERT-small, 8k
   if phase == "kernels":
     assert [bench.parse_args(a).length for bench, a in benches] == list(gpu_session.LENGTHS)
 
@@ -88,6 +88,22 @@ def test_issue40_lists_the_anchors_first_then_its_shapes(capsys):
       ("base", 512, 32, "bfloat16", "trainer", "bert")]
   assert models[0].schemes == ("none", "alibi", "kerple_log", "fire", "fox")
   assert models[1].schemes == ("bert", "alibi", "kerple_log", "t5", "cope", "fire")
+
+
+def test_issue51_times_the_channel_rows_causal_and_the_causal_lms(capsys):
+  assert gpu_session.main(["issue51", "--dry_run"]) == 0
+  lines = capsys.readouterr().out.splitlines()
+  assert [line.split()[0] for line in lines] == [
+      "torch_flex_alibi", "attention_causal_8192", "attention_causal_512", "lm_small_8192"]
+  argvs = [argv for _, argv in gpu_session.commands("issue51", "routes.json")]
+  attention = [routes.parse_args(argv[3:]) for argv in argvs[1:3]]
+  assert [(a.batch, a.length, a.causal, a.dtype) for a in attention] == [
+      (2, 8192, True, "bfloat16"), (32, 512, True, "bfloat16")]
+  lm = steps.parse_args(argvs[3][3:])
+  assert (lm.size, lm.length, lm.batch, lm.model, lm.baseline, lm.schemes) == (
+      "small", 8192, 2, "lm", "none", ("none", "alibi", "fox"))
+  names = [k.name for k in routes.ATTENTION_KERNELS]
+  assert "cudnn alibi channels" in names and "cudnn fox channels" in names
 
 
 def test_issue40_keeps_to_9_minutes_by_default(tmp_path, monkeypatch):

@@ -9,8 +9,9 @@ It times attention alone, q/k/v ``[B, L, H, D]`` (``--batch``,
 per kernel of :data:`ATTENTION_KERNELS`: the Pallas Toeplitz kernel with an
 offset bias ``[H, 2L - 1]`` (and again with attention dropout 0.1), the Pallas
 kernel without a bias, cuDNN (``jax.nn.dot_product_attention``) without a bias
-and with the bias materialised as ``[1, H, L, L]``, and the materialised XLA
-reference route without and with that bias. ``--rank R`` adds two rows for a batch-free
+and with the bias materialised as ``[1, H, L, L]``, with ``--causal`` causal ALiBi and FoX's
+forget gates folded into q/k channels for cuDNN (:mod:`posenc_jax.terms.channels`), and the
+materialised XLA reference route without and with that bias. ``--rank R`` adds two rows for a batch-free
 factored term ``u.v`` of rank ``R`` (DIET-ABS's ``d_p``) on the fused route: folded into q/k
 (``D + R`` wide) and materialised as a ``[1, H, L, L]`` bias. Each row that is a route
 attention can take runs through :func:`posenc_jax.attend` (the bias as a Toeplitz term of
@@ -68,7 +69,7 @@ from posenc_jax.models.config import DTYPES
 from posenc_jax.route_plan import cudnn_unsupported
 from posenc_jax.schemes.alibi import LinearDistance
 from posenc_jax.schemes.kerple import KernelDistance
-from posenc_jax.terms import Factored, Toeplitz
+from posenc_jax.terms import Factored, ForgettingGates, Toeplitz
 
 PROG = "posenc_jax.benchmarks.routes"
 
@@ -92,7 +93,9 @@ class Request(NamedTuple):
   Attributes:
     term: ``toeplitz`` (a :class:`~posenc_jax.terms.Toeplitz` term whose table is the offset
       vector ``[H, 2L - 1]``, :func:`offset_vector`), ``factored`` (a batch-free
-      :class:`~posenc_jax.terms.Factored` term ``u.v`` of rank ``--rank``) or None (no term).
+      :class:`~posenc_jax.terms.Factored` term ``u.v`` of rank ``--rank``), ``alibi`` (causal
+      ALiBi, slopes ``|x_h0| + 0.1`` of the vector), ``fox`` (forget gates from biases
+      ``x_h0 + 2`` alone) or None (no term).
     route: attend's ``route``.
     implementation: attend's ``implementation``.
     ways: the ways forced over an empty route table, as ``(name, way)`` pairs of
@@ -116,7 +119,8 @@ class Kernel(NamedTuple):
   Attributes:
     name: the row's name.
     family: ``pallas`` (:func:`posenc_jax.kernels.relative_flash_attention`), ``cudnn``
-      (:func:`jax.nn.dot_product_attention` on cuDNN), ``xla`` (``attend``'s materialised
+      (:func:`jax.nn.dot_product_attention` on cuDNN), ``channels`` (a separable causal term
+      folded into q/k channels, then cuDNN), ``xla`` (``attend``'s materialised
       ``reference`` route) or ``fused`` (``attend``'s fused route with a batch-free
       :class:`~posenc_jax.terms.Factored` term of rank ``--rank``: ``bias`` False folds it into
       q/k, True materialises it).
@@ -152,6 +156,8 @@ class Kernel(NamedTuple):
   def bias_text(self) -> str:
     if self.family == "fused":
       return "factored u.v, " + ("materialised [1, H, L, L]" if self.bias else "folded: D+R wide")
+    if self.family == "channels":
+      return f"{self.request.term} key vector in q/k channels"
     text = ("offsets [H, 2L-1]" if self.family == "pallas" else "materialised [1, H, L, L]"
             ) if self.bias else "none"
     if self.closed:
@@ -189,6 +195,10 @@ ATTENTION_KERNELS = (
     Kernel("cudnn no bias", "cudnn", bias=False, request=Request(None, implementation="cudnn")),
     Kernel("cudnn bias", "cudnn", bias=True,
            request=Request("toeplitz", implementation="cudnn", ways=(("toeplitz", True),))),
+    # Causal ALiBi and the forget gates with --causal: the key vector folded into q/k channels
+    # for cuDNN without a bias (posenc_jax.terms.channels); n/a without --causal.
+    Kernel("cudnn alibi channels", "channels", bias=True, request=Request("alibi")),
+    Kernel("cudnn fox channels", "channels", bias=True, request=Request("fox")),
     Kernel("xla no bias", "xla", bias=False, request=Request(None, route="reference")),
     Kernel("xla bias", "xla", bias=True, request=Request("toeplitz", route="reference")),
 )
@@ -225,6 +235,10 @@ def _terms(request: Request, x) -> list:
   for a factored term ``(u, v)``, each ``[L, H, R]`` (arrays or shapes)."""
   if request.term == "toeplitz":
     return [Toeplitz(x, offset_vector)]
+  if request.term == "alibi":  # causal ALiBi, its slopes read from the vector
+    return [Toeplitz(jnp.abs(x[:, :1]) + 0.1, LinearDistance(causal=True))]
+  if request.term == "fox":  # bias-only forget gates (no layer input), one bias per head
+    return [ForgettingGates(jnp.zeros((1, x.shape[0]), jnp.float32), x[:, 0] + 2.0)]
   return [Factored(*x)] if request.term == "factored" else []
 
 
@@ -236,6 +250,8 @@ def row_plan(kernel: Kernel, q: jax.Array, *, causal: bool, rank: int = 0) -> ro
   request = kernel.request
   x = (jax.ShapeDtypeStruct((length, heads, rank), jnp.float32),) * 2 if (
       request.term == "factored") else jax.ShapeDtypeStruct((heads, 2 * length - 1), jnp.float32)
+  if request.term in ("alibi", "fox"):  # their parameters are read from the vector's values
+    x = jnp.zeros(x.shape, x.dtype)
   return route_plan.plan_for(q, q, q, _terms(request, x), causal=causal,
                              dropout=kernel.dropout > 0, route=request.route,
                              implementation=request.implementation, table=request.table)
@@ -254,6 +270,8 @@ def plan_problem(kernel: Kernel, plan: route_plan.Plan) -> str | None:
           "dot_product_attention", "cudnn", ("table",) if kernel.bias else ()),
       "xla": plan.route == "reference",
       "fused": plan.entries == (("table",) if kernel.bias else ("fold",)),
+      "channels": (plan.runner, plan.implementation, plan.entries) == (
+          "dot_product_attention", "cudnn", ("channels",)),
   }[kernel.family]
   return None if wanted else f"attend plans {_one_line(plan, '; ')}"
 

@@ -2,13 +2,14 @@
 
   python -m posenc_jax.benchmarks.steps [--size tiny|small|base] [--length 128] [--batch 8]
       [--schemes bert,diet_abs,diet_rel,...] [--baseline bert] [--route auto]
-      [--dtype float32|bfloat16] [--step trainer|every_token] [--repeats 10] [--json out.json]
+      [--dtype float32|bfloat16] [--step trainer|every_token] [--model auto|lm|mlm]
+      [--repeats 10] [--json out.json]
 
 For every scheme preset (``posenc_jax.presets.SCHEME_PRESETS``) it builds the
 masked-LM BERT of the given size, or the causal language model of that size for a
 causal-only scheme (CoPE, the forgetting gates: no encoder form) and its baseline
 (:func:`posenc_jax.benchmarks.model_steps.model_of`; the ``model`` column: ``mlm`` or
-``lm``), compiles a training step and an inference step, and times both
+``lm``; ``--model lm`` builds the causal LM for every row, where ALiBi is causal), compiles a training step and an inference step, and times both
 after warm-up as the median of ``--repeats`` runs, each timed alternately with the
 baseline on the same model (default ``bert``: Devlin et al.'s input table; ``--baseline none``
 compares against the same attention with no positional term) so that load
@@ -70,6 +71,7 @@ PROG = "posenc_jax.benchmarks.steps"
 DEFAULT_SCHEMES = ("bert", "shaw", "t5", "tupe_a", "tupe_r", "diet_rel", "diet_rel_share",
                    "diet_abs", "diet_abs_share", "alibi", "rope", "kerple_log", "fire", "xpos",
                    "cope", "fox")
+MODELS = ("auto", "lm", "mlm")  # --model: the model every row builds (auto: model_of)
 
 
 def estimated_memory(cfg, batch: int, length: int, head: str = "mlm",
@@ -113,6 +115,10 @@ def parse_args(argv=None):
                       f"(default {','.join(DEFAULT_SCHEMES)})")
   parser.add_argument("--baseline", type=cli.one_of(POSITION_PRESETS), default=BASELINE,
                       help=f"scheme preset to divide by (default {BASELINE})")
+  parser.add_argument("--model", type=cli.one_of(MODELS), default=MODELS[0],
+                      help="auto: the masked-LM BERT, the causal LM for a causal-only scheme "
+                      "and its baseline; lm: the causal LM for every row (causal ALiBi, T5's "
+                      "unidirectional buckets); mlm: BERT for every row (default auto)")
   parser.add_argument("--json", default=None, help="also write the rows to this file")
   return flags.parse_checked(parser, argv)
 
@@ -143,7 +149,7 @@ def main(argv=None):
         f"{'tokens/s':>11}{'peak MB':>9}{'est MB':>8}{'MFU':>7}{'compile s':>11}{'model':>6}")
   rows = []
   for scheme in args.schemes:
-    head = model_of(scheme, args.baseline)
+    head = model_of(scheme, args.baseline) if args.model == "auto" else args.model
     base_train, base_infer, _, _ = steps(args.baseline, head)
     train, infer, cfg, first = steps(scheme, head)
     train_s, train_base = timed_against(train, base_train, args.repeats)

@@ -67,6 +67,11 @@ class LinearDistance:
     distance = jnp.maximum(-rel, 0) if self.causal else jnp.abs(rel)
     return -slopes * distance.astype(jnp.float32)
 
+  def causal_slope(self, slopes: Array) -> Array:
+    """``m`` ``[H|1]`` of ``slopes`` ``[H|1, 1]``: on the causal half (``rel = j - i <= 0``)
+    both forms are ``m (j - i)``, separable (:meth:`posenc_jax.terms.Toeplitz.key_vector`)."""
+    return slopes[..., 0]
+
   def __call__(self, slopes: Array, rel: Array) -> Array:
     return self.closed((slopes,), rel)
 

@@ -34,6 +34,9 @@ Each attention term implements the same small protocol, used by
 * ``fused(q, scale) -> FusedPart``: what the fused route needs instead.
 * ``fused_form() -> TermForm``: how that part enters the fused route, from static
   attributes alone (what the route plan, :mod:`posenc_jax.route_plan`, asks).
+* ``key_vector(k_len) -> [B|1, H|1, Lk]``: ``s`` of a term that is ``r_i + s_j`` under a
+  causal mask (its form's ``causal_separable``: causal ALiBi, the forgetting gates), which
+  the fused route may fold into q/k channels and run on cuDNN (``channels.py``).
 * ``value_output(probs) -> [B, Lq, H, D] | None``: an extra contribution to
   the attention output (Shaw's value term).
 * ``slice_queries(start, size) -> Term``: the same term restricted to query
@@ -61,7 +64,8 @@ Each attention term implements the same small protocol, used by
 The protocol (with :class:`FusedPart`, :class:`TermForm` and the shape checks the forms
 share) is ``protocol.py``; the offsets ``j - i`` and the tables read at them are
 ``offset_tables.py``; :class:`SchemeTerms`, which carries one scheme's terms and their layer
-axis, is ``scheme_terms.py``.
+axis, is ``scheme_terms.py``; a key vector folded into q/k channels (split in parts exact
+enough for bfloat16) is ``channels.py``.
 
 Slicing counts the query axis from the end of each array (``-2`` for
 ``[.., Lq, Lk]``, ``-3`` for ``[.., Lq, H, r]``), so it works on a term of
@@ -69,6 +73,7 @@ one layer and on a :class:`SchemeTerms` term with its leading layer axis.
 """
 
 from posenc_jax.terms.bias import Bias
+from posenc_jax.terms.channels import key_channels
 from posenc_jax.terms.contextual import ContextualPositions, contextual_positions
 from posenc_jax.terms.embedding import InputEmbedding
 from posenc_jax.terms.factored import Factored
@@ -85,7 +90,7 @@ from posenc_jax.terms.toeplitz import Toeplitz
 __all__ = [
     "Bias", "ContextualPositions", "Factored", "ForgettingGates", "FusedPart", "InputEmbedding",
     "QKShift", "QueryRelative", "Rotation", "SchemeTerms", "Term", "TermForm", "Toeplitz",
-    "contextual_positions", "id_offsets", "layer_terms", "lookup", "lookup_rows", "offsets",
+    "contextual_positions", "id_offsets", "key_channels", "layer_terms", "lookup", "lookup_rows", "offsets",
     "relative_offsets", "rotate_pairs", "segment_cumsum", "skew_offsets", "slice_rows",
     "toeplitz_bias", "toeplitz_bias_at",
 ]

@@ -129,8 +129,12 @@ class ForgettingGates(Term):
     rows, cols = self.vectors(q.shape[1])
     return rows[..., :, None] + cols[..., None, :]
 
+  def key_vector(self, k_len):
+    del k_len  # the gates' keys
+    return self.vectors(1)[1]
+
   def fused_form(self):
-    return self._form(entry="separable")
+    return self._form(entry="separable", causal_separable=True)
 
   def fused(self, q, scale):
     del scale

@@ -73,6 +73,10 @@ class TermForm:
       its offset function is a closed form of the offset and a few parameters per head (it
       has a ``closed`` method and names it ``closed_form``: ALiBi, KERPLE) that the kernel
       can evaluate in its tiles (:class:`FusedPart`'s ``offset_fn``); else None.
+    causal_separable: under a causal mask the term is ``r_i + s_j`` on every key it keeps
+      (causal ALiBi, the forget gates): a row constant drops out of the softmax, so
+      :meth:`Term.key_vector`'s ``s`` alone can be folded into q/k channels
+      (:mod:`posenc_jax.terms.channels`).
   """
 
   name: str
@@ -82,6 +86,7 @@ class TermForm:
   rank: int = 0
   zero_first: bool = False
   closed: str | None = None
+  causal_separable: bool = False
 
 
 class Term:
@@ -107,6 +112,11 @@ class Term:
   def fused(self, q: Array, scale: float) -> FusedPart:
     del q, scale
     return FusedPart()
+
+  def key_vector(self, k_len: int) -> Array:
+    """``s`` ``[B|1, H|1, Lk]`` float32 of a term whose form is ``causal_separable``: the term
+    equals ``r_i + s_j`` wherever ``j <= i``."""
+    raise NotImplementedError(f"{type(self).__name__} is not separable under a causal mask")
 
   def value_output(self, probs: Array) -> Array | None:
     del probs

@@ -96,11 +96,23 @@ class Toeplitz(Term):
   def logits(self, q, scale):
     return self.materialise(*self._lengths(q)).logits(q, scale)
 
+  def key_vector(self, k_len):
+    """``m_h p_j`` ``[B|1, H|1, Lk]`` for an offset function linear on the causal half,
+    ``f(j - i) = m_h (j - i)`` for ``j <= i`` (its ``causal_slope(table)`` gives ``m``
+    ``[H|1]``; ALiBi in either form), ``p`` the keys' positions (``position_ids``, else
+    ``0 .. Lk - 1``: a decoding step's query offset moves only the rows)."""
+    slope = self.offset_fn.causal_slope(self.table).astype(jnp.float32)
+    positions = (jnp.arange(k_len)[None] if self.position_ids is None
+                 else self.position_ids).astype(jnp.float32)
+    return slope[None, :, None] * positions[:, None, :]
+
   def fused_form(self):
+    separable = hasattr(self.offset_fn, "causal_slope") and not self.zero_first
     if self.q_offset is not None or self.position_ids is not None:
-      return self._form(entry="bias")
+      return self._form(entry="bias", causal_separable=separable)
     return self._form(entry="toeplitz", table_form="toeplitz", zero_first=self.zero_first,
-                      closed=getattr(self.offset_fn, "closed_form", None))
+                      closed=getattr(self.offset_fn, "closed_form", None),
+                      causal_separable=separable)
 
   def fused(self, q, scale):
     if self.q_offset is not None or self.position_ids is not None:
