@@ -26,6 +26,12 @@ workdirs made elsewhere (a cluster; ``gs://`` works), written into ``--workdir``
 (the experiment's, given one): runs that differ are one error line and nothing is written.
 A compare ROOT's ``cost.json`` (in ``--workdir`` or a folder given) is shown beside them.
 ``--dry_run`` prints each cell's commands, to submit to a scheduler, and writes nothing.
+``--dry_run --format=slurm`` prints a Slurm job-array script instead (one task per group of
+cells that run in order; ``--task=K`` runs task K: :mod:`posenc_jax.comparison.formats`).
+``--parallel=N`` (``auto``: one per GPU, TPU chip or CPU core) runs N cells at once on this
+host, the devices split evenly between them (``CUDA_VISIBLE_DEVICES``, the TPU runtime's
+visible chips, a CPU set: :mod:`posenc_jax.comparison.slots`); everything above holds, and
+the cost is timed after the cells, alone.
 """
 
 import json
@@ -43,6 +49,14 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "ROOT: the cells' folders and th
 _COLLECT = flags.DEFINE_bool("collect", False, "build the tables from the workdirs given as "
                              "arguments (default: ROOT's cells), running nothing")
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "print each cell's command lines, run nothing")
+_FORMAT = flags.DEFINE_string("format", "lines", "with --dry_run: lines (each cell's "
+                              "commands) or slurm (a job-array batch script)")
+_TASK = flags.DEFINE_integer("task", None, "run only task K of the grid (a job array's index: "
+                             "a cell, with the cells that fine-tune its model), no cost, no "
+                             "tables", lower_bound=0)
+_PARALLEL = flags.DEFINE_string("parallel", "1", "cells at once on this host: N, or auto (one "
+                                "per GPU, TPU chip or CPU core); the devices split evenly "
+                                "between them")
 PROG = "compare"
 COST_FILE = "cost.json"
 RESULTS_FILE = "results.json"
@@ -168,15 +182,17 @@ def measure_cost(config, root: str, say=None):
   return rows
 
 
-def compare(config, root: str, run_cell=None, say=None, command: str | None = None):
+def compare(config, root: str, run_cell=None, say=None, command: str | None = None,
+            slots=None):
   """Runs ``config``'s grid under ``root`` (:func:`posenc_jax.comparison.run.run_grid`;
-  ``run_cell`` defaults to the subprocesses), measures the cost, writes the results;
-  returns the summary."""
+  ``run_cell`` defaults to the subprocesses; ``slots``: cells at once, each on its slot's
+  devices), measures the cost (after every cell, alone), writes the results; returns the
+  summary."""
   from posenc_jax.comparison import plan, report, run  # noqa: PLC0415
 
   say = say or run.progress
   cells = plan.cells(config, root)
-  records, failed = run.run_grid(cells, run_cell or run.run_steps, say)
+  records, failed = run.run_grid(cells, run_cell or run.run_steps, say, slots=slots)
   summary = summarise(records, failed, config, measure_cost(config, root, say))
   summary["provenance"] = provenance([root], command or "posenc_jax.compare.compare(config, "
                                      f"{root!r})")
@@ -190,10 +206,36 @@ def _command() -> str:
   return shlex.join(["python", "-m", "posenc_jax.compare", *sys.argv[1:]])
 
 
+def _task_command() -> list[str]:
+  """This command line as one job-array task runs it: without ``--dry_run`` and ``--format``,
+  with ``--task=$SLURM_ARRAY_TASK_ID``."""
+  keep = [a for a in sys.argv[1:] if not a.startswith(("--dry_run", "--nodry_run", "--format",
+                                                       "--task", "--parallel"))]
+  return [sys.executable, "-m", "posenc_jax.compare", *keep, "--task=$SLURM_ARRAY_TASK_ID"]
+
+
+def run_task(cells, task: int, run_cell=None, say=None) -> None:
+  """Runs task ``task`` of the grid (:func:`posenc_jax.comparison.plan.groups`: a cell, with
+  the cells that fine-tune its pre-trained model, in order) as the local run would, into the
+  same folders; one line naming the task when it is out of range, exit status 1 when a cell
+  failed."""
+  from posenc_jax.comparison import plan, run  # noqa: PLC0415
+
+  ordered = plan.groups(cells)
+  if task >= len(ordered):
+    sys.exit(f"{PROG}: --task: got {task}; allowed: 0..{len(ordered) - 1} (the grid's tasks)")
+  _, failed = run.run_grid([cells[i] for i in ordered[task]], run_cell or run.run_steps,
+                           say or run.progress)
+  if failed:
+    cli.exit_with(PROG, f"task {task}: {len(failed)} cell(s) failed: "
+                  + ", ".join(f["cell"] for f in failed))
+
+
 def main(argv):
   from etils import epath  # noqa: PLC0415
 
-  from posenc_jax.comparison import collect, estimate, plan, report, run  # noqa: PLC0415
+  from posenc_jax.comparison import (collect, estimate, formats, plan, report, run,  # noqa: PLC0415
+                                     slots)
 
   logging.set_verbosity(logging.WARNING)  # JAX's backend lines before the cost is timed
   allocator.keep_freed_buffers()  # the cost's steps, timed here
@@ -219,16 +261,22 @@ def main(argv):
       if config is None:
         sys.exit(f"{PROG}: --config: required, e.g. configs/compare.py:extrapolation")
       cells = plan.cells(config, root)
+      if _FORMAT.value not in formats.FORMATS:
+        hint = messages.nearest(_FORMAT.value, list(formats.FORMATS))
+        sys.exit(f"{PROG}: --format: got {_FORMAT.value!r}{hint} allowed: "
+                 f"{', '.join(formats.FORMATS)}")
       if _DRY_RUN.value:
-        for cell in cells:
-          print(f"# {cell.name}")
-          for step in cell.steps:
-            print(shlex.join(step.command()))
-        print(estimate.summary_line(cells, config.get("device", "cpu")))
+        print(formats.FORMATS[_FORMAT.value](
+            cells, plan.groups(cells), _task_command(),
+            estimate.summary_line(cells, config.get("device", "cpu"))))
         return
+      if _TASK.value is not None:
+        run_task(cells, _TASK.value)
+        return
+      chosen = slots.slots(_PARALLEL.value) if _PARALLEL.value != "1" else None
       cli.check_output_dir("workdir", root)
-      summary = compare(config, root, command=_command())
-  except (plan.PlanError, collect.CollectError, cli.OutputPathError) as e:
+      summary = compare(config, root, command=_command(), slots=chosen)
+  except (plan.PlanError, collect.CollectError, cli.OutputPathError, slots.SlotError) as e:
     cli.exit_with(PROG, e)
   except run.StepInterrupted as e:  # the step saved and stopped; so does compare
     print(f"{PROG}: {e}", file=sys.stderr, flush=True)

@@ -319,3 +319,24 @@ def cells(config: ml_collections.ConfigDict, root: str) -> list[Cell]:
                 params_only=params_only))
         out.append(Cell(size, scheme, seed, folder, tuple(steps)))
   return out
+
+
+def groups(cells: list[Cell]) -> list[list[int]]:
+  """The cells (indices into ``cells``) that must run in order, one after another: a cell
+  that fine-tunes another cell's pre-trained model (``pretrain_seeds``) joins that cell's
+  group. Each group in the cells' order, its cells too; groups can run at once (a job
+  array's task, a slot of ``compare --parallel``)."""
+  made = {step.workdir: index for index, cell in enumerate(cells) for step in cell.steps
+          if step.name == "train"}
+  owner = list(range(len(cells)))
+  for index, cell in enumerate(cells):
+    for step in cell.steps:
+      for arg in step.argv:
+        source = made.get(arg.partition("=")[2]) if arg.startswith("--init_checkpoint=") else None
+        if source is not None and source != index:
+          owner[index] = owner[source]
+  out: dict[int, list[int]] = {}
+  for index, root in enumerate(owner):
+    out.setdefault(root, []).append(index)
+  return list(out.values())
+

@@ -1,6 +1,10 @@
-"""Runs an experiment's cells in sequence, each step a subprocess (``python -m
-posenc_jax.train``, ``posenc_jax.finetune``, ``posenc_jax.evaluate``) whose output goes to
-``<cell>/log.txt``, so that a crashing cell is reported and the others go on.
+"""Runs an experiment's cells, each step a subprocess (``python -m posenc_jax.train``,
+``posenc_jax.finetune``, ``posenc_jax.evaluate``) whose output goes to ``<cell>/log.txt``, so
+that a crashing cell is reported and the others go on: one at a time, or with ``slots``
+(:mod:`posenc_jax.comparison.slots`) as many at once, each on the devices of a slot of its
+own, the next cell starting as a slot frees. A progress line says when each cell starts and
+ends, another at least every :data:`HEARTBEAT_S` seconds which cells are running and the
+grid's ETA, and one the whole grid's outcome at the end.
 
 A cell that completes gets ``<cell>/cell.json`` (written atomically: its records, read from
 its workdirs by :mod:`~posenc_jax.comparison.collect`); a rerun runs only the steps added
@@ -14,29 +18,39 @@ next run finishes the compaction.
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import dataclasses
 import json
+import os
+import queue
 import signal
 import subprocess
+import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import IO, Any
 
 from etils import epath
 
 from posenc_jax.comparison.collect import collect, recorded_seconds
-from posenc_jax.comparison.plan import Cell, Step
+from posenc_jax.comparison.plan import Cell, Step, groups
 from posenc_jax.comparison.report import write_atomic
+from posenc_jax.comparison.slots import Slot
 from posenc_jax.messages import first_line
 
 MARKER = "cell.json"
 LOG = "log.txt"
+HEARTBEAT_S = 60.0  # the longest a grid goes without a progress line
+_PRINTING = threading.Lock()
 
 
 def progress(line: str) -> None:
-  """Prints a progress line at once (a log file or a pipe would otherwise buffer it)."""
-  print(line, flush=True)
+  """Prints a progress line at once (a log file or a pipe would otherwise buffer it), whole
+  even when cells running at once print together."""
+  with _PRINTING:
+    print(line, flush=True)
 
 
 class CellFailed(RuntimeError):
@@ -55,39 +69,83 @@ class StepInterrupted(Exception):
                      "command resumes")
 
 
-def subprocess_status(command: list[str], out: IO[str]) -> int:
+def pinned(command: list[str], cpus: tuple[int, ...]) -> list[str]:
+  """``command`` run on the cores ``cpus`` alone: a bare interpreter sets its affinity, then
+  becomes the command (``os.execvp``; no ``preexec_fn``, which is unsafe once this process has
+  threads, as JAX's)."""
+  return [sys.executable, "-c", "import os, sys; os.sched_setaffinity(0, "
+          f"{set(cpus)!r}); os.execvp(sys.argv[1], sys.argv[1:])", *command]
+
+
+class _Steps:
+  """The steps running now, in any thread, and the signals this process got while they ran:
+  SIGTERM and SIGINT go to every one of them (:func:`forwarding`)."""
+
+  def __init__(self):
+    self.lock = threading.Lock()
+    self.running: set[subprocess.Popen] = set()
+    self.received: list[int] = []
+
+  def forward(self, signum, frame):
+    del frame
+    with self.lock:
+      self.received.append(signum)
+      for child in self.running:
+        child.send_signal(signum)
+
+
+_STEPS = _Steps()
+
+
+@contextlib.contextmanager
+def forwarding() -> Iterator[None]:
+  """While inside, SIGTERM and SIGINT go to every running step (the main thread only: Python
+  takes signals there; elsewhere, and inside an outer ``forwarding``, nothing changes)."""
+  installed = {}
+  if (threading.current_thread() is threading.main_thread()
+      and signal.getsignal(signal.SIGTERM) != _STEPS.forward):
+    installed = {sig: signal.signal(sig, _STEPS.forward) for sig in (signal.SIGTERM,
+                                                                     signal.SIGINT)}
+  try:
+    yield
+  finally:
+    for sig, handler in installed.items():
+      signal.signal(sig, handler)
+
+
+def subprocess_status(command: list[str], out: IO[str], slot: Slot | None = None) -> int:
   """Runs ``command`` with its output (stdout and stderr) in ``out``; returns its status.
+  ``slot``: its variables go into the step's environment and, on CPUs, the step runs on the
+  slot's cores.
 
   SIGTERM and SIGINT that this process gets while the step runs go to the step, which stops
   as it does on its own (a trainer saves its current step); then :class:`StepInterrupted`
-  (not a failed cell: a rerun resumes the step). Outside the main thread, where Python takes
-  no signals, the step just runs."""
-  child = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
-                           stdin=subprocess.DEVNULL)
-  received = []
-
-  def forward(signum, frame):
-    del frame
-    received.append(signum)
-    child.send_signal(signum)
-
-  previous = {}
-  if threading.current_thread() is threading.main_thread():
-    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
-  try:
-    status = child.wait()
-  finally:
-    for sig, handler in previous.items():
-      signal.signal(sig, handler)
+  (not a failed cell: a rerun resumes the step). Cells running at once in other threads get
+  the signals through the main thread's :func:`forwarding`."""
+  env = {**os.environ, **slot.env} if slot is not None and slot.env else None
+  cpus = slot.cpus if slot is not None else None
+  with forwarding():
+    with _STEPS.lock:
+      before = len(_STEPS.received)
+      child = subprocess.Popen(pinned(command, cpus) if cpus else command, stdout=out,
+                               stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+      _STEPS.running.add(child)
+    try:
+      status = child.wait()
+    finally:
+      with _STEPS.lock:
+        _STEPS.running.discard(child)
+        received = _STEPS.received[before:]
   if received:
     raise StepInterrupted(received[0], status, command)
   return status
 
 
 def run_steps(cell: Cell, log: epath.Path,
-              launch: Callable[[list[str], IO[str]], int] = subprocess_status) -> None:
-  """Runs ``cell``'s steps in order through ``launch`` (default: subprocesses), their
-  output appended to ``log`` after each command line.
+              launch: Callable[[list[str], IO[str]], int] = subprocess_status,
+              slot: Slot | None = None) -> None:
+  """Runs ``cell``'s steps in order through ``launch`` (default: subprocesses; on ``slot``'s
+  devices where given), their output appended to ``log`` after each command line.
 
   Raises:
     CellFailed: ``<step> exited <status>: <its last output line>``.
@@ -97,7 +155,7 @@ def run_steps(cell: Cell, log: epath.Path,
     with log.open("a") as out:
       out.write(f"$ {' '.join(command)}\n")
       out.flush()
-      status = launch(command, out)
+      status = launch(command, out, slot) if slot is not None else launch(command, out)
     if status:
       lines = [line for line in log.read_text().splitlines() if line.strip()]
       raise CellFailed(f"{step.name} exited {status}: {lines[-1] if lines else 'no output'}")
@@ -166,50 +224,168 @@ def cell_records(cell: Cell) -> list[dict[str, Any]]:
           for r in collect([cell.folder])]
 
 
-def run_grid(cells: list[Cell], run_cell: Callable[[Cell, epath.Path], None] = run_steps,
-             say: Callable[[str], None] = progress) -> tuple[list[dict[str, Any]], list[dict]]:
+def _run_cell(index: int, cells: list[Cell], run_cell: Callable[..., None],
+              say: Callable[[str], None], slot: Slot | None) -> tuple[list, dict | None]:
+  """One cell of :func:`run_grid`: ``(its records, None)``, or ``([], the failure)``."""
+  cell = cells[index]
+  folder = epath.Path(cell.folder)
+  marker, log = folder / MARKER, folder / LOG
+  prefix = f"[{index + 1}/{len(cells)}] {cell.name}"
+  where = f" on {slot.name}" if slot is not None else ""
+  before = 0.0
+  if marker.exists():
+    missing = missing_steps(cell)
+    if not missing:
+      records = cell_records(cell)
+      say(f"{prefix}: finished before ({marker}), not rerun")
+      keep_final_params(cell, prefix, say)  # a run killed after cell.json, before or in it
+      return records, None
+    before = recorded_seconds(marker)
+    todo = dataclasses.replace(cell, steps=tuple(missing))
+    say(f"{prefix}: finished before; running its {len(missing)} new step(s){where}, output "
+        f"in {log}")
+  else:
+    todo = cell
+    folder.mkdir(parents=True, exist_ok=True)
+    say(f"{prefix}: running {len(cell.steps)} step(s){where}, output in {log}")
+  start = time.perf_counter()
+  try:
+    if slot is None:
+      run_cell(todo, log)
+    else:
+      run_cell(todo, log, slot=slot)
+    mine = cell_records(cell)
+  except (CellFailed, ValueError) as e:  # ValueError: a run that does not read (collect)
+    say(f"{prefix}: FAILED: {e} (log: {log})")
+    return [], {"cell": cell.name, "reason": str(e), "log": str(log)}
+  seconds = before + time.perf_counter() - start
+  write_atomic(marker, json.dumps({"cell": cell.name, "seconds": seconds, "records": mine},
+                                  indent=2, sort_keys=True))
+  say(f"{prefix}: done in {seconds:.0f} s")
+  keep_final_params(cell, prefix, say)
+  return mine, None
+
+
+class _Heartbeat:
+  """A progress line at least every ``every`` seconds while the grid runs: the cells done,
+  the ones running (with their time so far) and an ETA from the cells that ran here."""
+
+  def __init__(self, total: int, width: int, say: Callable[[str], None], every: float):
+    self.total, self.width, self.say, self.every = total, width, say, every
+    self.lock, self.stop = threading.Lock(), threading.Event()
+    self.running: dict[str, float] = {}
+    self.done, self.ran = 0, []
+    self.thread = threading.Thread(target=self._beat, daemon=True)
+
+  def started(self, name: str) -> None:
+    with self.lock:
+      self.running[name] = time.perf_counter()
+
+  def ended(self, name: str) -> None:
+    with self.lock:
+      start = self.running.pop(name, None)
+      self.done += 1
+      if start is not None and time.perf_counter() - start > 1.0:  # not a cell kept as it was
+        self.ran.append(time.perf_counter() - start)
+
+  def line(self) -> str:
+    with self.lock:
+      now = time.perf_counter()
+      running = ", ".join(f"{n} ({(now - t) / 60:.1f} min)" for n, t in self.running.items())
+      left = self.total - self.done
+      eta = ("no cell has finished here yet" if not self.ran else
+             f"ETA {sum(self.ran) / len(self.ran) * left / self.width / 60:.0f} min")
+    return (f"compare: {self.done}/{self.total} cells done; running {running or 'none'}; "
+            f"{eta}")
+
+  def _beat(self) -> None:
+    while not self.stop.wait(self.every):
+      self.say(self.line())
+
+  def __enter__(self):
+    self.thread.start()
+    return self
+
+  def __exit__(self, *exc):
+    self.stop.set()
+    self.thread.join()
+
+
+def run_grid(cells: list[Cell], run_cell: Callable[..., None] = run_steps,
+             say: Callable[[str], None] = progress, slots: list[Slot] | None = None,
+             heartbeat_s: float = HEARTBEAT_S) -> tuple[list[dict[str, Any]], list[dict]]:
   """Runs every cell without a ``cell.json`` through ``run_cell(cell, log_path)`` (and, of
-  a finished cell, the steps it lacks: :func:`missing_steps`), one progress line each,
-  then keeps each finished cell's final parameters only (:func:`keep_final_params`);
-  returns the records of all finished cells and the failed cells (``{"cell", "reason",
-  "log"}``).
+  a finished cell, the steps it lacks: :func:`missing_steps`), one progress line each as it
+  starts and ends, then keeps each finished cell's final parameters only
+  (:func:`keep_final_params`); returns the records of all finished cells and the failed
+  cells (``{"cell", "reason", "log"}``), in the cells' order.
+
+  With two or more ``slots`` (:mod:`posenc_jax.comparison.slots`), as many cells run at once,
+  each called as ``run_cell(cell, log_path, slot=slot)`` (:func:`run_steps` runs its steps on
+  the slot's devices); the next starts as a slot frees. Cells that fine-tune another's
+  pre-trained model run after it on its slot (:func:`~posenc_jax.comparison.plan.groups`). SIGTERM or SIGINT reaches every
+  running step (each saves), no further cell starts, and once they have stopped the first
+  :class:`StepInterrupted` is raised; the same command resumes.
 
   Raises:
     CollectError: a cell finished before whose workdirs no longer read.
+    StepInterrupted: see above.
   """
-  records, failed = [], []
-  for index, cell in enumerate(cells, 1):
-    folder = epath.Path(cell.folder)
-    marker, log = folder / MARKER, folder / LOG
-    prefix = f"[{index}/{len(cells)}] {cell.name}"
-    before = 0.0
-    if marker.exists():
-      missing = missing_steps(cell)
-      if not missing:
-        records += cell_records(cell)
-        say(f"{prefix}: finished before ({marker}), not rerun")
-        keep_final_params(cell, prefix, say)  # a run killed after cell.json, before or in it
-        continue
-      before = recorded_seconds(marker)
-      todo = dataclasses.replace(cell, steps=tuple(missing))
-      say(f"{prefix}: finished before; running its {len(missing)} new step(s), output in "
-          f"{log}")
+  width = len(slots) if slots and len(slots) > 1 else 1
+  results: list[tuple[list, dict | None] | None] = [None] * len(cells)
+  start = time.perf_counter()
+  with _Heartbeat(len(cells), width, say, heartbeat_s) as beat:
+
+    def one(index: int, slot: Slot | None) -> None:
+      beat.started(cells[index].name)
+      try:
+        results[index] = _run_cell(index, cells, run_cell, say, slot)
+      finally:
+        beat.ended(cells[index].name)
+
+    if width == 1:
+      for index in range(len(cells)):
+        one(index, None)
     else:
-      todo = cell
-      folder.mkdir(parents=True, exist_ok=True)
-      say(f"{prefix}: running {len(cell.steps)} step(s), output in {log}")
-    start = time.perf_counter()
-    try:
-      run_cell(todo, log)
-      mine = cell_records(cell)
-    except (CellFailed, ValueError) as e:  # ValueError: a run that does not read (collect)
-      failed.append({"cell": cell.name, "reason": str(e), "log": str(log)})
-      say(f"{prefix}: FAILED: {e} (log: {log})")
-      continue
-    seconds = before + time.perf_counter() - start
-    write_atomic(marker, json.dumps({"cell": cell.name, "seconds": seconds, "records": mine},
-                                    indent=2, sort_keys=True))
-    records += mine
-    say(f"{prefix}: done in {seconds:.0f} s")
-    keep_final_params(cell, prefix, say)
+      _run_in_parallel(groups(cells), slots, one)
+  records = [r for result in results if result for r in result[0]]
+  failed = [result[1] for result in results if result and result[1]]
+  where = f" on {width} slots ({'; '.join(s.name for s in slots)})" if width > 1 else ""
+  say(f"compare: {len(cells)} cells, {len(cells) - len(failed)} finished, {len(failed)} "
+      f"failed, in {(time.perf_counter() - start) / 60:.1f} min{where}")
   return records, failed
+
+
+def _run_in_parallel(ordered: list[list[int]], slots: list[Slot],
+                     one: Callable[[int, Slot], None]) -> None:
+  """``one(index, slot)`` for every index of every group of ``ordered``
+  (:func:`posenc_jax.comparison.plan.groups`: a group's cells in order, on one slot), as many
+  groups at once as there are slots, each on a free one; stops starting groups once a signal
+  came (:class:`_Steps`) and re-raises the first error once every started group has ended."""
+  free: queue.Queue[Slot] = queue.Queue()
+  for slot in slots:
+    free.put(slot)
+  futures, signals = [], len(_STEPS.received)
+  with forwarding(), concurrent.futures.ThreadPoolExecutor(len(slots)) as pool:
+    for group in ordered:
+      slot = None
+      while slot is None and len(_STEPS.received) == signals:
+        with contextlib.suppress(queue.Empty):
+          slot = free.get(timeout=0.2)
+      if slot is None:  # interrupted: no new cell
+        break
+
+      def work(group=group, slot=slot):
+        try:
+          for index in group:
+            if len(_STEPS.received) != signals:
+              break
+            one(index, slot)
+        finally:
+          free.put(slot)
+
+      futures.append(pool.submit(work))
+    concurrent.futures.wait(futures)
+  errors = [f.exception() for f in futures if f.exception() is not None]
+  if errors:
+    raise errors[0]
