@@ -44,6 +44,9 @@ from typing import Any, NoReturn
 from absl import flags
 
 from posenc_jax.messages import first_line, nearest
+# The paths a tool writes: below the core, which this front door opens (re-exported for the tools).
+from posenc_jax.paths import (OutputPathError, absolute, check_output_dir,  # noqa: F401
+                              check_output_file, is_remote)
 
 
 def _root(error: BaseException) -> BaseException:
@@ -462,58 +465,6 @@ def start_tensorflow_quietly() -> None:
       sys.stderr.write("".join(line for line in text.splitlines(keepends=True)
                                if not _TF_START_NOISE.match(line)))
       sys.stderr.flush()
-
-
-def is_remote(path: str | os.PathLike) -> bool:
-  """A URI (``gs://bucket/run``) that ``etils.epath`` reads and writes, not a local path."""
-  return "://" in os.fspath(path)
-
-
-def absolute(path: str | os.PathLike) -> str:
-  """A local path made absolute; a URI (:func:`is_remote`) as it is."""
-  return os.fspath(path) if is_remote(path) else os.path.abspath(path)
-
-
-def check_output_dir(field: str, path: str) -> str:
-  """Creates ``path`` (a directory the tool writes into) or raises ``ValueError`` naming
-  ``field``; returns :func:`absolute` of it. A URI is created through ``etils.epath``."""
-  if is_remote(path):
-    from etils import epath  # noqa: PLC0415
-
-    try:
-      epath.Path(path).mkdir(parents=True, exist_ok=True)
-    except Exception as e:  # noqa: BLE001 - each filesystem raises its own errors
-      raise OutputPathError(f"{field}: {path!r} cannot be created: {first_line(e)}") from None
-    return path
-  path = os.path.abspath(path)
-  parent = path
-  while not os.path.exists(parent):
-    parent = os.path.dirname(parent)
-  if not os.path.isdir(parent):
-    raise OutputPathError(f"{field}: {path!r} cannot be created: {parent!r} is a file")
-  try:
-    os.makedirs(path, exist_ok=True)
-  except OSError as e:
-    raise OutputPathError(f"{field}: {path!r} cannot be created: {e.strerror}") from None
-  if not os.access(path, os.W_OK | os.X_OK):
-    raise OutputPathError(f"{field}: {path!r} is not writable")
-  return path
-
-
-def check_output_file(field: str, path: str) -> str:
-  """Checks that ``path`` (a file the tool will write at the end) can be written, creating
-  its folder; raises ``OutputPathError`` naming ``field``. Returns the absolute path."""
-  path = os.path.abspath(path)
-  if os.path.isdir(path):
-    raise OutputPathError(f"{field}: {path!r} is a directory, not a file")
-  check_output_dir(field, os.path.dirname(path))
-  if os.path.exists(path) and not os.access(path, os.W_OK):
-    raise OutputPathError(f"{field}: {path!r} is not writable")
-  return path
-
-
-class OutputPathError(ValueError):
-  """A path a tool must write to cannot be written."""
 
 
 class ArgumentParser(argparse.ArgumentParser):

@@ -18,7 +18,7 @@ from typing import Any
 
 from etils import epath
 
-from posenc_jax.cli import OutputPathError, absolute, check_output_dir
+from posenc_jax.paths import OutputPathError, absolute, check_output_dir
 
 PROTECTED = ("checkpoints", "best")  # a workdir's folders an evaluation never writes into
 PLOT_HINT = 'the plot needs matplotlib: pip install "posenc-jax[analysis]"'

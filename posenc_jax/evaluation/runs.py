@@ -64,7 +64,7 @@ import numpy as np
 from etils import epath
 
 from posenc_jax import memory, presets, route_table
-from posenc_jax.cli import absolute
+from posenc_jax.paths import absolute
 from posenc_jax.data import probes, randomized_positions
 from posenc_jax.data import unigram
 from posenc_jax.evaluation import windows as windows_lib

@@ -1,6 +1,6 @@
 """The errors a user's config or run can raise: entry points print them as one line."""
 
-from posenc_jax.cli import OutputPathError
+from posenc_jax.paths import OutputPathError
 from posenc_jax.convert.hf_bert import ConversionError
 from posenc_jax.data.stdlib_corpus import CorpusError
 from posenc_jax.models.config import ModelConfigError

@@ -33,7 +33,7 @@ from flax.training import train_state
 from jax.experimental import multihost_utils
 
 from posenc_jax import route_table
-from posenc_jax.cli import OutputPathError, absolute, check_output_dir
+from posenc_jax.paths import OutputPathError, absolute, check_output_dir
 from posenc_jax.data import probes, unigram
 from posenc_jax.data.randomized_positions import randomized_batches
 from posenc_jax.models.build import build_model

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from etils import epath
 
-from posenc_jax.cli import is_remote
+from posenc_jax.paths import is_remote
 from posenc_jax.models.config import (HEADS, ModelConfig, causal_variant, model_config,
                                       position_schemes, scheme_dims)
 from posenc_jax.schemes.base import is_int

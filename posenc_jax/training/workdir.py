@@ -26,7 +26,7 @@ import jax
 import ml_collections
 from etils import epath
 
-from posenc_jax.cli import OutputPathError, check_output_dir, is_remote
+from posenc_jax.paths import OutputPathError, check_output_dir, is_remote
 from posenc_jax.models.config import model_config
 from posenc_jax.training.config import TrainConfigError
 
