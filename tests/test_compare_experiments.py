@@ -213,7 +213,8 @@ def test_a_finished_cell_runs_only_the_evaluations_it_lacks(tmp_path, monkeypatc
   run.run_grid(plan.cells(config, str(tmp_path)), fake, say=lines.append)
   assert ran[2:] == ["evaluate extrapolation (sliding)"]
   assert lines == [f"[1/1] alibi/seed0: finished before; running its 1 new step(s), output "
-                   f"in {tmp_path}/alibi/seed0/log.txt", "[1/1] alibi/seed0: done in 0 s"]
+                   f"in {tmp_path}/alibi/seed0/log.txt", "[1/1] alibi/seed0: done in 0 s",
+                   "compare: 1 cells, 1 finished, 0 failed, in 0.0 min"]
 
 
 def test_a_task_added_to_a_finished_grid_trains_and_evaluates_only_the_new_task(tmp_path,
