@@ -163,6 +163,8 @@ def scheme_name(model: dict[str, Any]) -> str:
 def size_name(model: dict[str, Any]) -> str:
   """The size preset (``bert_tiny``, ...) whose dimensions ``model`` has, else
   ``d<d_model>L<num_layers>``."""
-  presets = {n: {k: p[k] for k in ("d_model", "num_layers", "num_heads", "mlp_dim") if k in p}
+  defaults = ModelConfig().to_dict()  # bert_base names no dimension: it is the defaults'
+  presets = {n: {k: {**defaults, **p}[k] for k in ("d_model", "num_layers", "num_heads",
+                                                   "mlp_dim")}
              for n, p in SIZES.items()}
   return preset_name(model, presets, f"d{model.get('d_model')}L{model.get('num_layers')}")

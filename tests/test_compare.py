@@ -1025,3 +1025,19 @@ def test_sigterm_to_a_real_grid_stops_train_py_and_the_same_command_resumes_to_t
     return summary
 
   assert tables(root) == tables(tmp_path / "whole")
+
+
+def test_a_run_of_no_size_preset_is_named_by_its_own_dimensions(tmp_path):
+  """A 4 x 64 synthetic-probe model is no size preset: its record says d64L4, not bert_base
+  (whose preset names no dimension of its own: the defaults, 12 x 768)."""
+  folder = tmp_path / "rope" / "seed0" / "copy"
+  fake_run(folder, "rope", 0, task="probe:copy", objective="lm")
+  _rewrite(folder / "config.json", lambda config: config["model"].update(
+      d_model=64, num_layers=4, num_heads=4, mlp_dim=256))
+  (record,) = collect.collect([str(tmp_path)])
+  assert record["size"] == "d64L4"
+  fake_run(tmp_path / "b" / "seed0" / "train", "rope", 0, task="wordnet_glosses", objective="mlm")
+  _rewrite(tmp_path / "b" / "seed0" / "train" / "config.json", lambda config: config[
+      "model"].update(d_model=768, num_layers=12, num_heads=12, mlp_dim=3072))
+  sizes = sorted(r["size"] for r in collect.collect([str(tmp_path)]))
+  assert sizes == ["bert_base", "d64L4"]
