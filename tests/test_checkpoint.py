@@ -19,6 +19,7 @@ from orbax.checkpoint._src.futures import future
 
 from posenc_jax.presets import preset_config
 from posenc_jax.training import checkpoint as checkpoint_lib
+from posenc_jax.training import params_only
 from posenc_jax.training import workdir as workdir_lib
 from posenc_jax.training.checkpoint import (BackgroundSaveError, Checkpointer, CheckpointError,
                                             damage, fingerprints, restore_params)
@@ -333,13 +334,13 @@ def _assert_params_only(workdir, params, step=2):
   """``workdir`` holds one checkpoint, ``step``, of ``params`` alone (no optimizer state, no
   input state), bit for bit, marked so."""
   assert [p.name for p in (workdir / "checkpoints").iterdir()] == [str(step)]
-  assert not (workdir / checkpoint_lib.SWAP).exists()
+  assert not (workdir / params_only.SWAP).exists()
   manager = checkpoint_lib._open(str(workdir), "workdir")  # noqa: SLF001
   metadata = manager.item_metadata(step)["state"]
   manager.close()
   assert set(metadata.tree) == {"params"}
   assert not (workdir / "checkpoints" / str(step) / "input").exists()
-  assert checkpoint_lib._params_only(str(workdir), step)  # noqa: SLF001
+  assert checkpoint_lib.params_only_step(str(workdir), step)
   saved, restored = restore_params(str(workdir))  # fingerprints verified
   assert saved == step and jax.tree.map(lambda a, b: (a.dtype, a.tobytes()) == (
       b.dtype, b.tobytes()), jax.device_get(restored), params) == {"b": True, "w": True}
@@ -348,14 +349,14 @@ def _assert_params_only(workdir, params, step=2):
 def test_keep_params_only_keeps_the_final_params_bit_exact_and_nothing_else(tmp_path):
   params = _trained(tmp_path)
   before = _size(tmp_path / "checkpoints" / "2")
-  assert checkpoint_lib.keep_params_only(str(tmp_path)) == 2
+  assert params_only.keep_params_only(str(tmp_path)) == 2
   _assert_params_only(tmp_path, params)
   assert _size(tmp_path / "checkpoints" / "2") < before
   assert set(json.loads((tmp_path / "checkpoints/2/data/metadata").read_text())[
       "fingerprints"]) == {"params/w", "params/b"}  # the optimizer state's are gone too
-  assert checkpoint_lib.keep_params_only(str(tmp_path)) == 2  # already compact: left as is
+  assert params_only.keep_params_only(str(tmp_path)) == 2  # already compact: left as is
   _assert_params_only(tmp_path, params)
-  assert checkpoint_lib.keep_params_only(str(tmp_path / "nothing_saved")) is None
+  assert params_only.keep_params_only(str(tmp_path / "nothing_saved")) is None
 
   # Training refuses to resume from it, in one line, and leaves it where it is.
   checkpointer = Checkpointer(str(tmp_path), save_interval_steps=1, async_save=False)
@@ -372,8 +373,8 @@ def test_keep_params_only_leaves_an_object_store_whole(bucket):
   with pytest.raises(CheckpointError, match=r"^workdir: gs://bucket/run is in an object store, "
                                             r"which moves a folder file by file: its "
                                             r"checkpoints are left whole"):
-    checkpoint_lib.keep_params_only("gs://bucket/run")
-  assert checkpoint_lib.keep_params_only("gs://bucket/nothing_saved") is None
+    params_only.keep_params_only("gs://bucket/run")
+  assert params_only.keep_params_only("gs://bucket/nothing_saved") is None
 
 
 class Killed(BaseException):
@@ -389,32 +390,32 @@ def _write_fails(monkeypatch, tmp_path):
   with pytest.raises(CheckpointError, match=r"^workdir: writing the parameters of step 2 to "
                                             r".*checkpoints.swap failed \(.*No space left on "
                                             r"device\); .*checkpoints is left whole$"):
-    checkpoint_lib.keep_params_only(str(tmp_path))
+    params_only.keep_params_only(str(tmp_path))
 
 
 def _killed_writing(monkeypatch, tmp_path):
   """Orbax's half-written step, as a kill leaves it (a folder named as temporary)."""
   del monkeypatch
-  half = tmp_path / checkpoint_lib.SWAP / "2.orbax-checkpoint-tmp-123"
+  half = tmp_path / params_only.SWAP / "2.orbax-checkpoint-tmp-123"
   shutil.copytree(tmp_path / "checkpoints" / "2", half)
   _truncate(half)
 
 
 def _killed_after_the_swap(monkeypatch, tmp_path):
-  swap_in = checkpoint_lib._swap_in  # noqa: SLF001
+  swap_in = params_only._swap_in  # noqa: SLF001
 
   def then_killed(new, live):
     swap_in(new, live)
     raise Killed
-  monkeypatch.setattr(checkpoint_lib, "_swap_in", then_killed)
+  monkeypatch.setattr(params_only, "_swap_in", then_killed)
   with pytest.raises(Killed):
-    checkpoint_lib.keep_params_only(str(tmp_path))
-  assert (tmp_path / checkpoint_lib.SWAP / "2" / "state").is_dir()  # the old step, whole
+    params_only.keep_params_only(str(tmp_path))
+  assert (tmp_path / params_only.SWAP / "2" / "state").is_dir()  # the old step, whole
 
 
 def _killed_between_renames(monkeypatch, tmp_path):
   """Where the file system cannot exchange two folders in one step."""
-  monkeypatch.setattr(checkpoint_lib, "_exchange", lambda a, b: False)
+  monkeypatch.setattr(params_only, "_exchange", lambda a, b: False)
   rename, live = pathlib.Path.rename, tmp_path / "checkpoints" / "2"
 
   def killed_moving_in(self, target):  # after the old step moved out
@@ -423,10 +424,10 @@ def _killed_between_renames(monkeypatch, tmp_path):
     return rename(self, target)
   monkeypatch.setattr(type(checkpoint_lib.epath.Path(tmp_path)), "rename", killed_moving_in)
   with pytest.raises(Killed):
-    checkpoint_lib.keep_params_only(str(tmp_path))
+    params_only.keep_params_only(str(tmp_path))
   monkeypatch.undo()
   assert not (tmp_path / "checkpoints" / "2").exists()  # the one moment without it ...
-  assert (tmp_path / checkpoint_lib.SWAP / "2" / "state").is_dir()  # ... the new step whole
+  assert (tmp_path / params_only.SWAP / "2" / "state").is_dir()  # ... the new step whole
 
 
 @pytest.mark.parametrize("failure", [_write_fails, _killed_writing, _killed_after_the_swap,
@@ -443,5 +444,5 @@ def test_keep_params_only_stopped_anywhere_leaves_a_checkpoint_the_next_call_fin
     checkpointer = Checkpointer(str(tmp_path), save_interval_steps=1, async_save=False)
     assert checkpointer.restore_latest(_abstract(_trainer_state(0.0)))[0] == 2
     checkpointer.close()
-  assert checkpoint_lib.keep_params_only(str(tmp_path)) == 2
+  assert params_only.keep_params_only(str(tmp_path)) == 2
   _assert_params_only(tmp_path, params)

@@ -382,7 +382,7 @@ def test_a_finished_cell_keeps_its_final_params_only_unless_told_to_keep_all(tmp
   compare_cli.compare(config, str(tmp_path / "all"), trained_cell, say=lambda s: None)
   workdir = tmp_path / "all/rope/seed0/train"
   assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["1", "2"]
-  assert not checkpoint_lib._params_only(str(workdir), 2)  # noqa: SLF001
+  assert not checkpoint_lib.params_only_step(str(workdir), 2)
   config.keep = "params"
   lines = []
   compare_cli.compare(config, str(tmp_path / "all"), trained_cell, say=lines.append)
@@ -804,7 +804,7 @@ def test_a_real_grid_of_two_schemes_and_two_seeds_trains_collects_and_costs(tmp_
   for scheme, seed in (("alibi", 0), ("rope", 1)):  # trained with one checkpoint, then compacted
     workdir = tmp_path / scheme / f"seed{seed}" / "train"
     assert [p.name for p in (workdir / "checkpoints").iterdir()] == ["2"]
-    assert checkpoint_lib._params_only(str(workdir), 2)  # noqa: SLF001
+    assert checkpoint_lib.params_only_step(str(workdir), 2)
   cost = summary["cost"]["rows"]
   assert cost["alibi"]["lengths"]["16"]["memory_ratio"] == 1.0
   assert cost["rope"]["lengths"]["32"]["train_ratio"]["median"] > 0

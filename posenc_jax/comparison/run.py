@@ -205,10 +205,10 @@ def missing_steps(cell: Cell) -> list[Step]:
 def keep_final_params(cell: Cell, prefix: str, say: Callable[[str], None]) -> None:
   """Drops what a finished ``cell``'s training runs (its steps with ``params_only``) kept
   only to resume: each workdir's checkpoints become its final parameters
-  (:func:`posenc_jax.training.checkpoint.keep_params_only`, which also finishes one killed
+  (:func:`posenc_jax.training.params_only.keep_params_only`, which also finishes one killed
   midway). Where that fails, one line (``<prefix>: ...``) says why; the cell stays
   finished, its checkpoints whole."""
-  from posenc_jax.training.checkpoint import keep_params_only  # noqa: PLC0415 - JAX
+  from posenc_jax.training.params_only import keep_params_only  # noqa: PLC0415 - JAX
 
   try:
     for step in cell.steps:

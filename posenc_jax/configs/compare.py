@@ -66,7 +66,7 @@ itself for the noise.
 ``keep`` is what a cell keeps on disk: by default (``params``) it trains with one
 checkpoint (``--config.keep_checkpoints=1``, enough to resume a killed cell) and, once
 finished, keeps its final parameters only, without the optimizer state
-(:func:`posenc_jax.training.checkpoint.keep_params_only`): what its evaluation reads.
+(:func:`posenc_jax.training.params_only.keep_params_only`): what its evaluation reads.
 ``--config.keep=all`` keeps every checkpoint train.py and finetune.py keep.
 """
 

@@ -22,18 +22,17 @@ step's temporary directory, so it is atomic with the step. Resuming reads it bac
 (older runs, data hooks without state, another number of processes) resumes by the step number
 instead.
 
-A finished run's checkpoints can be compacted to what evaluation needs (:func:`keep_params_only`,
-asked by ``python -m posenc_jax.compare`` for its finished cells): one step holding the parameters
-alone, with their fingerprints. Every reader of parameters (:func:`restore_params`: the evaluate
-tool, analysis, ``--init_checkpoint``) reads it as before; training refuses to resume from it in
-one line (:meth:`Checkpointer.restore_latest`).
+A finished run's checkpoints can be compacted to what evaluation needs
+(:func:`posenc_jax.training.params_only.keep_params_only`, asked by ``python -m
+posenc_jax.compare`` for its finished cells): one step holding the parameters alone, with their
+fingerprints, marked so (:func:`params_only_step` reads the mark). Every reader of parameters
+(:func:`restore_params`: the evaluate tool, analysis, ``--init_checkpoint``) reads it as
+before; training refuses to resume from it in one line (:meth:`Checkpointer.restore_latest`).
 """
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
-import errno
 import gc
 import logging
 import os
@@ -102,7 +101,7 @@ def _abandoned_task(record: logging.LogRecord) -> bool:
   return not record.getMessage().split("\n", 1)[0].endswith("exception was never retrieved")
 
 
-def _abandon_failed_io() -> None:
+def abandon_failed_io() -> None:
   """After Orbax's reads or writes failed (not a missing item or a bad fingerprint: a full
   collection costs seconds in a large process), its other items' coroutines are never awaited,
   by design: Python's warning for each is off from now on, and the garbage collected now."""
@@ -111,7 +110,7 @@ def _abandon_failed_io() -> None:
   gc.collect()
 
 
-def _io_reason(error: BaseException) -> str:
+def io_reason(error: BaseException) -> str:
   """A failed write's reason without TensorFlow's decoration (``{{function_node ..}} <path>;
   <reason> [Op:SaveV2]``): the reason alone, since the caller names the folder."""
   text = re.sub(r"^\{\{function_node [^}]*\}\}\s*|\s*\[Op:\w+\]$", "", first_line(error))
@@ -131,7 +130,7 @@ def _closed_loop_callback(unraisable) -> bool:
           "Event loop is closed" and "call_soon_threadsafe" in frames)
 
 
-def _drop_closed_loop_callbacks() -> None:
+def drop_closed_loop_callbacks() -> None:
   """From now on, the tracebacks of a failed restore's reads (or a failed save's writes)
   completing after Orbax closed its event loop are not printed, nor asyncio's of their tasks
   (:func:`_abandoned_task`). Installed before each restore and after a failed write."""
@@ -349,11 +348,11 @@ class Checkpointer:
     except Exception as e:  # noqa: BLE001 - any failed write stops the run with one line
       if jax.process_count() == 1 and self._operation is not None:
         _release_waiting_writers(self._operation)
-      _abandon_failed_io()
+      abandon_failed_io()
       self.manager.reload()
       newest = self.manager.latest_step()
       raise BackgroundSaveError(
-          f"checkpoints: a save to {self.directory} failed ({_io_reason(e)}); stopping: "
+          f"checkpoints: a save to {self.directory} failed ({io_reason(e)}); stopping: "
           + (f"the newest complete checkpoint is step {newest}" if newest is not None
              else "no complete checkpoint is left there")) from None
 
@@ -379,9 +378,9 @@ class Checkpointer:
       saved = self.manager.save(step, args=ocp.args.Composite(**items), force=True)
       self._operation = synchronization.OperationIdGenerator.get_current_operation_id()
     except Exception as e:  # noqa: BLE001 - a failed write stops the run with one line
-      _abandon_failed_io()
+      abandon_failed_io()
       raise CheckpointError(f"checkpoints: saving step {step} to {self.directory} failed "
-                            f"({_io_reason(e)})") from None
+                            f"({io_reason(e)})") from None
     if saved:
       self.last_saved = step
     return saved
@@ -394,12 +393,13 @@ class Checkpointer:
       abstract_state: the state's ``jax.ShapeDtypeStruct`` tree with shardings.
 
     Raises:
-      CheckpointError: the newest step holds the parameters only (:func:`keep_params_only`):
+      CheckpointError: the newest step holds the parameters only
+        (:func:`posenc_jax.training.params_only.keep_params_only`):
         whole, but nothing to resume from, so left where it is.
     """
-    _drop_closed_loop_callbacks()
+    drop_closed_loop_callbacks()
     steps = sorted(self.manager.all_steps(), reverse=True)
-    if steps and _params_only(self.workdir, steps[0]):
+    if steps and params_only_step(self.workdir, steps[0]):
       raise CheckpointError(
           f"checkpoints: step {steps[0]} in {self.directory} holds the parameters only (kept so "
           "by keep_params_only, as a finished compare cell is): it evaluates, and fine-tunes "
@@ -418,7 +418,7 @@ class Checkpointer:
         self.last_saved = step
         return step, restored.state, data
       if failed_reads:  # here, past the except block that held the abandoned reads
-        _abandon_failed_io()
+        abandon_failed_io()
       moved = self._quarantine(step)
       logging.warning("checkpoint %d is damaged (%s): moved to %s; trying an older one", step,
                       problem, moved)
@@ -534,7 +534,7 @@ def restore_params(workdir: str, abstract_params: Any = None, *, step: int | Non
     step: a saved step; None: the newest good one.
     field: the flag or argument named in errors (``workdir``, ``init_checkpoint``).
   """
-  _drop_closed_loop_callbacks()
+  drop_closed_loop_callbacks()
   manager = _open(workdir, field)
   unread = _UnreadItem("input")  # the input iterator's state: not needed for parameters
   logging.getLogger("absl").addFilter(unread)  # Orbax logs through absl's logger
@@ -578,7 +578,7 @@ def restore_params(workdir: str, abstract_params: Any = None, *, step: int | Non
         return candidate, params if abstract_params is None else match_layout(
             params, abstract_params)
       if reading:
-        _abandon_failed_io()
+        abandon_failed_io()
       errors.append(f"step {candidate}: {problem}")
       logging.warning("checkpoint %s in %s is damaged (%s); skipped", candidate, workdir,
                       problem)
@@ -589,9 +589,10 @@ def restore_params(workdir: str, abstract_params: Any = None, *, step: int | Non
                         f"{'; '.join(errors)}")
 
 
-def _params_only(workdir: str, step: int) -> bool:
+def params_only_step(workdir: str, step: int) -> bool:
   """Whether checkpoint ``step`` of ``workdir`` holds the parameters alone: its JSON item
-  says ``"params_only": true`` (:func:`keep_params_only`'s mark), read without an Orbax
+  says ``"params_only": true`` (the mark of
+  :func:`posenc_jax.training.params_only.keep_params_only`), read without an Orbax
   manager; False for one whose JSON does not read (its restore says what is wrong)."""
   try:
     data = ocp.JsonCheckpointHandler().restore(
@@ -599,102 +600,3 @@ def _params_only(workdir: str, step: int) -> bool:
   except (OSError, ValueError):
     return False
   return isinstance(data, dict) and data.get("params_only") is True
-
-
-SWAP = "checkpoints.swap"  # beside checkpoints/: keep_params_only's new step, then the old one
-_RENAME_EXCHANGE = 2  # renameat2's flag (<linux/fs.h>): the two paths trade places at once
-_AT_FDCWD = -100  # renameat2's "relative to the working directory" (the paths are absolute)
-
-
-def _exchange(a: epath.Path, b: epath.Path) -> bool:
-  """Swaps the local folders ``a`` and ``b`` in one atomic step (Linux's ``renameat2`` with
-  ``RENAME_EXCHANGE``); False, nothing moved, where the system or its file system cannot."""
-  renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
-  if renameat2 is None:
-    return False
-  if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
-    return True
-  code = ctypes.get_errno()
-  if code in (errno.EINVAL, errno.ENOSYS):  # EINVAL: this file system cannot exchange
-    return False
-  raise OSError(code, os.strerror(code), os.fspath(b))
-
-
-def _swap_in(new: epath.Path, live: epath.Path) -> None:
-  """Puts the complete folder ``new`` in ``live``'s place and the old one at ``new``'s: one
-  atomic exchange (:func:`_exchange`), else two renames (``live`` to ``<new>.old``, then
-  ``new`` to ``live``), where a kill between the two leaves ``live`` absent and ``new``
-  complete (:func:`_finish_swap` moves it in)."""
-  if not _exchange(new, live):
-    live.rename(new.parent / f"{new.name}.old")
-    new.rename(live)
-
-
-def _finish_swap(live: epath.Path, swap: epath.Path) -> None:
-  """Ends a :func:`keep_params_only` killed midway: a complete step in ``swap`` that
-  ``live`` (the checkpoints folder) lacks (killed between :func:`_swap_in`'s two renames)
-  moves in; the rest of ``swap`` (a step half written, or the old one swapped out) is
-  deleted."""
-  if not swap.exists():
-    return
-  for folder in swap.iterdir():
-    if (folder.name.isdigit() and not (live / folder.name).exists()
-        and ocp.path.step.is_path_finalized(folder)):
-      folder.rename(live / folder.name)
-  swap.rmtree()
-
-
-def keep_params_only(workdir: str) -> int | None:
-  """Compacts ``<workdir>/checkpoints`` to what evaluation needs; returns the step kept, or
-  None for a workdir without ``checkpoints/`` (nothing was saved).
-
-  The newest step that restores and verifies (:func:`restore_params`) is rewritten with its
-  ``params`` alone, bit for bit, and their fingerprints, so readers still verify them (its
-  JSON item marked ``"params_only": true``, which training refuses to resume from); the
-  optimizer state, the step counter and the input iterator's state (what only resuming
-  training reads) are dropped, and so are the other steps. The step is written whole into
-  ``<workdir>/checkpoints.swap/<step>`` (Orbax's atomic save), then swapped with
-  ``checkpoints/<step>`` (:func:`_swap_in`: one atomic exchange on a local Linux file system)
-  and the old one deleted, so a failure or a kill at any point leaves a readable checkpoint,
-  and the next call finishes the job (:func:`_finish_swap`); a step already compacted is
-  left as is. For one process (compare's) and a local workdir: an object store (``gs://``)
-  moves a folder file by file, where a kill midway could leave no readable step.
-
-  Raises:
-    CheckpointError: a ``gs://`` workdir, no step restores, or the new step could not be
-      written (one line; the checkpoints are left whole, what was written of the new step
-      is deleted by the next call).
-  """
-  root = epath.Path(absolute(workdir))
-  live, swap = root / "checkpoints", root / SWAP
-  if not live.is_dir():
-    return None
-  if is_remote(workdir):
-    raise CheckpointError(f"workdir: {workdir} is in an object store, which moves a folder "
-                          "file by file: its checkpoints are left whole (a swap killed midway "
-                          "could leave no readable step)")
-  _finish_swap(live, swap)
-  steps = checkpoint_steps(workdir)
-  kept = steps[-1] if steps and _params_only(workdir, steps[-1]) else None
-  if kept is None:
-    kept, params = restore_params(workdir)
-    check_writable(os.fspath(swap), "workdir")  # else Orbax would wait minutes, not fail
-    try:
-      with ocp.CheckpointManager(swap, options=ocp.CheckpointManagerOptions(
-          create=True, enable_async_checkpointing=False), item_names=("state", "data")) as staging:
-        staging.save(kept, force=True, args=ocp.args.Composite(
-            state=ocp.args.StandardSave({"params": params}),
-            data=ocp.args.JsonSave({"step": kept, "params_only": True,
-                                    "fingerprints": fingerprints({"params": params})})))
-    except Exception as e:  # noqa: BLE001 - a failed write leaves the checkpoints whole
-      # Writes of the failed save may still land in the swap folder: the next call deletes it.
-      _drop_closed_loop_callbacks()
-      _abandon_failed_io()
-      raise CheckpointError(f"workdir: writing the parameters of step {kept} to {swap} failed "
-                            f"({_io_reason(e)}); {live} is left whole") from None
-    _swap_in(swap / str(kept), live / str(kept))
-    swap.rmtree()
-  for step in steps:
-    if step != kept:
-      (live / str(step)).rmtree()
-  return kept
