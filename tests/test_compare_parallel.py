@@ -224,3 +224,46 @@ def test_a_bad_format_task_or_parallel_is_one_line(flag, line, tmp_path):
   assert done.returncode == 1 and done.stderr.strip().splitlines()[-1].startswith(line), (
       done.stderr[-1000:])
   assert "Traceback" not in done.stderr and not (tmp_path / "r").exists()
+
+
+def test_sigterm_reaches_every_running_step_and_no_further_cell_starts(tmp_path):
+  """Two cells run at once (steps that note SIGTERM and exit as a trainer that saved would);
+  SIGTERM to compare reaches both, the third cell never starts, and once both have stopped
+  the grid raises StepInterrupted (the same command resumes)."""
+  import signal  # noqa: PLC0415
+  import sys  # noqa: PLC0415
+
+  cells = plan.cells(glue_config(), str(tmp_path))[:3]
+  started = []
+  script = ("import pathlib, signal, sys, time\n"
+            "out = pathlib.Path(sys.argv[1])\n"
+            "def stop(signum, frame):\n"
+            "  out.write_text('saved at SIGTERM'); sys.exit(0)\n"
+            "signal.signal(signal.SIGTERM, stop)\n"
+            "out.write_text('running')\n"
+            "time.sleep(60)\n")
+
+  def runner(cell, log, slot):
+    started.append(cell.name)
+    note = tmp_path / f"{cell.name.replace('/', '_')}.txt"
+    with log.open("a") as out:
+      status = run.subprocess_status([sys.executable, "-c", script, str(note)], out, slot)
+    raise run.CellFailed(f"exited {status}")  # not reached: the signal raises first
+
+  def send_once_both_run():
+    for _ in range(300):
+      if len(list(tmp_path.glob("*.txt"))) == 2 and all(
+          p.read_text() == "running" for p in tmp_path.glob("*.txt")):
+        break
+      time.sleep(0.1)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+  threading.Thread(target=send_once_both_run, daemon=True).start()
+  previous = signal.getsignal(signal.SIGTERM)
+  with pytest.raises(run.StepInterrupted) as stopped:
+    run.run_grid(cells, runner, lambda line: None,
+                 slots=[slots.Slot("A"), slots.Slot("B")])
+  assert stopped.value.signum == signal.SIGTERM and stopped.value.status == 0
+  assert sorted(started) == ["bert/seed0", "bert/seed1"]  # bert/seed2 never started
+  assert sorted(p.read_text() for p in tmp_path.glob("*.txt")) == ["saved at SIGTERM"] * 2
+  assert signal.getsignal(signal.SIGTERM) == previous  # compare's handler is gone again
