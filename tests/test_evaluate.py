@@ -282,6 +282,21 @@ def test_mlm_extrapolation_reports_na_past_the_table_and_never_crashes(mlm_run, 
   assert f"{8 * TRAIN_LEN}         n/a  scheme 'learned_ape'" in table(doc)
 
 
+@pytest.mark.parametrize("run_name, need", [("lm_run", 32), ("mlm_run", 31)])
+def test_a_length_longer_than_the_tokens_read_is_na_not_a_shorter_window(request, run_name,
+                                                                        need):
+  """16 tokens at lengths 8 and 32: 8 is scored, 32 would be one 16-token window (the causal
+  LM's windows hold L tokens, the masked LM's [CLS] and L - 1), so it is n/a with the reason
+  and the tokens that would score it."""
+  workdir = request.getfixturevalue(run_name)[0]
+  doc = evaluate_workdir(workdir, "extrapolation", lengths=[8, 32], tokens=16)
+  scored, longer = doc["rows"]
+  assert scored["na"] is None and scored["value"] is not None
+  assert longer["value"] is None and longer["scored_tokens"] == 0
+  assert longer["na"] == (f"the first 16 tokens of split 'validation' hold no whole window "
+                          f"of 32; --tokens of at least {need} scores it")
+
+
 # ---------------------------------------------------------------- checkpoints and storage
 
 

@@ -413,6 +413,8 @@ def extrapolation_protocol(run: Run, *, split: str = "validation",
   ``windows`` (``non_overlapping``, or ``sliding`` with ``stride``, causal LM only);
   ``batch_size`` windows per step (default: the training batch's tokens per step);
   ``mask_seed`` (masked LM only) the stream's masking seed (default :data:`MASK_SEED`).
+  A length the model cannot reach, or longer than the tokens read (no whole window of it),
+  is a row with ``value`` None and the reason in ``na``.
   A causal LM's document has ``unigram``: the perplexity of those tokens under the add-one
   smoothed unigram of the ``train`` split (:func:`~posenc_jax.data.unigram.train_counts`), and the train tokens it
   counted (``unigram_train_tokens``); a masked LM's None."""
@@ -451,6 +453,10 @@ def extrapolation_protocol(run: Run, *, split: str = "validation",
   for index, length in enumerate(lengths, 1):
     start = time.perf_counter()
     model, reason = model_at(run, length)
+    need = length - 1 if name == "mlm" else length  # a masked-LM window is [CLS] + L - 1
+    if model is not None and tokens < need:  # no whole window: it would score fewer tokens
+      model, reason = None, (f"the first {tokens} tokens of split {split!r} hold no whole "
+                             f"window of {length}; --tokens of at least {need} scores it")
     row = {"length": length, "value": None, "loss": None, "accuracy": None,
            "scored_tokens": 0, "na": reason}
     if model is not None:
