@@ -297,6 +297,25 @@ def test_a_length_longer_than_the_tokens_read_is_na_not_a_shorter_window(request
                           f"of 32; --tokens of at least {need} scores it")
 
 
+def test_a_re_evaluation_at_other_lengths_keeps_every_scored_length(lm_run, tmp_path):
+  """--lengths=8,16 then --lengths=32 with the same settings: one file holding 8, 16 and 32
+  (the later run's rows where both scored a length); another step's file is replaced."""
+  workdir = lm_run[0]
+  first = evaluate_workdir(workdir, "extrapolation", lengths=[8, 16], tokens=64,
+                           out=str(tmp_path))
+  second = evaluate_workdir(workdir, "extrapolation", lengths=[16, 32], tokens=64,
+                            out=str(tmp_path))
+  (path,) = tmp_path.glob("extrapolation-*.json")
+  saved = json.loads(path.read_text())
+  assert [r["length"] for r in saved["rows"]] == [8, 16, 32] == [
+      r["length"] for r in second["rows"]]
+  assert saved["rows"][0] == first["rows"][0]
+  saved["step"] += 1  # a file of another checkpoint: its lengths are of another model
+  path.write_text(json.dumps(saved))
+  evaluate_workdir(workdir, "extrapolation", lengths=[32], tokens=64, out=str(tmp_path))
+  assert [r["length"] for r in json.loads(path.read_text())["rows"]] == [32]
+
+
 # ---------------------------------------------------------------- checkpoints and storage
 
 

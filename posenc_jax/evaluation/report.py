@@ -3,8 +3,9 @@ key, :func:`settings_key`: e.g. ``extrapolation-split=validation,windows=non_ove
 tokens=4096.json``), a console table, and for ``extrapolation`` and ``probes`` a PNG of the
 curve beside it, titled by the run's scheme (matplotlib, the ``analysis`` extra; without it
 the plot is skipped with one line). Evaluations with other settings sit beside each other;
-one with the same settings replaces the file. Files go through ``etils.epath``, so ``gs://``
-folders work.
+one with the same settings replaces the file, keeping the lengths an earlier evaluation of
+the same step scored and this one does not (:func:`merged_rows`). Files go through
+``etils.epath``, so ``gs://`` folders work.
 """
 
 from __future__ import annotations
@@ -152,14 +153,36 @@ PLOTS: dict[str, Callable[[dict[str, Any]], Any]] = {"extrapolation": plot_extra
                                                      "probes": plot_probes}
 
 
+def merged_rows(document: dict[str, Any], path: epath.Path) -> list[dict[str, Any]]:
+  """``document``'s rows, and those of the file at ``path`` at the lengths it does not score
+  when that file is an evaluation of the same checkpoint step (a re-evaluation at other
+  lengths adds to it, never drops a scored length), in increasing length; a file of another
+  step, or one that does not read, is replaced."""
+  if document["protocol"] not in PLOTS or not path.exists():
+    return document["rows"]
+  try:
+    kept = json.loads(path.read_text())
+    same = (kept.get("step") == document["step"] and kept.get("settings") ==
+            document["settings"] and isinstance(kept.get("rows"), list))
+    rows = {row["length"]: row for row in kept["rows"]} if same else {}
+  except (OSError, ValueError, TypeError, KeyError, AttributeError):
+    rows = {}
+  rows |= {row["length"]: row for row in document["rows"]}
+  return [rows[length] for length in sorted(rows)]
+
+
 def write(document: dict[str, Any], out: str,
           progress: Callable[[str], None] = lambda message: None) -> list[str]:
   """Writes ``<out>/<protocol>-<settings>.json`` (:func:`file_stem`) and, for a protocol of
   :data:`PLOTS` with matplotlib installed, the PNG of the same name; returns the paths
-  written, each told to ``progress``."""
+  written, each told to ``progress``. An extrapolation or probes file of the same step
+  already there keeps the lengths this evaluation does not score (:func:`merged_rows`):
+  ``document``'s rows become the file's."""
   folder = epath.Path(out)
   folder.mkdir(parents=True, exist_ok=True)
   path = folder / f"{file_stem(document)}.json"
+  if "rows" in document:
+    document["rows"] = merged_rows(document, path)
   path.write_text(json.dumps(document, indent=2) + "\n")
   written = [os.fspath(path)]
   figure = None
