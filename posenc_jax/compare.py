@@ -146,7 +146,8 @@ def measure_cost(config, root: str, say=None):
   ``ROOT/cost.json`` for reruns; None when ``config.cost.enabled`` is off."""
   from etils import epath  # noqa: PLC0415
 
-  from posenc_jax.comparison import collect, cost, plan, report, run  # noqa: PLC0415
+  from posenc_jax.comparison import collect, cost, plan, run  # noqa: PLC0415
+  from posenc_jax.paths import write_atomic  # noqa: PLC0415
   from posenc_jax.configs.lm import CORPORA  # noqa: PLC0415
 
   say = say or run.progress
@@ -178,7 +179,7 @@ def measure_cost(config, root: str, say=None):
     return {"baseline": checked["baseline"], "rows": {},
             "note": f"Cost: not measured: {messages.first_line(e)}"}
   rows["seconds"] = time.perf_counter() - start
-  report.write_atomic(path, json.dumps(rows, indent=2))
+  write_atomic(path, json.dumps(rows, indent=2))
   return rows
 
 
@@ -188,7 +189,7 @@ def compare(config, root: str, run_cell=None, say=None, command: str | None = No
   ``run_cell`` defaults to the subprocesses; ``slots``: cells at once, each on its slot's
   devices), measures the cost (after every cell, alone), writes the results; returns the
   summary."""
-  from posenc_jax.comparison import plan, report, run  # noqa: PLC0415
+  from posenc_jax.comparison import pages, plan, run  # noqa: PLC0415
 
   say = say or run.progress
   cells = plan.cells(config, root)
@@ -196,7 +197,7 @@ def compare(config, root: str, run_cell=None, say=None, command: str | None = No
   summary = summarise(records, failed, config, measure_cost(config, root, say))
   summary["provenance"] = provenance([root], command or "posenc_jax.compare.compare(config, "
                                      f"{root!r})")
-  for path in report.write(root, summary):
+  for path in pages.write(root, summary):
     say(f"wrote {path}")
   return summary
 
@@ -234,7 +235,7 @@ def run_task(cells, task: int, run_cell=None, say=None) -> None:
 def main(argv):
   from etils import epath  # noqa: PLC0415
 
-  from posenc_jax.comparison import (collect, estimate, formats, plan, report, run,  # noqa: PLC0415
+  from posenc_jax.comparison import (collect, estimate, formats, pages, plan, run,  # noqa: PLC0415
                                      slots)
 
   logging.set_verbosity(logging.WARNING)  # JAX's backend lines before the cost is timed
@@ -255,7 +256,7 @@ def main(argv):
       summary = summarise(records, [], config, collect.read_cost(kept[0]) if kept else None)
       summary["provenance"] = provenance(folders or [root], _command())
       cli.check_output_dir("workdir", root)  # nothing made before the tables build
-      for path in report.write(root, summary):
+      for path in pages.write(root, summary):
         print(f"wrote {path}")
     else:
       if config is None:
@@ -281,7 +282,7 @@ def main(argv):
   except run.StepInterrupted as e:  # the step saved and stopped; so does compare
     print(f"{PROG}: {e}", file=sys.stderr, flush=True)
     sys.exit(e.status or 128 + e.signum)
-  print(report.markdown(summary))
+  print(pages.markdown(summary))
   if summary["failed"]:
     cli.exit_with(PROG, f"{len(summary['failed'])} cell(s) failed: "
                   + ", ".join(f["cell"] for f in summary["failed"]))

@@ -11,7 +11,7 @@ r"""Evaluates a trained workdir, without training: ``python -m posenc_jax.evalua
 evaluation computes them (masked LM: loss and accuracy; causal LM: loss, accuracy and
 perplexity), and for fine-tuned runs the task's own metrics. ``--protocol=extrapolation``:
 perplexity (causal LM) or masked-LM loss at each of ``--lengths`` on the same first
-``--tokens`` tokens of the split (Press et al.'s protocol, :mod:`posenc_jax.evaluation.runs`),
+``--tokens`` tokens of the split (Press et al.'s protocol, :mod:`posenc_jax.evaluation.protocols`),
 beside the perplexity of a unigram model of the train split on those tokens (causal LM);
 a length the scheme cannot reach (a learned table of ``max_len`` rows) is ``n/a`` with the
 reason. ``--protocol=probes``: a synthetic-probe run's (``configs/probe.py``) accuracy on its
@@ -46,7 +46,8 @@ from absl import flags
 
 from posenc_jax import allocator, cli
 from posenc_jax import usage as usage_lib
-from posenc_jax.evaluation.runs import PROTOCOLS, parse_checkpoint
+from posenc_jax.evaluation.protocols import PROTOCOLS
+from posenc_jax.evaluation.runs import parse_checkpoint
 from posenc_jax.evaluation.windows import WINDOWS
 
 PROG = "evaluate"
@@ -167,7 +168,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
   cli.quiet_library_notices()
   allocator.keep_freed_buffers()
   from posenc_jax.evaluation import report  # noqa: PLC0415
-  from posenc_jax.evaluation.runs import EvaluationError, evaluate_workdir  # noqa: PLC0415
+  from posenc_jax.evaluation.protocols import evaluate_workdir  # noqa: PLC0415
+  from posenc_jax.evaluation.runs import EvaluationError  # noqa: PLC0415
   from posenc_jax.training.errors import USER_ERRORS  # noqa: PLC0415
   from posenc_jax.training.input_pipeline import reads_tensorflow  # noqa: PLC0415
   from posenc_jax.training.workdir import saved_config  # noqa: PLC0415

@@ -1,7 +1,9 @@
 """The paths a tool reads and writes: local paths and URIs (``gs://bucket/run``, through
 ``etils.epath``), and the one-line error of an output that cannot be written. The training
 loop, the checkpointer, the workdir and the evaluation write through these; the command-line
-front door (:mod:`posenc_jax.cli`) sits above them all."""
+front door (:mod:`posenc_jax.cli`) sits above them all. Every document another process reads
+(results, evaluation files, a workdir's config and records, the route table) is written with
+:func:`write_atomic`."""
 
 from __future__ import annotations
 
@@ -56,6 +58,32 @@ def check_output_file(field: str, path: str) -> str:
   if os.path.exists(path) and not os.access(path, os.W_OK):
     raise OutputPathError(f"{field}: {path!r} is not writable")
   return path
+
+
+def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
+  """Writes ``data`` to ``path`` through a temporary file beside it, renamed over it: a reader
+  sees the old file or the new one, never part of one. A write that fails (a full disk, a
+  read-only folder) removes the temporary file, leaves ``path`` as it was and raises
+  :class:`OutputPathError` naming ``path`` and the system's reason."""
+  from etils import epath  # noqa: PLC0415
+
+  path = epath.Path(path)
+  tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
+  try:
+    if isinstance(data, bytes):
+      tmp.write_bytes(data)
+    else:
+      tmp.write_text(data)
+    tmp.replace(path)
+  except BaseException as e:
+    try:
+      tmp.unlink(missing_ok=True)
+    except OSError:
+      pass  # the write's own error is the one to report
+    if isinstance(e, OSError):
+      raise OutputPathError(f"{os.fspath(path)!r} cannot be written: "
+                            f"{e.strerror or first_line(e)} (nothing there was changed)") from None
+    raise
 
 
 class OutputPathError(ValueError):

@@ -63,6 +63,7 @@ from typing import Any, NamedTuple
 import jax
 
 from posenc_jax.kernels.blocks import gpu_compute_capability
+from posenc_jax.paths import write_atomic
 
 FORMS = ("toeplitz", "factored")
 FORMAT = 1
@@ -213,9 +214,7 @@ def write(path: str | os.PathLike, points: Iterable[Point]) -> list[Point]:
        if not (f in ("hopper_ms", "compute_capability") and x is None
                or f in ("hopper_backward", "closed_ms") and not x)}
       for p in sorted(table, key=lambda p: p.key)]}
-  temporary = path.with_name(path.name + ".tmp")
-  temporary.write_text(json.dumps(document, indent=2) + "\n")
-  os.replace(temporary, path)
+  write_atomic(path, json.dumps(document, indent=2) + "\n")
   return table
 
 

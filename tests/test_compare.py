@@ -23,7 +23,7 @@ from absl import flags
 from etils import epath
 
 from posenc_jax import compare as compare_cli
-from posenc_jax.comparison import collect, plan, plots, report, run
+from posenc_jax.comparison import collect, pages, plan, plots, report, run
 from posenc_jax.configs.compare import get_config
 from posenc_jax.evaluation import report as evaluation_report
 from posenc_jax.presets import preset_config
@@ -145,7 +145,7 @@ def lm_runs(root, scheme_values, **fields):
 def test_extrapolation_table_shows_1x_then_ratios_per_seed_and_the_unigram(tmp_path):
   lm_runs(tmp_path, {"bert": [(20.0, 25.0, None), (22.0, 27.0, None)]})
   summary = compare_cli.summarise(collect.collect([str(tmp_path)]), [])
-  text = report.markdown(summary)
+  text = pages.markdown(summary)
   assert "| scheme | seeds | learned | 32 (1x) | 64 (2x) | 128 (4x) |" in text
   assert "| unigram (reference) | | | 100.0 | | |" in text
   # 64: 25/20 = 1.25 and 27/22 = 1.2273 per seed, then their median and range.
@@ -154,7 +154,7 @@ def test_extrapolation_table_shows_1x_then_ratios_per_seed_and_the_unigram(tmp_p
   (table,) = summary["tables"]
   assert table["rows"][0]["values"]["64"]["seeds"] == {"0": 25.0, "1": 27.0}  # raw numbers
   assert table["rows"][0]["values"]["64"]["median"] == 26.0
-  written = report.write(str(tmp_path / "out"), summary)
+  written = pages.write(str(tmp_path / "out"), summary)
   assert (tmp_path / "out" / "extrapolation.png").stat().st_size > 1000, written
 
 
@@ -162,7 +162,7 @@ def test_results_md_states_what_each_table_measured(tmp_path):
   sha = "60056cf508adc28c2fc699b4a6d2b06c32d210c148e5e753e02ed8ec90aaf080"
   lm_runs(tmp_path, {"rope": [(20.0, 25.0, None)] * 3}, corpus_sha256=sha)
   summary = compare_cli.summarise(collect.collect([str(tmp_path)]), [])
-  lines = report.markdown(summary).splitlines()
+  lines = pages.markdown(summary).splitlines()
   assert summary["corpus_sha256"] == sha
   assert (f"- Task wordnet_glosses_lm (corpus SHA-256 {sha}), split validation: windows "
           "non_overlapping, the first 4096 tokens scored at every length.") in lines
@@ -185,7 +185,7 @@ def test_a_seed_at_the_unigram_level_did_not_learn(tmp_path):
   config.update(dict(schemes="rope,alibi", seeds="0,1"))
   config.evaluate.tokens = 4096
   summary = compare_cli.summarise(collect.collect([str(tmp_path)]), [], config)
-  text = report.markdown(summary)
+  text = pages.markdown(summary)
   assert "| rope | 2 | 1/2 | 20.0000 | 1.5000 | n/a |" in text
   assert "| alibi | 2 | 0/2 | did not learn (ppl 80.0000 at 32) | | |" in text
   assert "n/a: alibi at 128: exceeds max_len" in text  # what it cannot reach, learned or not
@@ -205,7 +205,7 @@ def test_a_table_that_cannot_judge_learning_says_so_and_shows_values(tmp_path, f
                                                                         rows):
   lm_runs(tmp_path, {"rope": [(20.0, 25.0, None)]})
   _rewrite(_eval_file(tmp_path / "rope" / "seed0" / "train"), lambda d: d.update(fields))
-  lines = report.markdown(compare_cli.summarise(collect.collect([str(tmp_path)]), []))
+  lines = pages.markdown(compare_cli.summarise(collect.collect([str(tmp_path)]), []))
   lines = lines.splitlines()
   assert f"- Learned: not judged ({why})." in lines
   assert any(line.startswith("- Unigram (reference)") for line in lines) == (len(rows) == 2)
@@ -232,7 +232,7 @@ def test_probe_tables_are_one_per_probe_with_accuracy_per_length_and_chance(tmp_
   assert [(t["title"], [r["label"] for r in t["rows"]]) for t in summary["tables"]] == [
       ("probe copy", ["rope", "alibi"]), ("probe copy (answer tokens)", ["rope", "alibi"]),
       ("probe reverse", ["rope", "alibi"]), ("probe reverse (answer tokens)", ["rope", "alibi"])]
-  text = report.markdown(summary)
+  text = pages.markdown(summary)
   assert "| chance (reference) | | | ~0 (2.2e-47) | ~0 (1.5e-95) |" in text
   assert "| rope | 1 | 1/1 | 0.9000 | 0.1000 |" in text
   # Answer tokens: chance is one symbol of 32; who learned is still judged on whole answers.
@@ -241,7 +241,7 @@ def test_probe_tables_are_one_per_probe_with_accuracy_per_length_and_chance(tmp_
   assert text.count("| alibi | 1 | 0/1 | did not learn (accuracy 0.5000 at 64) | |") == 4
   assert (f"- Learned: whole-answer accuracy at the training length (64) at least "
           f"{report.LEARNED_ACCURACY};" in text)
-  assert {p.name for p in map(epath.Path, report.write(str(tmp_path / "out"), summary))} == {
+  assert {p.name for p in map(epath.Path, pages.write(str(tmp_path / "out"), summary))} == {
       "results.json", "results.md", "probe_copy.png", "probe_reverse.png",
       "probe_copy_answer_tokens.png", "probe_reverse_answer_tokens.png"}
 
@@ -715,7 +715,7 @@ def test_a_recollect_without_config_keeps_the_experiment_title_and_row_order(tmp
   config = get_config("extrapolation")
   config.update(dict(schemes="rope,alibi", seeds="0"))
   config.evaluate.tokens = 4096
-  report.write(str(tmp_path), compare_cli.summarise(collect.collect([str(tmp_path)]), [],
+  pages.write(str(tmp_path), compare_cli.summarise(collect.collect([str(tmp_path)]), [],
                                                     config))
   out = forked_cli.run(["-m", "posenc_jax.compare", "--collect", f"--workdir={tmp_path}"],
                        cwd=str(tmp_path), timeout=60)
@@ -827,7 +827,7 @@ def test_without_matplotlib_one_line_says_how_and_the_tables_are_written(tmp_pat
            objective="lm", evals=[EXTRAPOLATION])
   summary = compare_cli.summarise(collect.collect([str(tmp_path / "runs")]), [])
   monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
-  written = report.write(str(tmp_path / "out"), summary)
+  written = pages.write(str(tmp_path / "out"), summary)
   assert [epath.Path(p).name for p in written] == ["results.json", "results.md"]
   assert capsys.readouterr().out == ('compare: no plots (matplotlib missing): pip install '
                                      '"posenc-jax[analysis]"\n')
@@ -858,7 +858,7 @@ def test_cost_columns_show_each_length_with_the_rounds_range_and_the_noise(tmp_p
                        "32": {"train_ratio": ratio, "memory_ratio": 1.0},
                        "64": {"train_ratio": ratio, "memory_ratio": 1.0}}},
                    "alibi": {"na": "at length 64: no"}}}
-  text = report.markdown(compare_cli.summarise(collect.collect([str(tmp_path)]), [], cost=cost))
+  text = pages.markdown(compare_cli.summarise(collect.collect([str(tmp_path)]), [], cost=cost))
   head = next(line for line in text.splitlines() if line.startswith("| scheme |"))
   assert head.endswith("| step time at 32 (x rope) | step time at 64 (x rope) | peak memory at "
                        "64 (x rope) |")
@@ -880,7 +880,7 @@ def test_inference_columns_follow_the_step_times_where_the_cost_timed_it(tmp_pat
           for n in ("32", "64")}},
       "alibi": {"model": "lm", "lengths": {
           "32": {"train_ratio": train, "infer_ratio": infer, "memory_ratio": 1.2}}}}}
-  text = report.markdown(compare_cli.summarise(collect.collect([str(tmp_path)]), [], cost=cost))
+  text = pages.markdown(compare_cli.summarise(collect.collect([str(tmp_path)]), [], cost=cost))
   head = next(line for line in text.splitlines() if line.startswith("| scheme |"))
   assert head.endswith("| step time at 32 (x rope) | step time at 64 (x rope) | inference at 32 "
                        "(x rope) | inference at 64 (x rope) | peak memory at 64 (x rope) |")
@@ -917,7 +917,7 @@ def test_only_rows_whose_seed_ranges_do_not_overlap_are_worded_as_separated(tmp_
                                                            ["rope", "sinusoidal"]]}
   assert ("Separated at 64 (2x) (the ratio to 1x; rows with 2 or more seeds, in groups whose "
           "seed ranges do not overlap, best first, no order claimed within a group): {alibi, "
-          "kerple_log} < {rope, sinusoidal}.") in report.markdown(compare_cli.summarise(records,
+          "kerple_log} < {rope, sinusoidal}.") in pages.markdown(compare_cli.summarise(records,
                                                                                       []))
 
 

@@ -182,7 +182,7 @@ def test_a_finished_cell_runs_only_the_evaluations_it_lacks(tmp_path, monkeypatc
   """A grid rerun with another window kind evaluates the trained runs again, nothing else."""
   from posenc_jax.comparison import run
   from posenc_jax.evaluation.report import settings_key
-  from posenc_jax.evaluation.runs import protocol_settings
+  from posenc_jax.evaluation.protocols import protocol_settings
 
   config = get_config("extrapolation,quick")
   config.schemes = "alibi"
@@ -223,7 +223,7 @@ def test_a_task_added_to_a_finished_grid_trains_and_evaluates_only_the_new_task(
   kill inside the new training leaves a run that is not at its end, which runs again."""
   from posenc_jax.comparison import run
   from posenc_jax.evaluation.report import settings_key
-  from posenc_jax.evaluation.runs import protocol_settings
+  from posenc_jax.evaluation.protocols import protocol_settings
 
   config = get_config("synthetic")
   config.schemes, config.seeds = "none", "0"

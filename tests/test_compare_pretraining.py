@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from posenc_jax import compare as compare_cli
-from posenc_jax.comparison import collect, plots, report
+from posenc_jax.comparison import collect, pages, plots, report
 from tests.test_compare import INDICATORS, _rewrite, fake_run
 
 UNIGRAM = 1000.0  # the unigram's perplexity of the held-out masked tokens
@@ -85,7 +85,7 @@ def test_pretraining_table_shows_perplexity_ratio_and_steps_to_the_baseline_s_fi
   # bert's seeds reach 5.2 at 300, 300 and never; rope's at 200, 100 (5.2 <= 5.2) and 300.
   assert bert["cells"]["steps to baseline"]["seeds"] == {"0": 300, "1": 300, "2": None}
   assert rope["cells"]["steps to baseline"]["seeds"] == {"0": 200, "1": 100, "2": 300}
-  text = report.markdown(summary)
+  text = pages.markdown(summary)
   assert "## pre-training: held-out masked-LM perplexity, median (min-max) over seeds" in text
   assert ("| scheme | seeds | learned | perplexity | ratio to unigram | steps to baseline |"
           in text)
@@ -102,7 +102,7 @@ def test_pretraining_table_shows_perplexity_ratio_and_steps_to_the_baseline_s_fi
   # Another baseline, given: rope's median final loss 4.9, which no seed of bert reaches.
   tables = report.tables(collect.collect([str(tmp_path)]), ["bert", "rope"], baseline="rope")
   assert tables[0]["targets"] == {"rope": 4.9}
-  assert [row.rsplit(" | ", 1)[1] for row in rows(report.markdown({"tables": tables}))[1:]] == [
+  assert [row.rsplit(" | ", 1)[1] for row in rows(pages.markdown({"tables": tables}))[1:]] == [
       "not reached |", "300 (300-300); 1/3 not reached |"]
 
 
@@ -116,7 +116,7 @@ def test_a_seed_above_half_the_unigram_s_perplexity_did_not_learn(tmp_path):
   table = pretraining_table(summary)
   assert [row["learned"] for row in table["rows"]] == [[0], []]
   assert table["targets"] == {"bert": 5.0}
-  assert rows(report.markdown(summary)) == [
+  assert rows(pages.markdown(summary)) == [
       "| unigram (reference) | | | 1000.0 | | |",
       "| bert | 2 | 1/2 | 148.4 | 0.1484 | 200 |",
       "| rope | 1 | 0/1 | did not learn (ppl 600.0 at step 1, unigram 1000.0) | | |"]
@@ -130,7 +130,7 @@ def test_the_curves_plot_shows_each_scheme_s_median_loss_and_the_unigram_s(tmp_p
                                                                           monkeypatch, capsys):
   grid(tmp_path)
   summary = compare_cli.summarise(collect.collect([str(tmp_path)]), [])
-  written = report.write(str(tmp_path / "out"), summary)
+  written = pages.write(str(tmp_path / "out"), summary)
   assert str(tmp_path / "out" / "pre-training.png") in written
   assert (tmp_path / "out" / "pre-training.png").stat().st_size > 1000
   (ax,) = plots.plot_pretraining(pretraining_table(summary)).axes
@@ -141,9 +141,9 @@ def test_the_curves_plot_shows_each_scheme_s_median_loss_and_the_unigram_s(tmp_p
   assert lines["unigram (train split)"].get_linestyle() == "--"
   assert "step" in ax.get_xlabel() and "held-out masked-LM loss" in ax.get_ylabel()
   monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
-  assert [p.rsplit("/", 1)[1] for p in report.write(str(tmp_path / "none"), summary)] == [
+  assert [p.rsplit("/", 1)[1] for p in pages.write(str(tmp_path / "none"), summary)] == [
       "results.json", "results.md"]
-  assert capsys.readouterr().out == f"compare: {report.NO_PLOTS}\n"
+  assert capsys.readouterr().out == f"compare: {pages.NO_PLOTS}\n"
 
 
 def test_a_fine_tuning_seed_not_above_the_majority_class_did_not_learn(tmp_path):
@@ -161,7 +161,7 @@ def test_a_fine_tuning_seed_not_above_the_majority_class_did_not_learn(tmp_path)
   (table,) = summary["tables"]
   assert table["reference"] == {"label": "majority class", "values": chance}
   assert [row["learned"]["wordnet_hypernym"] for row in table["rows"]] == [[2], []]
-  text = report.markdown(summary)
+  text = pages.markdown(summary)
   assert ("| scheme | seeds | wordnet_hypernym | wordnet_supersense | average |"
           in text.splitlines())
   assert rows(text) == [
@@ -210,10 +210,10 @@ def test_results_md_is_rebuilt_from_results_json(tmp_path):
     finetuning_run(tmp_path / "runs", scheme, 0, "wordnet_hypernym", score, 50.0)
   summary = compare_cli.summarise(collect.collect([str(tmp_path / "runs")]), [])
   assert [t["protocol"] for t in summary["tables"]] == ["finetune", "pretrain"]
-  report.write(str(tmp_path / "out"), summary)
+  pages.write(str(tmp_path / "out"), summary)
   text = (tmp_path / "out" / "results.md").read_text()
   assert "did not learn (ppl 600.0 at step 100" in text and "vs chance 50.0000)" in text
-  assert report.markdown(json.loads((tmp_path / "out" / "results.json").read_text())) == text
+  assert pages.markdown(json.loads((tmp_path / "out" / "results.json").read_text())) == text
 
 
 def indicators_doc(values, paper_row):
@@ -232,7 +232,7 @@ def test_the_pretrained_models_indicators_sit_beside_the_papers_rows(tmp_path):
   summary = compare_cli.summarise(collect.collect([str(tmp_path / "runs")]), [])
   assert [(r["label"], r["paper_row"]) for r in summary["indicators"]] == [
       ("bert", "BERT-style APE"), ("rope", None)]
-  report.write(str(tmp_path / "out"), summary)
+  pages.write(str(tmp_path / "out"), summary)
   text = (tmp_path / "out" / "results.md").read_text()
   section = text.partition("## Property indicators")[2]
   assert rows(section)[1:4] == [
@@ -240,7 +240,7 @@ def test_the_pretrained_models_indicators_sit_beside_the_papers_rows(tmp_path):
       "| Wang et al.: BERT-style APE | 0.2461 | 0.0208 | 0.5030 | 0.0143 | 0.0012 | 1.1940 |",
       "| rope (seed 0, step 300) | 0.5000 | 0.5000 | 0.5000 | 0.5000 | 0.5000 | 0.5000 |"]
   assert "300 words at length 64" in section
-  assert report.markdown(json.loads((tmp_path / "out" / "results.json").read_text())) == text
+  assert pages.markdown(json.loads((tmp_path / "out" / "results.json").read_text())) == text
 
 
 def test_a_foreign_indicators_value_is_one_line_naming_the_file_and_field(tmp_path):

@@ -25,7 +25,7 @@ from posenc_jax.data.vocab import CLS_ID
 from posenc_jax.evaluation import (EvaluationError, Run, evaluate_workdir, load_run, model_at,
                                    window_arrays, windows)
 from posenc_jax.evaluation import report as evaluation_report
-from posenc_jax.evaluation import runs
+from posenc_jax.evaluation import protocols
 from posenc_jax.evaluation.runs import token_stream, window_batches
 from posenc_jax.models.build import build_model, init_inputs
 from posenc_jax.models.transformer import shift_right
@@ -392,13 +392,13 @@ def test_evaluations_with_other_settings_sit_beside_each_other(lm_run, tmp_path,
 
 def test_settings_name_the_options_that_change_the_numbers_with_their_defaults():
   lm, mlm = {"objective": "lm", "eval_steps": 5}, {"objective": "mlm", "eval_steps": 5}
-  assert runs.protocol_settings("extrapolation", lm, tokens=4096, lengths=[8, 16],
+  assert protocols.protocol_settings("extrapolation", lm, tokens=4096, lengths=[8, 16],
                                 batch_size=3) == {"split": "validation",
                                                   "windows": "non_overlapping", "tokens": 4096}
-  assert runs.protocol_settings("extrapolation", mlm, windows="sliding", stride=4) == {
+  assert protocols.protocol_settings("extrapolation", mlm, windows="sliding", stride=4) == {
       "split": "validation", "windows": "sliding", "stride": 4, "tokens": 16384, "mask_seed": 0}
-  assert runs.protocol_settings("probes", lm) == {"examples": 256, "seed": 1_000_003}
-  assert runs.protocol_settings("loss", lm, split="train") == {"split": "train",
+  assert protocols.protocol_settings("probes", lm) == {"examples": 256, "seed": 1_000_003}
+  assert protocols.protocol_settings("loss", lm, split="train") == {"split": "train",
                                                                "eval_steps": 5}
   assert evaluation_report.settings_key({"split": "train[:10%]", "tokens": 64}) == (
       "split=train__10__,tokens=64")

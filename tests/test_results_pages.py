@@ -7,7 +7,7 @@ import pathlib
 
 import pytest
 
-from posenc_jax.comparison import report
+from posenc_jax.comparison import pages
 
 RESULTS = pathlib.Path(__file__).resolve().parents[1] / "docs" / "results"
 PAGES = sorted(RESULTS.glob("**/results.json"))
@@ -20,7 +20,7 @@ def test_there_are_measured_pages():
 @pytest.mark.parametrize("path", PAGES, ids=lambda p: str(p.parent.relative_to(RESULTS)))
 def test_each_results_md_is_rebuilt_from_its_results_json(path):
   summary = json.loads(path.read_text())
-  assert (path.parent / "results.md").read_text() == report.markdown(summary)
+  assert (path.parent / "results.md").read_text() == pages.markdown(summary)
   assert summary["provenance"]["command"].startswith("python -m posenc_jax.compare")
   for table in summary["tables"]:
     if table["protocol"] == "extrapolation" and table["about"]["task"] == "python_stdlib_lm":

@@ -162,7 +162,7 @@ def check_evaluation(path: epath.Path, doc: Any) -> dict[str, Any]:
   """``doc`` (read from ``path``) after checking the fields the tables read: every
   document's ``protocol`` and ``settings``; an extrapolation or probes document's lengths
   and values; an indicators document's length, examples, paper row and the six values of
-  Wang et al.'s Table 2 (:mod:`posenc_jax.evaluation.runs`)."""
+  Wang et al.'s Table 2 (:mod:`posenc_jax.evaluation.protocols`)."""
   protocol = field(path, doc, "protocol", "string")
   field(path, doc, "settings", "object")
   if protocol == "indicators":
@@ -331,14 +331,14 @@ def evaluations(records: list[dict[str, Any]], protocol: str | None = None,
   protocol and task were evaluated with. With one (its ``protocol`` and the options of each
   of its evaluations, :func:`~posenc_jax.comparison.plan.evaluate_options`), each run's
   document of the settings each evaluation asks for
-  (:func:`~posenc_jax.evaluation.runs.protocol_settings`), and every run must have them.
+  (:func:`~posenc_jax.evaluation.protocols.protocol_settings`), and every run must have them.
 
   Raises:
     CollectError: runs of one protocol and task evaluated with different settings (one line
       naming two workdirs and the setting), or a run without the experiment's.
   """
   from posenc_jax.evaluation.report import settings_key  # noqa: PLC0415
-  from posenc_jax.evaluation.runs import SETTINGS, protocol_settings  # noqa: PLC0415
+  from posenc_jax.evaluation.protocols import SETTINGS, protocol_settings  # noqa: PLC0415
 
   members = {}  # (protocol, task) -> [(record, {settings key: document})]
   for record in records:

@@ -36,7 +36,7 @@ from etils import epath
 
 from posenc_jax.comparison.collect import collect, recorded_seconds
 from posenc_jax.comparison.plan import Cell, Step, groups
-from posenc_jax.comparison.report import write_atomic
+from posenc_jax.paths import write_atomic
 from posenc_jax.comparison.slots import Slot
 from posenc_jax.messages import first_line
 
@@ -166,7 +166,7 @@ def evaluation_file(step: Step) -> epath.Path | None:
   settings resolved with the run's ``config.json``); None for other steps or an untrained
   workdir."""
   from posenc_jax.evaluation.report import settings_key  # noqa: PLC0415
-  from posenc_jax.evaluation.runs import SETTINGS, protocol_settings  # noqa: PLC0415
+  from posenc_jax.evaluation.protocols import SETTINGS, protocol_settings  # noqa: PLC0415
   from posenc_jax.training.workdir import saved_config  # noqa: PLC0415
 
   if step.evaluation is None:

@@ -19,7 +19,7 @@ from typing import Any
 
 from etils import epath
 
-from posenc_jax.paths import OutputPathError, absolute, check_output_dir
+from posenc_jax.paths import OutputPathError, absolute, check_output_dir, write_atomic
 
 PROTECTED = ("checkpoints", "best")  # a workdir's folders an evaluation never writes into
 PLOT_HINT = 'the plot needs matplotlib: pip install "posenc-jax[analysis]"'
@@ -183,7 +183,7 @@ def write(document: dict[str, Any], out: str,
   path = folder / f"{file_stem(document)}.json"
   if "rows" in document:
     document["rows"] = merged_rows(document, path)
-  path.write_text(json.dumps(document, indent=2) + "\n")
+  write_atomic(path, json.dumps(document, indent=2) + "\n")
   written = [os.fspath(path)]
   figure = None
   if document["protocol"] in PLOTS:
@@ -195,7 +195,7 @@ def write(document: dict[str, Any], out: str,
     png = io.BytesIO()
     figure.savefig(png, format="png")
     picture = folder / f"{file_stem(document)}.png"
-    picture.write_bytes(png.getvalue())
+    write_atomic(picture, png.getvalue())
     written.append(os.fspath(picture))
   for item in written:
     progress(f"wrote {item}")

@@ -33,7 +33,7 @@ from flax.training import train_state
 from jax.experimental import multihost_utils
 
 from posenc_jax import route_table
-from posenc_jax.paths import OutputPathError, absolute, check_output_dir
+from posenc_jax.paths import OutputPathError, absolute, check_output_dir, write_atomic
 from posenc_jax.data import probes, unigram
 from posenc_jax.data.randomized_positions import randomized_batches
 from posenc_jax.models.build import build_model
@@ -150,10 +150,8 @@ class BestKeeper:
       self.manager.save(step, args=ocp.args.StandardSave(params), force=True)
       self.manager.wait_until_finished()
       self.record = {"step": step, "metric": self.metric, "score": score}
-      if jax.process_index() == 0:  # replaced atomically: never torn
-        tmp = self.path.parent / f"{self.path.name}.tmp"
-        tmp.write_text(json.dumps(self.record))
-        tmp.replace(self.path)
+      if jax.process_index() == 0:
+        write_atomic(self.path, json.dumps(self.record))
 
   def close(self) -> None:
     if self.manager is not None:

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from etils import epath
 
-from posenc_jax.paths import is_remote
+from posenc_jax.paths import is_remote, write_atomic
 from posenc_jax.models.config import (HEADS, ModelConfig, causal_variant, model_config,
                                       position_schemes, scheme_dims)
 from posenc_jax.schemes.base import is_int
@@ -388,9 +388,7 @@ def _truncate_after(path: epath.Path, step: int) -> None:
   kept = "".join(line + "\n" for s, line in records if s <= step)
   if not path.exists() or kept == path.read_text():
     return
-  tmp = path.parent / (path.name + ".tmp")
-  tmp.write_text(kept)
-  tmp.replace(path)
+  write_atomic(path, kept)
 
 
 class _EpathEventFiles:

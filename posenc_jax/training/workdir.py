@@ -26,7 +26,7 @@ import jax
 import ml_collections
 from etils import epath
 
-from posenc_jax.paths import OutputPathError, check_output_dir, is_remote
+from posenc_jax.paths import OutputPathError, check_output_dir, is_remote, write_atomic
 from posenc_jax.models.config import model_config
 from posenc_jax.training.config import TrainConfigError
 
@@ -270,6 +270,4 @@ def claim(workdir: str, config: ml_collections.ConfigDict) -> None:
                            "their model is unknown; use a new --workdir (nothing there was "
                            "changed)")
   if jax.process_index() == 0:
-    tmp = path.parent / f"{CONFIG_FILE}.tmp-{os.getpid()}"
-    tmp.write_text(json.dumps(current, indent=2, sort_keys=True))
-    tmp.replace(path)  # atomic on a local disk: a reader sees the old file or the new one
+    write_atomic(path, json.dumps(current, indent=2, sort_keys=True))

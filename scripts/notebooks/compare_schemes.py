@@ -81,9 +81,9 @@ several), the cost columns beside it, and the reasons for every `n/a`. The same 
     ("code", """\
 from IPython.display import Markdown
 
-from posenc_jax.comparison import plots, report
+from posenc_jax.comparison import pages, plots
 
-text = report.markdown(summary)
+text = pages.markdown(summary)
 print(text)
 display(Markdown(text))
 for table in summary["tables"]:
