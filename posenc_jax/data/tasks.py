@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 
 import seqio
 import tensorflow as tf
+from absl import logging
 
 from posenc_jax.data import vocab as vocab_lib
 
@@ -70,6 +71,40 @@ def source_bytes(task: seqio.Task, split: str) -> int | None:
   except Exception:  # noqa: BLE001 - any unreadable metadata: size unknown
     return None
   return None
+
+
+def tfds_sources(task: seqio.Task | seqio.Mixture) -> list[seqio.TfdsDataSource]:
+  """The TFDS sources a task (or each task of a mixture) reads, in order, without repeats."""
+  tasks = task.tasks if isinstance(task, seqio.Mixture) else [task]
+  sources = [t.source for t in tasks if isinstance(t.source, seqio.TfdsDataSource)]
+  return [s for i, s in enumerate(sources) if s not in sources[:i]]
+
+
+def unprepared(task: seqio.Task | seqio.Mixture) -> list[dict[str, str | bool]]:
+  """The TFDS datasets ``task`` reads that are not prepared in their data folder (reading
+  them would make TFDS download and prepare them first):
+  ``[{"dataset": "pg19:0.1.1", "data_dir": "/root/tensorflow_datasets", "beam": False}]``
+  (``beam``: preparing it runs an Apache Beam pipeline). Looks only at the local folder."""
+  import tensorflow_datasets as tfds  # noqa: PLC0415
+
+  missing = []
+  for source in tfds_sources(task):
+    loader = source.tfds_dataset
+    if loader.name is None:
+      continue  # a split map of other datasets: seqio reads them by split
+    builder = tfds.builder(loader.name, data_dir=loader.data_dir)
+    verbosity = logging.get_verbosity()
+    logging.set_verbosity(logging.ERROR)  # TFDS warns of a folder without dataset_info.json
+    try:
+      prepared = builder.is_prepared()
+    finally:
+      logging.set_verbosity(verbosity)
+    if prepared:
+      continue
+    folder = os.fspath(builder.data_dir).removesuffix(builder.info.full_name).rstrip("/")
+    missing.append({"dataset": loader.name, "data_dir": folder,
+                    "beam": isinstance(builder, tfds.core.BeamBasedBuilder)})
+  return missing
 
 
 def _line_to_feature(feature: str):

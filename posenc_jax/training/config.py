@@ -59,6 +59,9 @@ def base_train_config() -> ml_collections.ConfigDict:
   # segment (attention within it, positions restarting at 0), as T5 packs.
   config.packed_segments = False
   config.profile_steps = 0  # trace this many steps after warm-up into <workdir>/tensorboard
+  # A TFDS dataset the task reads that is not prepared in TFDS's data folder: False refuses in
+  # one line naming it and how to prepare it; True downloads and prepares it in this run.
+  config.prepare_data = False
   # Randomized positions (Ruoss et al. 2023; mlm and lm): N, each training example's position
   # ids a sorted random subset of [0, N) (None: off); evaluation "randomized" (the paper's)
   # or "plain" (0..n-1). posenc_jax.data.randomized_positions.

@@ -120,6 +120,28 @@ def check_data_config(config: ml_collections.ConfigDict) -> None:
       raise TrainConfigError(
           f"model.vocab_size: {vocab_size} is smaller than task {config.task!r}'s "
           f"{name!r} vocabulary ({feature.vocabulary.vocab_size})")
+  if not config.get("prepare_data", False):
+    for field in ("task", "eval_task"):
+      if config.get(field):
+        _check_prepared(field, config[field])
+
+
+def _check_prepared(field: str, name: str) -> None:
+  """Task ``name`` reads no TFDS dataset that is missing from its data folder: reading one
+  would download and prepare it (many gigabytes for the corpora at scale), which a run does
+  only when asked (``prepare_data``). One line naming the dataset and how to prepare it."""
+  from posenc_jax.data import tasks  # noqa: PLC0415
+
+  missing = tasks.unprepared(_task(name))
+  if missing:
+    first = missing[0]
+    beam = " (an Apache Beam pipeline)" if first["beam"] else ""
+    raise TrainConfigError(
+        f"{field}: {name!r} reads the TFDS dataset {first['dataset']!r}, which is not prepared "
+        f"in {first['data_dir']} (TFDS's data folder: $TFDS_DATA_DIR, else ~/tensorflow_datasets); prepare it{beam} with `tfds build "
+        f"{first['dataset']} --data_dir={first['data_dir']}` (TFDS's command needs `pip "
+        "install apache-beam`), or rerun with --config.prepare_data=true to download and "
+        "prepare it in this run (nothing was downloaded)")
 
 
 def sequence_lengths(config: ml_collections.ConfigDict) -> dict[str, int] | None:

@@ -38,7 +38,7 @@ RECORD_HEAD = '{"step": '
 RESUMABLE = ("total_steps", "log_every", "eval_every", "eval_steps", "checkpoint_every",
              "keep_checkpoints", "async_checkpointing", "mesh", "decode", "sweep",
              "compilation_cache_dir", "profile_steps", "model.route", "cache_data",
-             "model.attention_precision")
+             "model.attention_precision", "prepare_data")
 
 
 def resolved_model(model: Any) -> dict[str, Any]:
