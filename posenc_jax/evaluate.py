@@ -46,7 +46,7 @@ from absl import flags
 
 from posenc_jax import allocator, cli
 from posenc_jax import usage as usage_lib
-from posenc_jax.evaluation.protocols import PROTOCOLS
+from posenc_jax.evaluation.protocols import KIND_WORDS, PROTOCOLS, RUN_KINDS
 from posenc_jax.evaluation.runs import parse_checkpoint
 from posenc_jax.evaluation.windows import WINDOWS
 
@@ -129,11 +129,13 @@ OPTIONS = ("split", "eval_steps", "lengths", "windows", "stride", "tokens", "bat
 
 
 def usage() -> str:
-  """``--help``'s opening: this module's docstring, then each protocol's first sentence."""
+  """``--help``'s opening: this module's docstring, then each protocol's first sentence and
+  the kinds of run it scores."""
   protocols = "\n".join(textwrap.fill(
-      " ".join(re.split(r"\.\s", fn.__doc__, maxsplit=1)[0].split()).replace("``", ""),
-      width=92, initial_indent=f"  {name:<14}", subsequent_indent=" " * 16)
-      for name, fn in PROTOCOLS.items())
+      " ".join(re.split(r"\.\s", fn.__doc__, maxsplit=1)[0].split()).replace("``", "").rstrip(".")
+      + ". Runs it scores: " + ", ".join(KIND_WORDS[k] for k in RUN_KINDS[name]) + ".",
+      width=92, initial_indent=f"  {name:<14}", subsequent_indent=" " * 16,
+      break_on_hyphens=False) for name, fn in PROTOCOLS.items())
   return f"{__doc__.rstrip()}\n\nProtocols (--protocol):\n{protocols}"
 
 

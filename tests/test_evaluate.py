@@ -589,7 +589,7 @@ def test_probes_past_a_learned_table_are_na_and_other_runs_are_refused(tmp_path,
                          examples=2)
   assert doc["rows"][0]["na"] is None and doc["rows"][1]["accuracy"] is None
   assert "max_len" in doc["rows"][1]["na"]
-  with pytest.raises(EvaluationError, match="protocol: 'probes' needs a probe run"):
+  with pytest.raises(EvaluationError, match="protocol: 'probes' scores synthetic probe"):
     evaluate_workdir(lm_run[0], "probes")
 
 
@@ -616,8 +616,9 @@ def test_indicators_are_the_analysis_tools_on_the_restored_model_beside_the_pape
 
 def test_indicators_of_a_causal_lm_are_one_line_saying_why(lm_run):
   with pytest.raises(EvaluationError, match=(
-      r"^protocol: 'indicators': model: a decoder-only causal language model \(head 'lm'\); "
-      r"indicators: identical-word probing")):
+      r"^protocol: 'indicators' scores masked-LM pre-training, classification fine-tuning, "
+      r"regression fine-tuning, span fine-tuning runs; .* is a causal-LM pre-training run "
+      r"\(task 'wordnet_glosses_lm'\), which 'loss', 'extrapolation' scores$")):
     evaluate_workdir(lm_run[0], "indicators", examples=2)
 
 

@@ -122,9 +122,6 @@ def extrapolation_protocol(run: Run, *, split: str = "validation",
   settings = protocol_settings("extrapolation", config, split=split, windows=windows,
                                stride=stride, tokens=tokens, mask_seed=mask_seed)
   name = config.objective
-  if name not in PRETRAINING:
-    raise EvaluationError(f"protocol: 'extrapolation' needs a pre-training run (objective "
-                          f"lm or mlm); {run.workdir} has objective {name!r}")
   if windows == "sliding" and name != "lm":
     raise EvaluationError("windows: 'sliding' scores a token with the context before it, "
                           f"for a causal LM (objective lm); this run's objective is {name!r}")
@@ -194,10 +191,6 @@ def probes_protocol(run: Run, *, lengths: Sequence[int] | None = None, examples:
   the scheme cannot reach, or too short for the probe, is ``n/a`` with the reason. Each row
   has ``chance``: the accuracy of guessing (:meth:`~posenc_jax.data.probes.Probe.chance`)."""
   config = run.config
-  if not probes.is_probe(config.task):
-    raise EvaluationError(f"protocol: 'probes' needs a probe run (task "
-                          f"{probes.TASK_PREFIX}<name>, configs/probe.py); {run.workdir} has "
-                          f"task {config.task!r}")
   spec = probes.config_probe(config)
   train_length = config.seq_len
   randomized = randomized_positions.evaluated_range(config)  # as the trainer evaluates
@@ -279,6 +272,39 @@ PROTOCOLS: dict[str, Callable[..., dict[str, Any]]] = {
 }
 
 
+# The kinds of run (:func:`run_kind`) each protocol scores; any other is one line.
+RUN_KINDS: dict[str, tuple[str, ...]] = {
+    "loss": ("mlm", "lm", "probe", "classification", "regression", "span", "translation"),
+    "extrapolation": ("mlm", "lm"),
+    "probes": ("probe",),
+    "indicators": ("mlm", "classification", "regression", "span"),
+}
+KIND_WORDS = {"mlm": "masked-LM pre-training", "lm": "causal-LM pre-training",
+              "probe": f"synthetic probe (task {probes.TASK_PREFIX}<name>)",
+              "classification": "classification fine-tuning",
+              "regression": "regression fine-tuning", "span": "span fine-tuning",
+              "translation": "translation (encoder-decoder)"}
+
+
+def run_kind(config: Mapping[str, Any]) -> str:
+  """The kind of run a train config describes: ``probe`` for a synthetic-probe task, else its
+  objective (``mlm``, ``lm``, ``classification``, ``regression``, ``span``, ``translation``)."""
+  return "probe" if probes.is_probe(config.get("task") or "") else config.get("objective")
+
+
+def check_run_kind(protocol: str, run: Run) -> None:
+  """``protocol`` scores ``run``'s kind (:data:`RUN_KINDS`), else one line naming both and the
+  protocols that score it."""
+  kind = run_kind(run.config)
+  if kind not in RUN_KINDS[protocol]:
+    fitting = [p for p, kinds in RUN_KINDS.items() if kind in kinds]
+    raise EvaluationError(
+        f"protocol: {protocol!r} scores {', '.join(KIND_WORDS[k] for k in RUN_KINDS[protocol])}"
+        f" runs; {run.workdir} is a {KIND_WORDS.get(kind, repr(kind))} run (task "
+        f"{run.config.get('task')!r}), which {', '.join(map(repr, fitting)) or 'no protocol'} "
+        "scores")
+
+
 # The options of each protocol that change its numbers: its documents' ``settings``.
 
 
@@ -357,6 +383,7 @@ def evaluate_workdir(workdir: str, protocol: str = "loss", *, checkpoint: str | 
   check_protocol(protocol, options)
   route_table.points()  # a bad $POSENC_JAX_ROUTE_TABLE is one line before any work
   run = load_run(workdir, checkpoint)
+  check_run_kind(protocol, run)
   made = None  # the folder check_out created, removed again if the protocol refuses
   if out is not None:
     existed = epath.Path(out).exists()
