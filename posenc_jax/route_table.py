@@ -63,6 +63,7 @@ from typing import Any, NamedTuple
 import jax
 
 from posenc_jax.kernels.blocks import gpu_compute_capability
+from posenc_jax import foreign
 from posenc_jax.paths import write_atomic
 
 FORMS = ("toeplitz", "factored")
@@ -184,8 +185,8 @@ def read(path: str | os.PathLike) -> list[Point]:
   if not path.exists():
     return []
   try:
-    document = json.loads(path.read_text())
-  except (OSError, json.JSONDecodeError) as e:
+    document = foreign.loads(path.read_text())
+  except (OSError, ValueError) as e:
     raise ValueError(f"route table {path}: not readable JSON ({e})") from None
   if not isinstance(document, Mapping) or document.get("format") != FORMAT:
     raise ValueError(f"route table {path}: expected an object with \"format\": {FORMAT}")

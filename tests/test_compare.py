@@ -591,14 +591,14 @@ def _eval_file(workdir):
 
 @pytest.mark.parametrize("file, change, expected", [
     ("best.json", lambda d: d.update(score="high"),
-     "best.json: score: got 'high'; expected a finite number"),
+     "best.json: score: got 'high'; expected a finite number within ±1e12"),
     ("best.json", lambda d: d.pop("metric"), "best.json: metric: missing; expected a string"),
     ("eval", lambda d: d.pop("rows"), ".json: rows: missing; expected a list"),
     ("eval", lambda d: d.pop("settings"), ".json: settings: missing; expected a JSON object"),
     ("eval", lambda d: d["rows"][1].update(value="25"),
-     ".json: rows[1].value: got '25'; expected a finite number or null"),
+     ".json: rows[1].value: got '25'; expected a finite number within ±1e12 or null"),
     ("config.json", lambda d: d.update(seed="zero"),
-     "config.json: seed: got 'zero'; expected an integer"),
+     "config.json: seed: got 'zero'; expected an integer within ±2**53"),
 ])
 def test_bad_foreign_input_is_one_line_naming_the_file_and_field(tmp_path, file, change,
                                                                  expected):
@@ -619,7 +619,7 @@ def test_bad_foreign_input_is_one_line_naming_the_file_and_field(tmp_path, file,
     (lambda d: d["probe"].update(digits=4), ".json: probe.digits: not a parameter of probe "
      "'copy'; allowed: alphabet, reverse, min_symbols"),
     (lambda d: d["rows"][0].pop("token_accuracy"),
-     ".json: rows[0].token_accuracy: missing; expected a finite number"),
+     ".json: rows[0].token_accuracy: missing; expected a finite number within ±1e12"),
 ])
 def test_a_foreign_probe_document_is_one_line_naming_the_file_and_field(tmp_path, change,
                                                                         expected):
@@ -656,13 +656,13 @@ def _replace(path, data):
 
 @pytest.mark.parametrize("file, change, expected", [
     ("bert/seed0/wordnet_supersense/best.json", lambda p: _rewrite(p, lambda d: d.update(
-        score="high")), "score: got 'high'; expected a finite number"),
+        score="high")), "score: got 'high'; expected a finite number within ±1e12"),
     ("bert/seed0/cell.json", lambda p: _rewrite(p, lambda d: d.update(seconds="long")),
-     "seconds: got 'long'; expected a finite number"),
+     "seconds: got 'long'; expected a finite number within ±1e12"),
     ("bert/seed0/cell.json", lambda p: _replace(p, [1, 2]),
      "the file holds list; expected a JSON object"),
     ("cost.json", lambda p: _replace(p, {"baseline": "bert", "rows": {}, "seconds": None}),
-     "seconds: got None; expected a finite number"),
+     "seconds: got None; expected a finite number within ±1e12"),
     ("bert/seed1/train/config.json", lambda p: _rewrite(p, lambda d: d["model"].update(
         scheme="bert")), "model.scheme: got 'bert'; expected a JSON object"),
     ("bert/seed1/train/config.json", lambda p: _rewrite(p, lambda d: d["model"].update(
@@ -679,6 +679,61 @@ def test_collect_of_a_foreign_file_is_one_line_naming_it_and_writes_nothing(tmp_
                         str(root)], cwd=str(tmp_path), timeout=60)
   assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
   assert out.stderr.strip().splitlines()[-1] == f"compare: collect: {root / file}: {expected}"
+  assert not (tmp_path / "out").exists()
+
+
+DEEP = "[" * 100_000 + "]" * 100_000  # Python's parser recursed past its limit on it
+
+
+@pytest.mark.parametrize("file, change, expected", [
+    ("cost.json", lambda p: p.write_text(DEEP), "does not read as JSON (nested too deep; at "
+     "most 32 levels)"),
+    ("bert/seed0/cell.json", lambda p: p.write_text('{"seconds": ' + "[" * 40 + "]" * 40 + "}"),
+     "does not read as JSON (nested 41 levels deep; at most 32)"),
+    ("bert/seed1/train/config.json", lambda p: p.write_text(DEEP),
+     "does not read as JSON (nested too deep; at most 32 levels), not the file a run writes "
+     "there; move it away (nothing there was changed)"),
+])
+def test_collect_of_a_file_nested_too_deep_is_one_line_and_writes_nothing(tmp_path, file,
+                                                                          change, expected):
+  root = tmp_path / "root"
+  compare_cli.compare(glue_config(), str(root), fake_glue_cell, say=lambda s: None)
+  change(root / file)
+  out = forked_cli.run(["-m", "posenc_jax.compare", "--collect", f"--workdir={tmp_path}/out",
+                        str(root)], cwd=str(tmp_path), timeout=60)
+  assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
+  lines = [ln for ln in out.stderr.strip().splitlines() if ln.startswith("compare:")]
+  assert len(lines) == 1, out.stderr
+  line = lines[0]
+  assert line.startswith("compare: collect: ") and f"{root / file} {expected}" in line, line
+  assert line.endswith(expected), line
+  assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("change, expected", [
+    (lambda d: d["rows"][1].update(length=10**30),
+     "rows[1].length: got 1000000000000000000000000000000; expected a positive integer at "
+     "most 2**31"),
+    (lambda d: d["rows"][1].update(value=1e308),
+     "rows[1].value: got 1e+308; expected a finite number within ±1e12 or null"),
+    (lambda d: d.update(tokens=0), "tokens: got 0; expected a positive integer at most 2**31"),
+])
+def test_an_evaluation_number_out_of_range_is_one_line_before_anything_is_written(
+    tmp_path, change, expected):
+  """A length of 10**30 or a value of 1e308 had written results.json and results.md, then
+  failed in the plot."""
+  root = tmp_path / "runs"
+  workdir = root / "run"
+  fake_run(workdir, "rope", 0, task="wordnet_glosses_lm", objective="lm", best=0.5,
+           evals=[EXTRAPOLATION])
+  _rewrite(_eval_file(workdir), change)
+  out = forked_cli.run(["-m", "posenc_jax.compare", "--collect", f"--workdir={tmp_path}/out",
+                        str(root)], cwd=str(tmp_path), timeout=60)
+  assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
+  lines = [ln for ln in out.stderr.strip().splitlines() if ln.startswith("compare:")]
+  assert len(lines) == 1, out.stderr
+  line = lines[0]
+  assert line == f"compare: collect: {_eval_file(workdir)}: {expected}", line
   assert not (tmp_path / "out").exists()
 
 
@@ -891,7 +946,7 @@ def test_inference_columns_follow_the_step_times_where_the_cost_timed_it(tmp_pat
   path.write_text(json.dumps(cost))
   with pytest.raises(collect.CollectError, match=(
       rf"^collect: {path}: rows.alibi.lengths.32.infer_ratio.median: got 'fast'; expected a "
-      "finite number$")):
+      "finite number within ±1e12$")):
     collect.read_cost(epath.Path(path))
 
 

@@ -175,11 +175,11 @@ def test_a_fine_tuning_seed_not_above_the_majority_class_did_not_learn(tmp_path)
 
 @pytest.mark.parametrize("file, line, expected", [
     ("metrics.jsonl", {"step": 200, "eval_loss": "low"},
-     "metrics.jsonl: step 200: eval_loss: got 'low'; expected a finite number"),
+     "metrics.jsonl: step 200: eval_loss: got 'low'; expected a finite number within ±1e12"),
     ("metrics.jsonl", {"step": 200, "eval_loss": 5.0, "eval_unigram_perplexity": None},
-     "metrics.jsonl: step 200: eval_unigram_perplexity: got None; expected a finite number"),
+     "metrics.jsonl: step 200: eval_unigram_perplexity: got None; expected a finite number within ±1e12"),
     ("config.json", {"chance_score": "half"},
-     "config.json: chance_score: got 'half'; expected a finite number or null"),
+     "config.json: chance_score: got 'half'; expected a finite number within ±1e12 or null"),
 ])
 def test_a_foreign_metrics_or_chance_value_is_one_line_naming_the_file_and_field(
     tmp_path, file, line, expected):
@@ -253,7 +253,7 @@ def test_a_foreign_indicators_value_is_one_line_naming_the_file_and_field(tmp_pa
   with pytest.raises(collect.CollectError) as error:
     collect.collect([str(tmp_path)])
   assert str(error.value) == (f"collect: {path}: indicators.symmetry: got 'flat'; expected a "
-                              "finite number")
+                              "finite number within ±1e12")
 
 
 def test_each_pretraining_of_the_finetune_protocol_is_scored_with_the_indicators():

@@ -117,6 +117,8 @@ def test_metrics_folder_is_one_line(tmp_path):
     (" \n", "is empty"),
     ("\x00\xff", "is not text"),
     (None, "is a folder"),
+    ("[" * 100_000 + "]" * 100_000, "does not read as JSON (nested too deep; at most 32 levels)"),
+    ('{"model": ' + "[" * 40 + "]" * 40 + "}", "(nested 41 levels deep; at most 32)"),
 ])
 def test_a_foreign_config_json_is_one_line_naming_it(tmp_path, content, problem):
   path = tmp_path / "config.json"
@@ -128,6 +130,21 @@ def test_a_foreign_config_json_is_one_line_naming_it(tmp_path, content, problem)
     with pytest.raises(WorkdirError, match=rf"^{field}: {path} ") as e:
       saved_config(str(tmp_path), field)
     assert problem in str(e.value) and "nothing there was changed" in str(e.value)
+
+
+def test_a_config_json_value_no_run_writes_is_one_line_in_evaluate(tmp_path):
+  """The evaluate tool validates the config.json it builds the model from (a seq_len of
+  1e308 was an OverflowError traceback)."""
+  from posenc_jax.evaluation import EvaluationError, load_run  # noqa: PLC0415
+
+  config = preset_config("bert_tiny,rope")
+  config.update(base_train_config().to_dict() | {"model": config.model.to_dict()})
+  data = workdir.resolved_config(config) | {"seq_len": 1e308}
+  (tmp_path / "config.json").write_text(json.dumps(data))
+  with pytest.raises(EvaluationError) as e:
+    load_run(str(tmp_path))
+  assert str(e.value) == (f"workdir: {tmp_path}/config.json: seq_len: got 1e+308; allowed: a "
+                          "positive integer; not the config a run writes")
 
 
 def test_init_checkpoint_with_a_foreign_config_json_is_one_line(tmp_path):

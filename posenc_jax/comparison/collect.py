@@ -24,7 +24,6 @@ different settings.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from typing import Any
@@ -32,6 +31,7 @@ from typing import Any
 import ml_collections
 from etils import epath
 
+from posenc_jax import foreign
 from posenc_jax.comparison import plan
 from posenc_jax.data import probes
 from posenc_jax.presets import scheme_name, size_name
@@ -54,16 +54,26 @@ class CollectError(ValueError):
 
 def _json(path: epath.Path) -> Any:
   try:
-    return json.loads(path.read_text())
+    return foreign.loads(path.read_text())
   except (OSError, ValueError) as e:
     raise CollectError(f"collect: {path} does not read as JSON ({e})") from None
 
 
+# The largest magnitude of a number (a score, loss, perplexity, ratio, seconds) and of an
+# integer (a step, length, seed, token count) a run's files may hold: far beyond any a run
+# writes, and within what a table, a ratio or a plot computes with (1e308 and 10**30 are not).
+MAX_NUMBER = 1e12
+MAX_INTEGER = 2**53
+
 # What a field may hold: its kind's test and its name in an error.
 KINDS = {
     "number": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
-               and math.isfinite(v), "a finite number"),
-    "integer": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
+               and math.isfinite(v) and abs(v) <= MAX_NUMBER,
+               "a finite number within ±1e12"),
+    "integer": (lambda v: isinstance(v, int) and not isinstance(v, bool)
+                and abs(v) <= MAX_INTEGER, "an integer within ±2**53"),
+    "length": (lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 < v <= 2**31,
+               "a positive integer at most 2**31"),
     "string": (lambda v: isinstance(v, str), "a string"),
     "object": (lambda v: isinstance(v, dict), "a JSON object"),
     "list": (lambda v: isinstance(v, list), "a list"),
@@ -120,7 +130,7 @@ def _metrics(path: epath.Path) -> list[tuple[int, dict[str, Any]]]:
     records, _ = read_metrics(path)
   except WorkdirError as e:
     raise CollectError(f"collect: {e}") from None
-  return [(step, json.loads(line)) for step, line in records]  # each an object with a step
+  return [(step, foreign.loads(line)) for step, line in records]  # each an object with a step
 
 
 def eval_curve(workdir: epath.Path) -> list[dict[str, Any]]:
@@ -168,7 +178,7 @@ def check_evaluation(path: epath.Path, doc: Any) -> dict[str, Any]:
   if protocol == "indicators":
     from posenc_jax.analysis.indicators import TABLE2_COLUMNS  # noqa: PLC0415
     for name in ("length", "examples"):
-      field(path, doc, name, "integer")
+      field(path, doc, name, "length")
     field(path, doc, "paper_row", "string", null=True)
     values = field(path, doc, "indicators", "object")
     for name in TABLE2_COLUMNS:
@@ -176,19 +186,19 @@ def check_evaluation(path: epath.Path, doc: Any) -> dict[str, Any]:
     return doc
   if protocol not in CURVES:
     return doc
-  field(path, doc, "train_length", "integer")
+  field(path, doc, "train_length", "length")
   key = "value" if protocol == "extrapolation" else "accuracy"
   if protocol == "extrapolation":
     field(path, doc, "metric", "string")
     for name in ("split", "windows"):
       field(path, doc, name, "string")
-    field(path, doc, "tokens", "integer")
-    field(path, doc, "stride", "integer", null=True)
+    field(path, doc, "tokens", "length")
+    field(path, doc, "stride", "length", null=True)
     field(path, doc, "unigram", "number", null=True)
     field(path, doc, "unigram_train_tokens", "integer", null=True)
     field(path, doc, "corpus_sha256", "string", null=True)
   else:
-    field(path, doc, "examples", "integer")
+    field(path, doc, "examples", "length")
     field(path, doc, "seed", "integer")
     field(path, field(path, doc, "probe", "object"), "name", "string", where="probe.")
     try:
@@ -197,7 +207,7 @@ def check_evaluation(path: epath.Path, doc: Any) -> dict[str, Any]:
       raise CollectError(f"collect: {path}: {e}") from None
   for index, row in enumerate(field(path, doc, "rows", "list")):
     where = f"rows[{index}]."
-    field(path, row, "length", "integer", where=where)
+    field(path, row, "length", "length", where=where)
     field(path, row, key, "number", null=True, where=where)
     field(path, row, "na", "string", null=True, where=where)
     if protocol == "probes":

@@ -219,7 +219,38 @@ def check(config: ml_collections.ConfigDict) -> dict[str, Any]:
     if not config.get(field):
       raise PlanError(f"{field}: empty; allowed: a config spec such as configs/pretrain.py:"
                       "{size},{scheme}")
+    fill_spec(field, config.get(field), size="", scheme="", task="")  # its fields are known
   return plan
+
+
+SPEC_FIELDS = ("size", "scheme", "task")  # what a train_config or finetune_config names
+
+
+def fill_spec(field: str, template: Any, **values: str) -> str:
+  """The config spec ``template`` (of config field ``field``) with each ``{size}``,
+  ``{scheme}`` and ``{task}`` replaced by ``values`` (``{{`` and ``}}`` are braces); any other
+  replacement field (``{0}``, ``{scheme.__class__}``, ``{task!r}``, an unclosed brace) is one
+  :class:`PlanError` line naming ``field``. Nothing else of Python's formatting is run."""
+  import string  # noqa: PLC0415
+
+  if not isinstance(template, str):
+    raise PlanError(f"{field}: got {template!r}; allowed: a config spec (a string)")
+  allowed = f"allowed fields: {', '.join('{' + f + '}' for f in SPEC_FIELDS)}"
+  try:
+    parts = list(string.Formatter().parse(template))
+  except ValueError as e:
+    raise PlanError(f"{field}: {template!r} is not a config spec ({e}); {allowed}") from None
+  out = []
+  for literal, name, spec, conversion in parts:
+    out.append(literal)
+    if name is None:
+      continue
+    if name not in SPEC_FIELDS or spec or conversion:
+      given = "{" + name + (f"!{conversion}" if conversion else "") + (
+          f":{spec}" if spec else "") + "}"
+      raise PlanError(f"{field}: {given} in {template!r} is not a field it can name; {allowed}")
+    out.append(values[name])
+  return "".join(out)
 
 
 def overrides(values: ml_collections.ConfigDict, prefix: str = "--config.") -> list[str]:
@@ -290,7 +321,7 @@ def cells(config: ml_collections.ConfigDict, root: str) -> list[Cell]:
         if plan["protocol"] == "probes":
           for task in plan["tasks"]:
             workdir = f"{folder}/{task}"
-            spec = config.train_config.format(**fill, task=task)
+            spec = fill_spec("train_config", config.train_config, **fill, task=task)
             steps.append(Step(f"train {task}", workdir, ("posenc_jax.train", f"--config={spec}",
                                                          f"--workdir={workdir}", *train),
                               params_only=params_only))
@@ -298,7 +329,7 @@ def cells(config: ml_collections.ConfigDict, root: str) -> list[Cell]:
                       for options in evaluate_options(config)]
         elif seed in plan["pretrain_seeds"]:
           workdir = f"{folder}/train"
-          spec = config.train_config.format(**fill, task="")
+          spec = fill_spec("train_config", config.train_config, **fill, task="")
           steps.append(Step("train", workdir, ("posenc_jax.train", f"--config={spec}",
                                                f"--workdir={workdir}", *train),
                             params_only=params_only))
@@ -311,7 +342,7 @@ def cells(config: ml_collections.ConfigDict, root: str) -> list[Cell]:
                     for options in evaluate_options(config)]
         if plan["protocol"] == "finetune":
           for task in plan["tasks"]:
-            spec = config.finetune_config.format(**fill, task=task)
+            spec = fill_spec("finetune_config", config.finetune_config, **fill, task=task)
             steps.append(Step(f"finetune {task}", f"{folder}/{task}", (
                 "posenc_jax.finetune", f"--config={spec}", f"--init_checkpoint={workdir}",
                 f"--workdir={folder}/{task}", *overrides(config.finetune),

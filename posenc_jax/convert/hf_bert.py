@@ -59,6 +59,8 @@ from typing import Any
 
 import numpy as np
 
+from posenc_jax import foreign
+
 # HF ``hidden_act`` -> ModelConfig.activation. ``gelu`` is the exact (erf) form; the
 # others are the tanh approximation under different names.
 HF_ACTIVATIONS = {
@@ -155,7 +157,7 @@ def read_hf_config(model_dir) -> dict[str, Any]:
   try:
     with open(path, encoding="utf-8") as f:
       text = f.read()
-    hf_config = json.loads(text) if text.strip() else None
+    hf_config = foreign.loads(text) if text.strip() else None
   except OSError as e:
     raise ConversionError(f"{path}: cannot be read: {e.strerror}") from None
   except ValueError as e:  # JSONDecodeError, UnicodeDecodeError

@@ -19,6 +19,7 @@ from typing import Any
 
 from etils import epath
 
+from posenc_jax import foreign
 from posenc_jax.paths import OutputPathError, absolute, check_output_dir, write_atomic
 
 PROTECTED = ("checkpoints", "best")  # a workdir's folders an evaluation never writes into
@@ -161,7 +162,7 @@ def merged_rows(document: dict[str, Any], path: epath.Path) -> list[dict[str, An
   if document["protocol"] not in PLOTS or not path.exists():
     return document["rows"]
   try:
-    kept = json.loads(path.read_text())
+    kept = foreign.loads(path.read_text())
     same = (kept.get("step") == document["step"] and kept.get("settings") ==
             document["settings"] and isinstance(kept.get("rows"), list))
     rows = {row["length"]: row for row in kept["rows"]} if same else {}

@@ -36,6 +36,8 @@ from posenc_jax.messages import first_line
 from posenc_jax.models.build import abstract_params, build_model
 from posenc_jax.models.config import model_config
 from posenc_jax.training import checkpoint as checkpoint_lib
+from posenc_jax.training.config import validate_train_config
+from posenc_jax.training.errors import USER_ERRORS
 from posenc_jax.training.objectives import objective
 from posenc_jax.training.workdir import CONFIG_FILE, saved_config
 MASK_SEED = 0  # the masked-LM stream's masking seed: the same masks for every run
@@ -138,6 +140,11 @@ def load_run(workdir: str, checkpoint: str | int = "latest") -> Run:
     raise EvaluationError(f"workdir: {workdir} has no {CONFIG_FILE} (train.py and "
                           "finetune.py write it), so its model is unknown")
   config = ml_collections.ConfigDict(saved)
+  try:  # foreign input: a config.json edited by hand holds any value
+    validate_train_config(config)
+  except USER_ERRORS as e:
+    raise EvaluationError(f"workdir: {epath.Path(workdir) / CONFIG_FILE}: {first_line(e)}; not "
+                          "the config a run writes") from None
   model = build_model(saved["model"], config.head, num_labels=config.get("num_labels", 2))
   abstract = abstract_params(model)
   if checkpoint == "best":

@@ -26,6 +26,7 @@ import jax
 import ml_collections
 from etils import epath
 
+from posenc_jax import foreign
 from posenc_jax.paths import OutputPathError, check_output_dir, is_remote, write_atomic
 from posenc_jax.models.config import model_config
 from posenc_jax.training.config import TrainConfigError
@@ -124,7 +125,7 @@ def read_object(path: epath.Path, field: str = "workdir") -> dict[str, Any]:
   if not text.strip():
     raise _foreign(field, path, "is empty")
   try:
-    data = json.loads(text)
+    data = foreign.loads(text)
   except ValueError as e:
     raise _foreign(field, path, f"does not read as JSON ({e})") from None
   if not isinstance(data, dict):
@@ -184,7 +185,7 @@ def read_metrics(path: epath.Path, field: str = "workdir"
   records, torn = [], None
   for index, (number, line) in enumerate(lines):
     try:
-      record = json.loads(line)
+      record = foreign.loads(line)
     except ValueError:
       record = None
       if (index == len(lines) - 1 and line.isascii()
