@@ -542,6 +542,11 @@ def test_a_failed_cell_is_reported_and_the_others_finish(tmp_path):
   assert not (tmp_path / "bert/seed1/cell.json").exists()  # a rerun tries it again
 
 
+def test_a_config_spec_fills_only_its_named_fields():
+  assert plan.fill_spec("train_config", "configs/lm.py:{size},{scheme},x{{y}}", size="S",
+                        scheme="R", task="") == "configs/lm.py:S,R,x{y}"
+
+
 def test_a_failing_step_is_its_status_and_last_line_and_the_log_holds_its_output(tmp_path):
   config = get_config("extrapolation")
   config.update(dict(schemes="alibi", seeds="0"))
@@ -569,6 +574,15 @@ def test_a_failing_step_is_its_status_and_last_line_and_the_log_holds_its_output
     ("schemes", "rope+randomized_positions", "randomized_positions: unset, but row "
      "'rope+randomized_positions' needs its value"),
     ("keep", "param", "keep: got 'param'; did you mean 'params'?; allowed: params, all"),
+    ("train_config", "configs/lm.py:{0},{scheme}", "train_config: {0} in "
+     "'configs/lm.py:{0},{scheme}' is not a field it can name; allowed fields: {size}, "
+     "{scheme}, {task}"),
+    ("train_config", "configs/lm.py:{size},{scheme", "train_config: 'configs/lm.py:{size},"
+     "{scheme' is not a config spec (expected '}' before end of string); allowed fields: "),
+    ("train_config", "configs/lm.py:{scheme.__class__.__mro__}", "train_config: "
+     "{scheme.__class__.__mro__} in 'configs/lm.py:{scheme.__class__.__mro__}' is not a field "
+     "it can name"),
+    ("train_config", "configs/lm.py:{size!r},{scheme:>9}", "train_config: {size!r} in "),
 ])
 def test_bad_experiment_fields_are_one_line_naming_the_field(field, value, expected):
   config = get_config("extrapolation")
