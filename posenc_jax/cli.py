@@ -364,12 +364,29 @@ def flags_parser(prog: str, config_flag: str | None = "config",
 CLOSED_PIPE_STATUS = 128 + signal.SIGPIPE
 
 
+def _open_closed_streams() -> None:
+  """A process started with stdout or stderr closed (``>&-``) gets /dev/null there: its
+  output goes nowhere, as it asked, and no file the process opens next takes the descriptor
+  (a child, a checkpoint or a log would then receive the output)."""
+  for fd, name in ((1, "stdout"), (2, "stderr")):
+    try:
+      os.fstat(fd)
+    except OSError:
+      null = os.open(os.devnull, os.O_WRONLY)
+      if null != fd:
+        os.dup2(null, fd)
+        os.close(null)
+      setattr(sys, name, open(fd, "w", closefd=False))  # noqa: SIM115 - the process's own
+
+
 def run_command(main: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
   """Runs a command line, ``main(*args, **kwargs)`` (``app.run(main, flags_parser=...)``, or an
   ``argparse`` tool's ``main(argv)``), as Unix tools run: when the reader of its output closes
   the pipe early (``| head``), it ends quietly with :data:`CLOSED_PIPE_STATUS`, no traceback
-  and nothing more written. Every entry point's ``__main__`` goes through it. Returns what
-  ``main`` returns; its ``SystemExit`` (a one-line error, or absl's exit) passes through."""
+  and nothing more written; a closed stdout or stderr (``>&-``) is /dev/null. Every entry
+  point's ``__main__`` goes through it. Returns what ``main`` returns; its ``SystemExit`` (a
+  one-line error, or absl's exit) passes through."""
+  _open_closed_streams()
   try:
     try:
       return main(*args, **kwargs)

@@ -158,3 +158,28 @@ def test_every_entry_point_runs_through_run_command():
     assert "cli.run_command(" in block or block.strip() == "run()", path
     if block.strip() == "run()":  # the absl tools' run() calls it
       assert "cli.run_command(app.run, main" in path.read_text(), path
+
+
+def _with_closed_output(argv: list[str], cwd: pathlib.Path, fd: int) -> tuple[int, str]:
+  """``python *argv 1>&-`` (``fd`` 1) or ``2>&-`` (2): the exit status and the other stream."""
+  proc = subprocess.run([sys.executable, *argv], cwd=cwd, capture_output=True, text=True,
+                        timeout=120, preexec_fn=lambda: os.close(fd))
+  return proc.returncode, proc.stderr if fd == 1 else proc.stdout
+
+
+def test_a_command_started_with_its_output_closed_runs_as_with_dev_null(tmp_path):
+  """``>&-`` (stdout closed at start) was AttributeError: 'NoneType' object has no attribute
+  'flush'; the dry run now plans, and an error still reaches stderr when stdout is closed."""
+  for name in ("configs", "train.py"):
+    os.symlink(ROOT / name, tmp_path / name)
+  dry_run = ["-m", "posenc_jax.compare", "--config=configs/compare.py:extrapolation",
+             "--workdir=cmp", "--dry_run"]
+  with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    planned, refused = pool.map(lambda case: _with_closed_output(*case), [
+        (dry_run, tmp_path, 1),
+        (["-m", "posenc_jax.evaluate", f"--workdir={tmp_path}/none"], tmp_path, 1)])
+  assert planned == (0, ""), planned
+  assert refused[0] == 1 and refused[1].strip().splitlines()[-1].startswith(
+      "evaluate: workdir: "), refused
+  status, out = _with_closed_output(["-m", "posenc_jax.params", "--table=diet6"], tmp_path, 2)
+  assert status == 0 and "DIET" in out
