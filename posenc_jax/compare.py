@@ -43,6 +43,7 @@ from absl import app, flags, logging
 
 from posenc_jax import allocator, cli, messages
 from posenc_jax import usage as usage_lib
+from posenc_jax.paths import hold
 
 _CONFIG = cli.define_config("config", None, "configs/compare.py:<experiment>")
 _WORKDIR = flags.DEFINE_string("workdir", None, "ROOT: the cells' folders and the results")
@@ -276,6 +277,7 @@ def main(argv):
         return
       chosen = slots.slots(_PARALLEL.value) if _PARALLEL.value != "1" else None
       cli.check_output_dir("workdir", root)
+      hold("workdir", root)  # one compare per ROOT (a grid's --task=K runs share it)
       summary = compare(config, root, command=_command(), slots=chosen)
   except (plan.PlanError, collect.CollectError, cli.OutputPathError, slots.SlotError) as e:
     cli.exit_with(PROG, e)

@@ -86,5 +86,45 @@ def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
     raise
 
 
+LOCK_FILE = ".lock"  # in a folder one process writes at a time: that process's pid
+_HELD: dict[str, int] = {}  # the folders this process holds: path -> the lock's descriptor
+
+
+def hold(field: str, folder: str) -> None:
+  """Makes this process the one that writes ``folder`` (a local path; a URI is not locked),
+  until it exits: an exclusive ``flock`` on ``<folder>/.lock``, which records its pid. The
+  kernel releases it when the process ends, however it ends (``kill -9`` included), so a
+  stale file never blocks a rerun. Holding a folder again is a no-op.
+
+  Raises:
+    OutputPathError: another process holds ``folder``: one line naming ``field``, the folder
+      and that process's pid.
+  """
+  if is_remote(folder):
+    return
+  import fcntl  # noqa: PLC0415 - POSIX
+
+  folder = os.path.realpath(folder)
+  if folder in _HELD:
+    return
+  path = os.path.join(folder, LOCK_FILE)
+  try:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+  except OSError as e:
+    raise OutputPathError(f"{field}: {path!r} cannot be created: {e.strerror}") from None
+  try:
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+  except BlockingIOError:
+    holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
+    os.close(fd)
+    raise OutputPathError(f"{field}: {folder} is in use by process {holder} (it holds "
+                          f"{path}); wait for it to end or stop it, or use another --{field} "
+                          "(nothing there was changed)") from None
+  os.ftruncate(fd, 0)
+  os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+  os.set_inheritable(fd, False)
+  _HELD[folder] = fd
+
+
 class OutputPathError(ValueError):
   """A path a tool must write to cannot be written."""

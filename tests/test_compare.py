@@ -542,6 +542,19 @@ def test_a_failed_cell_is_reported_and_the_others_finish(tmp_path):
   assert not (tmp_path / "bert/seed1/cell.json").exists()  # a rerun tries it again
 
 
+def test_randomized_positions_short_of_the_longest_evaluated_length_is_one_line():
+  """N = 48 with lengths up to 64 had trained, scored and tabled the row without a word."""
+  config = get_config("synthetic")
+  config.update(dict(schemes="rope,rope+randomized_positions", randomized_positions=48,
+                     lengths="32,64"))
+  with pytest.raises(plan.PlanError, match=re.escape(
+      "randomized_positions: got 48; allowed: at least the longest evaluated length (64): a "
+      "randomized row's position ids are drawn from [0, N)")):
+    plan.cells(config, "/tmp/unused")
+  config.randomized_positions = 64
+  assert plan.cells(config, "/tmp/unused")
+
+
 def test_a_config_spec_fills_only_its_named_fields():
   assert plan.fill_spec("train_config", "configs/lm.py:{size},{scheme},x{{y}}", size="S",
                         scheme="R", task="") == "configs/lm.py:S,R,x{y}"

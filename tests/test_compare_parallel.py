@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import pathlib
+import signal
+import sys
 import threading
 import time
 
@@ -143,9 +145,41 @@ def test_two_real_cells_on_two_cores_give_the_sequential_numbers(tmp_path):
 def test_a_pinned_step_runs_on_its_slots_cores_alone():
   import subprocess  # noqa: PLC0415
   cpu = sorted(os.sched_getaffinity(0))[-1]
-  out = subprocess.run(run.pinned(["sh", "-c", "grep Cpus_allowed_list /proc/self/status"],
-                                  (cpu,)), capture_output=True, text=True, check=True).stdout
+  out = subprocess.run(run.launched(["sh", "-c", "grep Cpus_allowed_list /proc/self/status"],
+                                    (cpu,)), capture_output=True, text=True, check=True).stdout
   assert out.split()[-1] == str(cpu)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGHUP])
+def test_a_step_dies_with_the_compare_that_started_it(signum):
+  """kill -9 or SIGHUP to compare had left its train.py running (a rerun then trained the
+  same workdir beside it): each step gets SIGTERM when its parent dies."""
+  import subprocess  # noqa: PLC0415
+
+  parent = subprocess.Popen([sys.executable, "-c", (
+      "import subprocess, sys, time; from posenc_jax.comparison import run; "
+      "child = subprocess.Popen(run.launched(['sleep', '120'])); "
+      "print(child.pid, flush=True); time.sleep(120)")], stdout=subprocess.PIPE, text=True)
+  child = int(parent.stdout.readline())
+  assert os.path.exists(f"/proc/{child}")
+  parent.send_signal(signum)
+  parent.wait(timeout=30)
+  for _ in range(100):  # the child is reaped by init once SIGTERM ends it
+    if not os.path.exists(f"/proc/{child}") or "Z" in _state(child):
+      break
+    time.sleep(0.1)
+  else:
+    os.kill(child, signal.SIGKILL)
+    pytest.fail(f"step {child} outlived its parent")
+
+
+def _state(pid: int) -> str:
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      return f.read().rsplit(")", 1)[1].split()[0]
+  except FileNotFoundError:
+    return "gone"
 
 
 def test_cells_that_fine_tune_a_cells_model_run_after_it_on_its_slot(tmp_path):

@@ -422,3 +422,57 @@ def test_cli_disk_full_at_a_save_is_one_line_and_nothing_after_it(tmp_path):
       f"train.py: checkpoints: saving step 2 to {checkpoints} failed (No space left on device)")
   for noise in ("Traceback", "Warning", "_SignalingThread", "E1"):
     assert noise not in proc.stderr, proc.stderr[-3000:]
+
+
+# --- One process per workdir -------------------------------------------------------------------
+
+HOLD = ("import sys, time; from posenc_jax.paths import hold; hold('workdir', sys.argv[1]); "
+        "print('held', flush=True); time.sleep(120)")
+
+
+def _holder(folder) -> subprocess.Popen:
+  """A process that holds ``folder`` (as a running train.py or compare does) until killed."""
+  folder.mkdir(parents=True, exist_ok=True)
+  proc = subprocess.Popen([sys.executable, "-c", HOLD, str(folder)], cwd=ROOT,
+                          stdout=subprocess.PIPE, text=True)
+  assert proc.stdout.readline() == "held\n"
+  return proc
+
+
+def test_a_second_process_on_a_held_workdir_is_one_line_naming_the_holder(tmp_path):
+  """Two train.py processes on one workdir had both trained (metrics.jsonl held every step
+  twice); the second is refused before its first step, and once the first has ended (even by
+  kill -9) the workdir is free again."""
+  run = tmp_path / "run"
+  holder = _holder(run)
+  try:
+    last = _cli(tmp_path, "--config.total_steps=2", "--config.batch_size=2",
+                "--config.seq_len=16")
+    assert last == (f"train.py: workdir: {run} is in use by process {holder.pid} (it holds "
+                    f"{run}/.lock); wait for it to end or stop it, or use another --workdir "
+                    "(nothing there was changed)")
+    assert not (run / "metrics.jsonl").exists()
+  finally:
+    holder.kill()
+    holder.wait()
+  from posenc_jax.paths import hold  # noqa: PLC0415
+  hold("workdir", str(run))  # released by the kernel when its holder died
+  hold("workdir", str(run))  # and held again by the same process: a no-op
+  assert (run / ".lock").read_text() == f"{os.getpid()}\n"
+
+
+def test_a_second_compare_on_a_held_root_is_one_line(tmp_path):
+  root = tmp_path / "root"
+  holder = _holder(root)
+  try:
+    proc = forked_cli.run(["-m", "posenc_jax.compare", "--config=configs/compare.py:extrapolation",
+                           f"--workdir={root}", "--config.schemes=rope", "--config.seeds=0"],
+                          cwd=str(ROOT), timeout=120)
+  finally:
+    holder.kill()
+    holder.wait()
+  assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+  assert proc.stderr.strip().splitlines()[-1] == (
+      f"compare: workdir: {root} is in use by process {holder.pid} (it holds {root}/.lock); "
+      "wait for it to end or stop it, or use another --workdir (nothing there was changed)")
+  assert sorted(p.name for p in root.iterdir()) == [".lock"]

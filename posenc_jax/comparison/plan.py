@@ -212,6 +212,13 @@ def check(config: ml_collections.ConfigDict) -> dict[str, Any]:
           "pretrain_seeds": _pretrain_seeds(config, seeds), "tasks": names(config, "tasks"),
           "keep": keep,
           "lengths": lengths(config) if config.protocol != "finetune" else []}
+  randomized = config.get("randomized_positions")
+  if (plan["lengths"] and randomized is not None and max(plan["lengths"]) > randomized
+      and any("+randomized_positions" in row for row in schemes)):
+    raise PlanError(f"randomized_positions: got {randomized}; allowed: at least the longest "
+                    f"evaluated length ({max(plan['lengths'])}): a randomized row's position "
+                    "ids are drawn from [0, N), so a longer evaluation reads ids it never "
+                    "trained on (docs/evaluation.md)")
   if config.protocol != "extrapolation" and not plan["tasks"]:
     raise PlanError(f"tasks: empty; the {config.protocol} protocol runs one per task")
   for field in ("train_config", "finetune_config") if config.protocol == "finetune" else (

@@ -36,7 +36,7 @@ from etils import epath
 
 from posenc_jax.comparison.collect import collect, recorded_seconds
 from posenc_jax.comparison.plan import Cell, Step, groups
-from posenc_jax.paths import write_atomic
+from posenc_jax.paths import OutputPathError, write_atomic
 from posenc_jax.comparison.slots import Slot
 from posenc_jax.messages import first_line
 
@@ -69,12 +69,21 @@ class StepInterrupted(Exception):
                      "command resumes")
 
 
-def pinned(command: list[str], cpus: tuple[int, ...]) -> list[str]:
-  """``command`` run on the cores ``cpus`` alone: a bare interpreter sets its affinity, then
-  becomes the command (``os.execvp``; no ``preexec_fn``, which is unsafe once this process has
-  threads, as JAX's)."""
-  return [sys.executable, "-c", "import os, sys; os.sched_setaffinity(0, "
-          f"{set(cpus)!r}); os.execvp(sys.argv[1], sys.argv[1:])", *command]
+def launched(command: list[str], cpus: tuple[int, ...] | None = None) -> list[str]:
+  """``command`` started by a bare interpreter that becomes it (``os.execvp``; no
+  ``preexec_fn``, which is unsafe once this process has threads, as JAX's) after, on Linux,
+  asking the kernel to send it SIGTERM when this process dies (``PR_SET_PDEATHSIG``: a
+  compare ended by SIGHUP or ``kill -9`` leaves no step running; the trainer saves its step
+  and stops as on any SIGTERM), and, given ``cpus``, pinning it to those cores alone."""
+  lines = ["import os, sys"]
+  if sys.platform.startswith("linux"):
+    lines += ["import ctypes, signal",
+              "ctypes.CDLL(None).prctl(1, signal.SIGTERM, 0, 0, 0)",  # 1: PR_SET_PDEATHSIG
+              f"os.getppid() == {os.getpid()} or sys.exit(143)"]  # the parent died before it
+  if cpus:
+    lines.append(f"os.sched_setaffinity(0, {set(cpus)!r})")
+  lines.append("os.execvp(sys.argv[1], sys.argv[1:])")
+  return [sys.executable, "-c", "; ".join(lines), *command]
 
 
 class _Steps:
@@ -127,7 +136,7 @@ def subprocess_status(command: list[str], out: IO[str], slot: Slot | None = None
   with forwarding():
     with _STEPS.lock:
       before = len(_STEPS.received)
-      child = subprocess.Popen(pinned(command, cpus) if cpus else command, stdout=out,
+      child = subprocess.Popen(launched(command, cpus), stdout=out,
                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
       _STEPS.running.add(child)
     try:
@@ -246,15 +255,19 @@ def _run_cell(index: int, cells: list[Cell], run_cell: Callable[..., None],
         f"in {log}")
   else:
     todo = cell
-    folder.mkdir(parents=True, exist_ok=True)
     say(f"{prefix}: running {len(cell.steps)} step(s){where}, output in {log}")
   start = time.perf_counter()
   try:
+    folder.mkdir(parents=True, exist_ok=True)
     if slot is None:
       run_cell(todo, log)
     else:
       run_cell(todo, log, slot=slot)
     mine = cell_records(cell)
+  except OSError as e:  # its folder or log.txt cannot be written (a full disk): the grid stops
+    raise OutputPathError(
+        f"workdir: {folder} cannot be written ({e.strerror or first_line(e)}); free space "
+        "(or fix the folder) and run the same command: the finished cells are kept") from None
   except (CellFailed, ValueError) as e:  # ValueError: a run that does not read (collect)
     say(f"{prefix}: FAILED: {e} (log: {log})")
     return [], {"cell": cell.name, "reason": str(e), "log": str(log)}

@@ -33,7 +33,7 @@ from flax.training import train_state
 from jax.experimental import multihost_utils
 
 from posenc_jax import route_table
-from posenc_jax.paths import OutputPathError, absolute, check_output_dir, write_atomic
+from posenc_jax.paths import OutputPathError, absolute, check_output_dir, hold, write_atomic
 from posenc_jax.data import probes, unigram
 from posenc_jax.data.randomized_positions import randomized_batches
 from posenc_jax.models.build import build_model
@@ -465,6 +465,8 @@ def train(config: ml_collections.ConfigDict, workdir: str,
     check_examples(config)  # an empty split: one line, not an endless search
     data = make_batches
   workdir_lib.claim(workdir, config)  # refuses another config's workdir, touching nothing
+  if jax.process_index() == 0:
+    hold("workdir", workdir)  # one process writes it: a second is one line with the pid
   use_compilation_cache(compilation_cache_dir(config))
   model = build_model(cfg, config.head, num_labels=config.get("num_labels", 2))
   tx, schedule = make_optimizer(config.optimizer, config.total_steps)
