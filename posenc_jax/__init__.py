@@ -3,10 +3,14 @@
 ``import posenc_jax`` loads JAX and Flax only (no TensorFlow).
 """
 
-from posenc_jax.attention import MultiHeadAttention, attend
-from posenc_jax.schemes import SCHEMES, Scheme, SchemeConfigError, build_scheme
-from posenc_jax.terms import (Bias, Factored, InputEmbedding, QKShift, QueryRelative, Rotation,
-                              SchemeTerms, Term, Toeplitz)
+from posenc_jax import interrupts
+
+interrupts.install()  # first: a Ctrl-C during the imports below is one line too
+
+from posenc_jax.attention import MultiHeadAttention, attend  # noqa: E402
+from posenc_jax.schemes import SCHEMES, Scheme, SchemeConfigError, build_scheme  # noqa: E402
+from posenc_jax.terms import (Bias, Factored, InputEmbedding, QKShift,  # noqa: E402
+                              QueryRelative, Rotation, SchemeTerms, Term, Toeplitz)
 
 __version__ = "0.1.0"
 

@@ -183,3 +183,31 @@ def test_a_command_started_with_its_output_closed_runs_as_with_dev_null(tmp_path
       "evaluate: workdir: "), refused
   status, out = _with_closed_output(["-m", "posenc_jax.params", "--table=diet6"], tmp_path, 2)
   assert status == 0 and "DIET" in out
+
+
+@pytest.mark.parametrize("after", [0.4, 3.0])
+def test_ctrl_c_anywhere_in_a_command_is_one_line(tmp_path, after):
+  """SIGINT while the package or the data stack is being imported (or while the model
+  compiles) had printed a KeyboardInterrupt traceback into a compare cell's log.txt."""
+  import signal  # noqa: PLC0415
+  import time  # noqa: PLC0415
+
+  proc = subprocess.Popen([sys.executable, "train.py", "--config=configs/lm.py:bert_tiny,rope",
+                           f"--workdir={tmp_path}/run", "--config.total_steps=100000"],
+                          cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  time.sleep(after)
+  proc.send_signal(signal.SIGINT)
+  out, err = proc.communicate(timeout=120)
+  assert proc.returncode != 0 and "Traceback" not in err, err[-3000:]
+  last = err.strip().splitlines()[-1]
+  assert last.endswith("interrupted (SIGINT); run the same command to resume (a training run "
+                       "resumes from its last checkpoint)") or last.startswith(
+                           "train.py: stopped by SIGINT"), err[-3000:]
+
+
+def test_the_interrupt_hook_is_only_a_command_lines():
+  """A library user's process keeps Python's own hook."""
+  proc = subprocess.run([sys.executable, "-c", "import sys, posenc_jax; "
+                         "print(sys.excepthook is sys.__excepthook__)"],
+                        cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert proc.stdout.strip() == "True", proc.stderr[-2000:]
