@@ -447,7 +447,7 @@ def test_a_second_process_on_a_held_workdir_is_one_line_naming_the_holder(tmp_pa
   holder = _holder(run)
   try:
     last = _cli(tmp_path, "--config.total_steps=2", "--config.batch_size=2",
-                "--config.seq_len=16")
+                "--config.seq_len=16", "--config.optimizer.warmup_steps=1")
     assert last == (f"train.py: workdir: {run} is in use by process {holder.pid} (it holds "
                     f"{run}/.lock); wait for it to end or stop it, or use another --workdir "
                     "(nothing there was changed)")
@@ -476,3 +476,40 @@ def test_a_second_compare_on_a_held_root_is_one_line(tmp_path):
       f"compare: workdir: {root} is in use by process {holder.pid} (it holds {root}/.lock); "
       "wait for it to end or stop it, or use another --workdir (nothing there was changed)")
   assert sorted(p.name for p in root.iterdir()) == [".lock"]
+
+
+def test_a_workdir_whose_files_fail_mid_run_is_one_line_and_nothing_after_it(tmp_path):
+  """After step 2's checkpoint every file the run holds open in its workdir (metrics.jsonl,
+  the TensorBoard events) fails its writes (here /dev/full put in their place, as a disk that
+  fills or a workdir made immutable does): one line, then no tensorboardX traceback from its
+  thread or exit hook and no 'Exception ignored' for metrics.jsonl."""
+  code = ("import os, sys; from posenc_jax.training import checkpoint\n"
+          "save = checkpoint.Checkpointer.save\n"
+          "def full_after_step_2(self, step, *args, **kwargs):\n"
+          "  saved = save(self, step, *args, **kwargs)\n"
+          "  if saved and step == 2:\n"
+          "    self.wait()\n"
+          "    run = os.path.dirname(self.directory)\n"
+          "    full = os.open('/dev/full', os.O_WRONLY)\n"
+          "    for fd in os.listdir('/proc/self/fd'):\n"
+          "      try:\n"
+          "        target = os.readlink(f'/proc/self/fd/{fd}')\n"
+          "      except OSError:\n"
+          "        continue\n"
+          "      if target.startswith(run) and '/checkpoints' not in target:\n"
+          "        os.dup2(full, int(fd))\n"
+          "  return saved\n"
+          "checkpoint.Checkpointer.save = full_after_step_2\n"
+          "sys.argv = ['train.py'] + sys.argv[1:]; from posenc_jax.train import run; run()")
+  script = tmp_path / "script.py"
+  script.write_text(code)
+  proc = subprocess.run([sys.executable, str(script), "--config=configs/probe.py:bert_tiny,rope,copy",
+                         f"--workdir={tmp_path / 'run'}", "--config.total_steps=6",
+                         "--config.checkpoint_every=2", "--config.eval_every=0",
+                         "--config.optimizer.warmup_steps=1", "--config.log_every=1"],
+                        cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 1, proc.stderr[-3000:]
+  lines = [ln for ln in proc.stderr.strip().splitlines()
+           if not ln.startswith(("I0000", "WARNING: All log messages"))]
+  assert lines == [f"train.py: workdir: writing {tmp_path}/run/metrics.jsonl failed (No space "
+                   "left on device)"], proc.stderr[-3000:]

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from etils import epath
 
-from posenc_jax.paths import is_remote, write_atomic
+from posenc_jax.paths import write_atomic
 from posenc_jax.models.config import (HEADS, ModelConfig, causal_variant, model_config,
                                       position_schemes, scheme_dims)
 from posenc_jax.schemes.base import is_int
@@ -391,16 +391,65 @@ def _truncate_after(path: epath.Path, step: int) -> None:
   write_atomic(path, kept)
 
 
-class _EpathEventFiles:
-  """A tensorboardX writer factory that writes event files through ``etils.epath``, so a
-  ``gs://`` (or any epath URI) workdir gets its TensorBoard events where TensorBoard reads
-  them (tensorboardX's own GCS writer needs the google-cloud-storage client)."""
+EVENTS_PREFIX = "posencjax"  # tensorboardX opens "<prefix>://<path>" through _EventFiles
 
-  def open(self, path: str):
-    return epath.Path(path).open("wb")
 
-  def directory_check(self, path: str) -> None:
-    epath.Path(path).mkdir(parents=True, exist_ok=True)
+class _GuardedFile:
+  """An event file that never raises into tensorboardX (whose writer thread and exit hook
+  would print tracebacks after the run's one line): the first ``OSError`` is kept in
+  ``error``, the file is closed, and every later write, flush and close does nothing."""
+
+  def __init__(self, file: Any):
+    self._file, self.error = file, None
+
+  def _do(self, name: str, *args: Any) -> None:
+    if self.error is not None:
+      return
+    try:
+      getattr(self._file, name)(*args)
+    except OSError as e:
+      self.error = e
+      with contextlib.suppress(OSError):
+        self._file.close()
+
+  def write(self, data: bytes) -> None:
+    self._do("write", data)
+
+  def flush(self) -> None:
+    self._do("flush")
+
+  def close(self) -> None:
+    self._do("close")
+
+
+class _EventFiles:
+  """The tensorboardX writer factory of every run's event files (registered once, under
+  :data:`EVENTS_PREFIX`): files opened through ``etils.epath`` (so a ``gs://`` workdir gets
+  its events where TensorBoard reads them; tensorboardX's own GCS writer needs the
+  google-cloud-storage client), each a :class:`_GuardedFile` kept by path."""
+
+  def __init__(self):
+    self.files: dict[str, _GuardedFile] = {}
+
+  @staticmethod
+  def path(uri: str) -> str:
+    return uri.removeprefix(f"{EVENTS_PREFIX}://")
+
+  def open(self, uri: str) -> _GuardedFile:
+    file = _GuardedFile(epath.Path(self.path(uri)).open("wb"))
+    self.files[self.path(uri)] = file
+    return file
+
+  def directory_check(self, uri: str) -> None:
+    epath.Path(self.path(uri)).mkdir(parents=True, exist_ok=True)
+
+  def error(self, folder: str) -> OSError | None:
+    """The first failed write of an event file in ``folder``, if any."""
+    return next((f.error for path, f in self.files.items()
+                 if path.startswith(folder.rstrip("/") + "/") and f.error is not None), None)
+
+
+_EVENT_FILES = _EventFiles()
 
 
 class MetricWriter:
@@ -411,7 +460,7 @@ class MetricWriter:
   recomputed; a torn last line with a warning), so every step appears once;
   TensorBoard hides those steps' events (``purge_step``). A write that fails (a
   read-only file, a full disk) is one :class:`~posenc_jax.training.workdir.WorkdirError`
-  line.
+  line, and nothing is written or retried after it (at exit neither).
   """
 
   def __init__(self, workdir: str, start_step: int = 0):
@@ -421,25 +470,40 @@ class MetricWriter:
     if self.active:
       folder = epath.Path(workdir)
       self.path = folder / METRICS_FILE
+      self._events = str(folder / "tensorboard")
       with self._writing(folder):
         folder.mkdir(parents=True, exist_ok=True)
         _truncate_after(self.path, start_step)
         self._jsonl = self.path.open("a")
         from tensorboardX import SummaryWriter, record_writer  # noqa: PLC0415
-        if is_remote(workdir):
-          record_writer.register_writer_factory(str(workdir).split("://")[0],
-                                                _EpathEventFiles())
-        self._tb = SummaryWriter(str(folder / "tensorboard"),
+        record_writer.register_writer_factory(EVENTS_PREFIX, _EVENT_FILES)
+        self._tb = SummaryWriter(f"{EVENTS_PREFIX}://{self._events}",
                                  purge_step=start_step + 1 if start_step else None)
 
   @contextlib.contextmanager
   def _writing(self, path: epath.Path):
-    """Turns a failed write under ``path`` (read-only, disk full) into one line."""
+    """Turns a failed write under ``path`` (read-only, disk full) into one line, after
+    closing the files (their unwritten buffers dropped)."""
     try:
       yield
+      error = _EVENT_FILES.error(self._events) if self._tb is not None else None
+      if error is not None:
+        raise error
     except OSError as e:
+      self._abandon()
       raise WorkdirError(f"workdir: writing {e.filename or path} failed "
                          f"({e.strerror or e})") from None
+
+  def _abandon(self) -> None:
+    jsonl, self._jsonl = self._jsonl, None
+    if jsonl is not None:
+      with contextlib.suppress(OSError):
+        jsonl.close()  # closes the descriptor even where the flush fails
+    if self._tb is not None:
+      tb, self._tb = self._tb, None
+      with contextlib.suppress(OSError):
+        tb.close()
+    self.active = False
 
   def write(self, step: int, scalars: dict[str, Any]) -> None:
     if not self.active:
