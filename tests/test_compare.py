@@ -23,6 +23,7 @@ from absl import flags
 from etils import epath
 
 from posenc_jax import compare as compare_cli
+from posenc_jax.cli import literal
 from posenc_jax.comparison import collect, pages, plan, plots, report, run
 from posenc_jax.configs.compare import get_config
 from posenc_jax.evaluation import report as evaluation_report
@@ -43,17 +44,26 @@ TASKS = ("wordnet_supersense", "wordnet_hypernym")
 
 
 def fake_run(folder, scheme, seed, *, task, objective, best=None, evals=(), total_steps=300,
-             final_step=True):
-  """A workdir as train.py / finetune.py / evaluate leave it: config.json, its final step's
-  folder under checkpoints/ (empty; ``final_step``), best.json,
-  eval/<protocol>-<settings>.json for each document of ``evals``."""
+             final_step=True, step=None):
+  """A workdir as train.py / finetune.py / evaluate leave it: config.json (with the settings
+  of the compare ``step`` that made it, where given), its final step's folder under
+  checkpoints/ (empty; ``final_step``), best.json, eval/<protocol>-<settings>.json for each
+  document of ``evals``."""
   folder.mkdir(parents=True, exist_ok=True)
+  settings = {k: literal(v) for k, v in step.overrides().items()} if step else {}
+  total_steps = settings.get("total_steps", total_steps)
   if final_step:
     (folder / "checkpoints" / str(total_steps)).mkdir(parents=True, exist_ok=True)
   model = resolved_model(preset_config(f"bert_tiny,{scheme}").model)
   config = {"model": model, "seed": seed, "task": task, "objective": objective,
             "total_steps": total_steps,
             "best_metric": "task_accuracy" if best is not None else None}
+  for field, value in settings.items():
+    *parents, name = field.split(".")
+    node = config
+    for parent in parents:
+      node = node.setdefault(parent, {})
+    node[name] = value
   (folder / "config.json").write_text(json.dumps(config))
   if best is not None:
     (folder / "best.json").write_text(json.dumps({"step": 50, "metric": "task_accuracy",
@@ -90,6 +100,7 @@ def glue_config(**fields):
   config.cost.enabled = False
   config.update(dict(schemes="bert,diet_abs_share", tasks=",".join(TASKS), pretrain_seeds="")
                 | fields)
+  config.train.total_steps = config.finetune.total_steps = 300  # as the fake runs record
   return config
 
 
@@ -361,6 +372,7 @@ def test_a_finished_cell_keeps_its_final_params_only_unless_told_to_keep_all(tmp
   config.update(dict(schemes="rope", seeds="0"))
   config.evaluate.tokens = 4096
   config.cost.enabled = False
+  config.train.total_steps = 2  # as the fake run records
   saved = {}
 
   def trained_cell(cell, log):  # train.py's checkpoints (tiny, with an optimizer state)

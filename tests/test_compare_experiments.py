@@ -2,6 +2,7 @@
 ``--dry_run`` prints each variant's command lines (the GPU variant included) without running.
 The experiments themselves are measured (docs/results/), never run here."""
 
+import json
 import pathlib
 
 import pytest
@@ -72,7 +73,7 @@ def _validated_steps(cell: plan.Cell):
   """The train configs of a cell's training steps, resolved as train.py and finetune.py
   resolve them (spec and the step's overrides), each validated."""
   from posenc_jax.comparison.estimate import _resolved  # noqa: PLC0415
-  configs = [_resolved(step.argv) for step in cell.steps if step.evaluation is None]
+  configs = [_resolved(step) for step in cell.steps if step.evaluation is None]
   for config in configs:
     validate_train_config(config)
   return configs
@@ -186,6 +187,7 @@ def test_a_finished_cell_runs_only_the_evaluations_it_lacks(tmp_path, monkeypatc
 
   config = get_config("extrapolation,quick")
   config.schemes = "alibi"
+  config.train.total_steps = 300  # as the fake run records
   ran = []
   monkeypatch.setattr(run, "cell_records", lambda cell: [])  # the tables are not at issue
   monkeypatch.setattr(run, "keep_final_params", lambda cell, prefix, say: None)
@@ -217,6 +219,53 @@ def test_a_finished_cell_runs_only_the_evaluations_it_lacks(tmp_path, monkeypatc
                    "compare: 1 cells, 1 finished, 0 failed, in 0.0 min"]
 
 
+def test_a_training_setting_changed_on_a_finished_grid_runs_its_steps_again(tmp_path,
+                                                                           monkeypatch):
+  """total_steps raised from 20 to 30 on a finished grid had retrained nothing (results.json
+  said 30, results.md 'Trained 20 steps'): the training step runs again (train.py resumes to
+  30) with its evaluations; a setting a run cannot change runs it too, so train.py refuses it
+  in one line naming the setting."""
+  from posenc_jax.comparison import run
+  from posenc_jax.evaluation.protocols import protocol_settings
+  from posenc_jax.evaluation.report import settings_key
+
+  config = get_config("extrapolation")
+  config.schemes, config.seeds = "alibi", "0"
+  config.train.total_steps = 20
+  monkeypatch.setattr(run, "cell_records", lambda cell: [])
+  monkeypatch.setattr(run, "keep_final_params", lambda cell, prefix, say: None)
+  ran = []
+
+  def fake(cell, log):
+    log.write_text("fake\n")
+    for step in cell.steps:
+      ran.append(step.name)
+      workdir = pathlib.Path(step.workdir)
+      if step.evaluation is None:
+        fake_run(workdir, "alibi", 0, task="python_stdlib_lm", objective="lm", step=step)
+        continue
+      protocol, options = step.evaluation
+      settings = protocol_settings(protocol, {"objective": "lm"}, **options)
+      (workdir / "eval").mkdir(exist_ok=True)
+      (workdir / "eval" / f"{protocol}-{settings_key(settings)}.json").write_text("{}")
+
+  run.run_grid(plan.cells(config, str(tmp_path)), fake, say=lambda line: None)
+  (cell,) = plan.cells(config, str(tmp_path))
+  assert run.missing_steps(cell) == [] and ran == ["train", "evaluate extrapolation"]
+  config.train.total_steps = 30
+  (cell,) = plan.cells(config, str(tmp_path))
+  assert run.changed_settings(cell.steps[0]) == ["total_steps: 20 -> 30"]
+  assert [s.name for s in run.missing_steps(cell)] == ["train", "evaluate extrapolation"]
+  run.run_grid([cell], fake, say=lambda line: None)
+  assert ran[2:] == ["train", "evaluate extrapolation"] and run.missing_steps(cell) == []
+  saved = pathlib.Path(cell.steps[0].workdir) / "config.json"
+  saved.write_text(json.dumps(json.loads(saved.read_text()) | {
+      "optimizer": {"learning_rate": 0.0003}}))
+  config.train.optimizer = {"learning_rate": 0.5}
+  (cell,) = plan.cells(config, str(tmp_path))
+  assert run.changed_settings(cell.steps[0]) == ["optimizer.learning_rate: 0.0003 -> 0.5"]
+
+
 def test_a_task_added_to_a_finished_grid_trains_and_evaluates_only_the_new_task(tmp_path,
                                                                                 monkeypatch):
   """synthetic on copy, then on copy and reverse: the second run trains reverse alone; a
@@ -239,9 +288,10 @@ def test_a_task_added_to_a_finished_grid_trains_and_evaluates_only_the_new_task(
       if step.evaluation is None:
         if kill:  # killed before its final step was saved
           workdir.mkdir(parents=True)
-          (workdir / "config.json").write_text('{"model": {}, "total_steps": 300}')
+          (workdir / "config.json").write_text(json.dumps(
+              {"model": {}, "total_steps": int(step.overrides()["total_steps"])}))
           raise run.CellFailed("train exited -15: killed")
-        fake_run(workdir, "none", 0, task=f"probe:{workdir.name}", objective="lm")
+        fake_run(workdir, "none", 0, task=f"probe:{workdir.name}", objective="lm", step=step)
         continue
       protocol, options = step.evaluation
       settings = protocol_settings(protocol, {"objective": "lm"}, **options)

@@ -162,8 +162,8 @@ def test_every_entry_point_runs_through_run_command():
 
 def _with_closed_output(argv: list[str], cwd: pathlib.Path, fd: int) -> tuple[int, str]:
   """``python *argv 1>&-`` (``fd`` 1) or ``2>&-`` (2): the exit status and the other stream."""
-  proc = subprocess.run([sys.executable, *argv], cwd=cwd, capture_output=True, text=True,
-                        timeout=120, preexec_fn=lambda: os.close(fd))
+  proc = subprocess.run(["sh", "-c", f'exec "$0" "$@" {fd}>&-', sys.executable, *argv],
+                        cwd=cwd, capture_output=True, text=True, timeout=120)
   return proc.returncode, proc.stderr if fd == 1 else proc.stdout
 
 

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import ml_collections
 
 from posenc_jax.cli import config_path, literal
-from posenc_jax.comparison.plan import Cell
+from posenc_jax.comparison.plan import Cell, Step
 from posenc_jax.models.config import model_config
 from posenc_jax.training.config import max_predictions
 from posenc_jax.training.metrics import train_flops_per_step
@@ -58,17 +58,12 @@ def _load(spec: str) -> ml_collections.ConfigDict:
   return module.get_config(arg) if arg else module.get_config()
 
 
-def _flags(argv: Sequence[str]) -> dict[str, str]:
-  """``{"optimizer.learning_rate": "3e-3", ...}`` of a step's ``--config.<field>=`` flags."""
-  return dict(a.removeprefix("--config.").split("=", 1) for a in argv
-              if a.startswith("--config.") and "=" in a)
-
-
-def _resolved(argv: Sequence[str]) -> ml_collections.ConfigDict:
-  """The train config of a train.py or finetune.py step (``argv`` after ``python -m``): its
-  ``--config=`` spec with the step's ``--config.<field>=`` flags applied."""
-  config = _load(next(a.partition("=")[2] for a in argv if a.startswith("--config=")))
-  config.update_from_flattened_dict({path: literal(text) for path, text in _flags(argv).items()})
+def _resolved(step: Step) -> ml_collections.ConfigDict:
+  """The train config of a train.py or finetune.py step: its ``--config=`` spec with the
+  step's ``--config.<field>=`` flags applied."""
+  config = _load(next(a.partition("=")[2] for a in step.argv if a.startswith("--config=")))
+  config.update_from_flattened_dict({path: literal(text)
+                                     for path, text in step.overrides().items()})
   return config
 
 
@@ -88,7 +83,7 @@ def cell_seconds(cell: Cell, device: Measured) -> float:
   for step in cell.steps:
     if step.evaluation is not None:
       continue
-    config = _resolved(step.argv)
+    config = _resolved(step)
     fine_tuning = step.argv[0] == "posenc_jax.finetune"
     model = pretrained.model if fine_tuning and pretrained is not None else config.model
     pretrained = pretrained if fine_tuning else config

@@ -58,6 +58,11 @@ class Step:
   def command(self) -> list[str]:
     return [sys.executable, "-m", *self.argv]
 
+  def overrides(self) -> dict[str, str]:
+    """``{"optimizer.learning_rate": "3e-3", ...}``: the step's ``--config.<field>=`` flags."""
+    return dict(a.removeprefix("--config.").split("=", 1) for a in self.argv
+                if a.startswith("--config.") and "=" in a)
+
 
 @dataclasses.dataclass(frozen=True)
 class Cell:

@@ -189,23 +189,48 @@ def evaluation_file(step: Step) -> epath.Path | None:
   return epath.Path(step.workdir) / "eval" / f"{protocol}-{settings_key(settings)}.json"
 
 
+def changed_settings(step: Step) -> list[str]:
+  """The ``--config.<field>=`` settings of a training step that its workdir's run did not
+  train with (``field: <the run's> -> <the step's>``): a setting changed since the grid ran
+  (``--config.train.total_steps`` raised). Fields the run's ``config.json`` lacks are not
+  compared."""
+  from posenc_jax.cli import literal  # noqa: PLC0415
+  from posenc_jax.training.workdir import saved_config  # noqa: PLC0415
+
+  saved = saved_config(step.workdir) or {}
+  changed = []
+  for field, text in step.overrides().items():
+    value = saved
+    for key in field.split("."):
+      value = value.get(key, KeyError) if isinstance(value, dict) else KeyError
+    wanted = json.loads(json.dumps(literal(text)))  # as config.json holds it (tuples: lists)
+    if value is not KeyError and value != wanted:
+      changed.append(f"{field}: {value!r} -> {wanted!r}")
+  return changed
+
+
 def missing_steps(cell: Cell) -> list[Step]:
   """The steps of a finished ``cell`` whose output is not there: a training step whose run
   did not train to its end (:func:`~posenc_jax.training.workdir.trained_to_the_end`: a task
-  added to the experiment since, or its run killed) and an evaluate step whose file is
-  missing (a window kind added). A run whose checkpoints were all removed after it was
-  evaluated (files under ``eval/``) counts as trained."""
+  added to the experiment since, or its run killed) or with other settings
+  (:func:`changed_settings`: it runs again, so the trainer resumes to a raised
+  ``total_steps``, or refuses in one line a setting a run cannot change), and an evaluate
+  step whose file is missing (a window kind added) or whose run trains again. A run whose checkpoints were all removed
+  after it was evaluated (files under ``eval/``) counts as trained."""
   from posenc_jax.training.workdir import has_checkpoints, trained_to_the_end  # noqa: PLC0415
 
   missing = []
+  retrained = set()  # an evaluation of a run that trains again is redone after it
   for step in cell.steps:
     if step.evaluation is None:
-      done = trained_to_the_end(step.workdir) or (
+      done = not changed_settings(step) and (trained_to_the_end(step.workdir) or (
           not has_checkpoints(step.workdir)
-          and any((epath.Path(step.workdir) / "eval").glob("*.json")))
+          and any((epath.Path(step.workdir) / "eval").glob("*.json"))))
+      if not done:
+        retrained.add(step.workdir)
     else:
       path = evaluation_file(step)
-      done = path is not None and path.exists()
+      done = step.workdir not in retrained and path is not None and path.exists()
     if not done:
       missing.append(step)
   return missing
