@@ -8,12 +8,20 @@ before any heavy import, in a process that runs a posenc-jax command line and in
 sets ``sys.excepthook`` to print ``<tool>: interrupted (SIGINT) ...`` for it instead of a
 traceback; every other exception goes to the hook that was there. It imports only the
 standard library.
+
+Python raises ``KeyboardInterrupt`` in whatever Python code runs when SIGINT arrives; when
+that is a garbage-collection callback (JAX registers one) or a finalizer, Python prints
+"Exception ignored in ..." and carries on, and the Ctrl-C is lost (train.py then trained on).
+The handler :func:`install` sets sends such a SIGINT again once the collection is over.
 """
 
 from __future__ import annotations
 
+import gc
 import os
+import signal
 import sys
+import threading
 
 SCRIPTS = ("train.py", "finetune.py")  # the checkout's entry scripts (the others are -m)
 
@@ -47,8 +55,37 @@ def _hook(kind, value, traceback, previous=sys.excepthook) -> None:
   previous(kind, value, traceback)
 
 
+def _dropped_there(frame) -> bool:
+  """``frame`` runs inside a garbage-collection callback or a finalizer (``__del__``), where
+  an exception is printed and dropped."""
+  callbacks = {getattr(callback, "__code__", None) for callback in gc.callbacks}
+  while frame is not None:
+    if frame.f_code in callbacks or frame.f_code.co_name == "__del__":
+      return True
+    frame = frame.f_back
+  return False
+
+
+def _interrupt(signum, frame) -> None:
+  """SIGINT: ``KeyboardInterrupt`` here, or, where it would be dropped, the signal again in
+  50 ms (from a thread: by then the collection is over)."""
+  if _dropped_there(frame):
+    again = threading.Timer(0.05, os.kill, (os.getpid(), signum))
+    again.daemon = True
+    again.start()
+    return
+  raise KeyboardInterrupt
+
+
 def install() -> None:
-  """Words an uncaught ``KeyboardInterrupt`` as one line in a command-line process (module
-  docstring); a no-op in any other process (a library user's script, a notebook, a test)."""
-  if _command_line() and sys.excepthook is sys.__excepthook__:
+  """Words an uncaught ``KeyboardInterrupt`` as one line in a command-line process and makes
+  sure no Ctrl-C is dropped (module docstring); a no-op in any other process (a library
+  user's script, a notebook, a test) and for a SIGINT the process was started ignoring (a
+  background job of a script)."""
+  if not _command_line():
+    return
+  if sys.excepthook is sys.__excepthook__:
     sys.excepthook = _hook
+  if (threading.current_thread() is threading.main_thread()
+      and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
+    signal.signal(signal.SIGINT, _interrupt)

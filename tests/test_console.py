@@ -211,3 +211,29 @@ def test_the_interrupt_hook_is_only_a_command_lines():
                          "print(sys.excepthook is sys.__excepthook__)"],
                         cwd=ROOT, capture_output=True, text=True, timeout=120)
   assert proc.stdout.strip() == "True", proc.stderr[-2000:]
+
+
+def test_a_ctrl_c_during_a_garbage_collection_callback_is_not_lost():
+  """JAX's gc callback swallowed the KeyboardInterrupt of a SIGINT that arrived while it ran
+  ('Exception ignored in: <function _xla_gc_callback>'), and train.py trained on; the signal
+  is sent again once the collection is over."""
+  code = ("import gc, os, signal, sys, time\n"
+          "sys.argv = ['train.py']  # a command line's process\n"
+          "import posenc_jax\n"
+          "hit = []\n"
+          "def callback(phase, info):\n"
+          "  if phase == 'start' and not hit:\n"
+          "    hit.append(1)\n"
+          "    os.kill(os.getpid(), signal.SIGINT)\n"
+          "    time.sleep(0.01)\n"
+          "gc.callbacks.insert(0, callback)\n"
+          "try:\n"
+          "  gc.collect()\n"
+          "  time.sleep(5)\n"
+          "  print('lost')\n"
+          "except KeyboardInterrupt:\n"
+          "  print('interrupted')\n")
+  proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                        timeout=120)
+  assert proc.stdout.strip() == "interrupted", proc.stdout + proc.stderr[-2000:]
+  assert "Exception ignored" not in proc.stderr

@@ -300,8 +300,8 @@ def test_unwritable_files_are_refused_by_claim(tmp_path, monkeypatch):
 def test_a_failed_metrics_write_is_one_line(tmp_path):
   """tensorboard/ cannot be made (a file in its place after the check)."""
   (tmp_path / "tensorboard").write_text("")
-  with pytest.raises(WorkdirError, match=rf"^workdir: writing {tmp_path}/tensorboard/events"
-                     r"\.out\S* failed \(Not a directory\)$"):
+  with pytest.raises(WorkdirError, match=rf"^workdir: writing {tmp_path}/tensorboard "
+                     r"failed \(Not a directory\)$"):
     MetricWriter(str(tmp_path))
 
 

@@ -17,9 +17,11 @@ MFU is ``train_flops_per_step * steps/s / (sum of the devices' peak FLOP/s)``:
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import math
+import os
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -441,7 +443,10 @@ class _EventFiles:
     return file
 
   def directory_check(self, uri: str) -> None:
-    epath.Path(self.path(uri)).mkdir(parents=True, exist_ok=True)
+    folder = epath.Path(self.path(uri))
+    if folder.exists() and not folder.is_dir():  # mkdir would say "File exists"
+      raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(folder))
+    folder.mkdir(parents=True, exist_ok=True)
 
   def error(self, folder: str) -> OSError | None:
     """The first failed write of an event file in ``folder``, if any."""
