@@ -693,6 +693,15 @@ def _replace(path, data):
   path.write_text(json.dumps(data))
 
 
+def _failed_collect(tmp_path, root):
+  """``compare --collect`` of ``root`` into ``tmp_path/out`` (forked), which must exit 1
+  without a traceback."""
+  out = forked_cli.run(["-m", "posenc_jax.compare", "--collect", f"--workdir={tmp_path}/out",
+                        str(root)], cwd=str(tmp_path), timeout=60)
+  assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
+  return out
+
+
 @pytest.mark.parametrize("file, change, expected", [
     ("bert/seed0/wordnet_supersense/best.json", lambda p: _rewrite(p, lambda d: d.update(
         score="high")), "score: got 'high'; expected a finite number within ±1e12"),
@@ -714,9 +723,7 @@ def test_collect_of_a_foreign_file_is_one_line_naming_it_and_writes_nothing(tmp_
   root = tmp_path / "root"
   compare_cli.compare(glue_config(), str(root), fake_glue_cell, say=lambda s: None)
   change(root / file)
-  out = forked_cli.run(["-m", "posenc_jax.compare", "--collect", f"--workdir={tmp_path}/out",
-                        str(root)], cwd=str(tmp_path), timeout=60)
-  assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
+  out = _failed_collect(tmp_path, root)
   assert out.stderr.strip().splitlines()[-1] == f"compare: collect: {root / file}: {expected}"
   assert not (tmp_path / "out").exists()
 
@@ -738,9 +745,7 @@ def test_collect_of_a_file_nested_too_deep_is_one_line_and_writes_nothing(tmp_pa
   root = tmp_path / "root"
   compare_cli.compare(glue_config(), str(root), fake_glue_cell, say=lambda s: None)
   change(root / file)
-  out = forked_cli.run(["-m", "posenc_jax.compare", "--collect", f"--workdir={tmp_path}/out",
-                        str(root)], cwd=str(tmp_path), timeout=60)
-  assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
+  out = _failed_collect(tmp_path, root)
   lines = [ln for ln in out.stderr.strip().splitlines() if ln.startswith("compare:")]
   assert len(lines) == 1, out.stderr
   line = lines[0]
@@ -766,9 +771,7 @@ def test_an_evaluation_number_out_of_range_is_one_line_before_anything_is_writte
   fake_run(workdir, "rope", 0, task="wordnet_glosses_lm", objective="lm", best=0.5,
            evals=[EXTRAPOLATION])
   _rewrite(_eval_file(workdir), change)
-  out = forked_cli.run(["-m", "posenc_jax.compare", "--collect", f"--workdir={tmp_path}/out",
-                        str(root)], cwd=str(tmp_path), timeout=60)
-  assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
+  out = _failed_collect(tmp_path, root)
   lines = [ln for ln in out.stderr.strip().splitlines() if ln.startswith("compare:")]
   assert len(lines) == 1, out.stderr
   line = lines[0]

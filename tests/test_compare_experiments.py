@@ -179,11 +179,21 @@ def test_each_window_kind_is_one_evaluate_step_and_stride_goes_with_sliding():
     plan.cells(config, "/root")
 
 
+def _fake_evaluation(step):
+  """The file the evaluate step ``step`` writes into its (causal-LM) workdir, empty."""
+  from posenc_jax.evaluation.protocols import protocol_settings  # noqa: PLC0415
+  from posenc_jax.evaluation.report import settings_key  # noqa: PLC0415
+
+  protocol, options = step.evaluation
+  settings = protocol_settings(protocol, {"objective": "lm"}, **options)
+  folder = pathlib.Path(step.workdir) / "eval"
+  folder.mkdir(exist_ok=True)
+  (folder / f"{protocol}-{settings_key(settings)}.json").write_text("{}")
+
+
 def test_a_finished_cell_runs_only_the_evaluations_it_lacks(tmp_path, monkeypatch):
   """A grid rerun with another window kind evaluates the trained runs again, nothing else."""
   from posenc_jax.comparison import run
-  from posenc_jax.evaluation.report import settings_key
-  from posenc_jax.evaluation.protocols import protocol_settings
 
   config = get_config("extrapolation,quick")
   config.schemes = "alibi"
@@ -200,10 +210,7 @@ def test_a_finished_cell_runs_only_the_evaluations_it_lacks(tmp_path, monkeypatc
       if step.evaluation is None:
         fake_run(workdir, "alibi", 0, task="python_stdlib_lm", objective="lm")
         continue
-      protocol, options = step.evaluation
-      settings = protocol_settings(protocol, {"objective": "lm"}, **options)
-      (workdir / "eval").mkdir(exist_ok=True)
-      (workdir / "eval" / f"{protocol}-{settings_key(settings)}.json").write_text("{}")
+      _fake_evaluation(step)
 
   cells = plan.cells(config, str(tmp_path))
   run.run_grid(cells, fake, say=lambda line: None)
@@ -226,8 +233,6 @@ def test_a_training_setting_changed_on_a_finished_grid_runs_its_steps_again(tmp_
   30) with its evaluations; a setting a run cannot change runs it too, so train.py refuses it
   in one line naming the setting."""
   from posenc_jax.comparison import run
-  from posenc_jax.evaluation.protocols import protocol_settings
-  from posenc_jax.evaluation.report import settings_key
 
   config = get_config("extrapolation")
   config.schemes, config.seeds = "alibi", "0"
@@ -244,10 +249,7 @@ def test_a_training_setting_changed_on_a_finished_grid_runs_its_steps_again(tmp_
       if step.evaluation is None:
         fake_run(workdir, "alibi", 0, task="python_stdlib_lm", objective="lm", step=step)
         continue
-      protocol, options = step.evaluation
-      settings = protocol_settings(protocol, {"objective": "lm"}, **options)
-      (workdir / "eval").mkdir(exist_ok=True)
-      (workdir / "eval" / f"{protocol}-{settings_key(settings)}.json").write_text("{}")
+      _fake_evaluation(step)
 
   run.run_grid(plan.cells(config, str(tmp_path)), fake, say=lambda line: None)
   (cell,) = plan.cells(config, str(tmp_path))
@@ -271,8 +273,6 @@ def test_a_task_added_to_a_finished_grid_trains_and_evaluates_only_the_new_task(
   """synthetic on copy, then on copy and reverse: the second run trains reverse alone; a
   kill inside the new training leaves a run that is not at its end, which runs again."""
   from posenc_jax.comparison import run
-  from posenc_jax.evaluation.report import settings_key
-  from posenc_jax.evaluation.protocols import protocol_settings
 
   config = get_config("synthetic")
   config.schemes, config.seeds = "none", "0"
@@ -293,10 +293,7 @@ def test_a_task_added_to_a_finished_grid_trains_and_evaluates_only_the_new_task(
           raise run.CellFailed("train exited -15: killed")
         fake_run(workdir, "none", 0, task=f"probe:{workdir.name}", objective="lm", step=step)
         continue
-      protocol, options = step.evaluation
-      settings = protocol_settings(protocol, {"objective": "lm"}, **options)
-      (workdir / "eval").mkdir(exist_ok=True)
-      (workdir / "eval" / f"{protocol}-{settings_key(settings)}.json").write_text("{}")
+      _fake_evaluation(step)
 
   run.run_grid(plan.cells(config, str(tmp_path)), fake, say=lambda line: None)
   assert ran == ["train copy copy", "evaluate probes copy"]
