@@ -73,6 +73,52 @@ class InputIterator:
     self._checkpoint().read(prefix).assert_consumed()
 
 
+class EvaluationBatches:
+  """``data`` (``data(config, split, start_step, shard_id, num_shards)``), with every
+  evaluation split read from its source once: a pass that reaches the split's end, with at
+  most ``limit_bytes`` of arrays, is kept in host memory (read-only) and replayed to the
+  evaluations after it; a larger split, or a pass stopped early, is read again next time.
+
+  Evaluation batches are the same at every evaluation (:func:`make_batches`), so a replay
+  equals a fresh read; it saves rebuilding the split's ``tf.data`` pipeline and tokenising
+  it again, twice per evaluation of a fine-tuning run (the loss, then the task's metrics).
+  Training batches (``split`` ``"train"``) are ``data``'s own.
+  """
+
+  def __init__(self, data, limit_bytes: int = 256 * 2**20):
+    self._data, self._limit = data, limit_bytes
+    self._kept: dict[tuple, list[dict[str, np.ndarray]]] = {}
+
+  def __call__(self, config, split: str, start_step: int, shard_id: int = 0,
+               num_shards: int = 1) -> Iterator[dict[str, np.ndarray]]:
+    key = (split, start_step, shard_id, num_shards)
+    if key in self._kept:
+      return iter(self._kept[key])
+    batches = self._data(config, split, start_step, shard_id, num_shards)
+    return batches if split == "train" else self._recorded(key, batches)
+
+  def _recorded(self, key: tuple, batches: Iterator) -> Iterator[dict[str, np.ndarray]]:
+    kept, size = [], 0
+    for batch in batches:
+      if kept is not None:
+        size += sum(np.asarray(v).nbytes for v in batch.values())
+        if size <= self._limit:
+          kept.append(_read_only(batch))
+        else:
+          kept = None
+      yield batch
+    if kept is not None:
+      self._kept[key] = kept
+
+
+def _read_only(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+  """A copy of ``batch`` whose arrays cannot be written (a replay cannot be altered)."""
+  copy = {k: np.array(v) for k, v in batch.items()}
+  for value in copy.values():
+    value.setflags(write=False)
+  return copy
+
+
 def reads_tensorflow(task: str) -> bool:
   """Whether a run of ``task`` reads its batches through ``tf.data`` (every seqio task; a
   probe's are generated with numpy): the commands start TensorFlow

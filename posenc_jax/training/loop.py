@@ -459,11 +459,11 @@ def train(config: ml_collections.ConfigDict, workdir: str,
   check_train_memory(config, cfg, mesh)  # before any allocation or compile: one line
   default_data = data is None
   if data is None:
-    from posenc_jax.training.input_pipeline import (check_data_config,  # noqa: PLC0415
-                                                    check_examples, make_batches)
+    from posenc_jax.training.input_pipeline import (  # noqa: PLC0415
+        EvaluationBatches, check_data_config, check_examples, make_batches)
     check_data_config(config)
     check_examples(config)  # an empty split: one line, not an endless search
-    data = make_batches
+    data = EvaluationBatches(make_batches)
   workdir_lib.claim(workdir, config)  # refuses another config's workdir, touching nothing
   if jax.process_index() == 0:
     hold("workdir", workdir)  # one process writes it: a second is one line with the pid
