@@ -47,7 +47,8 @@ from posenc_jax.training.config import (TrainConfigError, compilation_cache_dir,
 from posenc_jax.training.memory import check_train_memory
 from posenc_jax.training.metrics import (MetricWriter, Throughput, console_line, eval_line,
                                          train_flops_per_step)
-from posenc_jax.training.objectives import PRETRAINING, objective
+from posenc_jax.training.objectives import (OUTPUT_LOSSES, PRETRAINING, loss_and_outputs,
+                                            objective)
 from posenc_jax.training.optim import make_optimizer
 from posenc_jax.training.signals import StopSignals, TrainingInterrupted
 
@@ -252,8 +253,14 @@ def jit_train_step(model: nn.Module, config: ml_collections.ConfigDict,
                  donate_argnums=(0,))
 
 
-def make_eval_step(model: nn.Module, config: ml_collections.ConfigDict) -> Callable:
-  """``eval_step(params, batch) -> summed metrics`` (deterministic)."""
+def make_eval_step(model: nn.Module, config: ml_collections.ConfigDict,
+                   outputs: bool = False) -> Callable:
+  """``eval_step(params, batch) -> summed metrics`` (deterministic); with ``outputs`` (an
+  objective of ``OUTPUT_LOSSES``), ``-> (summed metrics, the model's outputs)`` of one
+  forward pass (:func:`evaluate` collects them for :func:`task_evaluation`)."""
+  if outputs:
+    with_outputs = loss_and_outputs(config.objective)
+    return lambda params, batch: with_outputs(model, params, batch)
   loss_fn = objective(config.objective, max_predictions(config))
 
   def eval_step(params, batch):
@@ -330,14 +337,20 @@ def unigram_reference(config: ml_collections.ConfigDict
 
 
 def evaluate(eval_step, params, batches: Iterator, sharding, perplexity: bool = False,
-             reference: tuple[np.ndarray, str, int | None] | None = None) -> dict[str, float]:
+             reference: tuple[np.ndarray, str, int | None] | None = None,
+             outputs: list | None = None) -> dict[str, float]:
   """Mean loss and accuracy over the eval batches, and (``perplexity``) ``exp`` of the
   mean loss as ``eval_perplexity``. ``reference`` = ``(log_p [V], objective, predictions)``
   adds ``eval_unigram_perplexity``: the unigram model's perplexity of the same scored tokens
-  (:func:`scored_targets`), summed over every host's batches as the loss is."""
+  (:func:`scored_targets`), summed over every host's batches as the loss is. With
+  ``outputs`` (a list; ``eval_step`` of ``make_eval_step(..., outputs=True)``), each batch's
+  ``(model outputs, batch)`` is appended to it."""
   total, unigram_loss, unigram_weight = None, 0.0, 0.0
   for batch in batches:
     sums = eval_step(params, _global(batch, sharding))
+    if outputs is not None:
+      sums, rows = sums
+      outputs.append((np.asarray(rows), batch))
     total = sums if total is None else _sum_metrics(total, sums)
     if reference is not None:
       log_p, objective_name, predictions = reference
@@ -360,8 +373,10 @@ def evaluate(eval_step, params, batches: Iterator, sharding, perplexity: bool = 
   return scalars
 
 
-def task_evaluation(config, model, params, data, sharding=None) -> dict[str, float]:
-  """The task's own metrics on the validation split.
+def task_evaluation(config, model, params, data, sharding=None,
+                    outputs: list | None = None) -> dict[str, float]:
+  """The task's own metrics on the validation split (classification and regression: from
+  ``outputs``, :func:`evaluate`'s of the same split in one process, when given).
 
   Translation: beam search on ``config.decode.eval_batches`` batches (BLEU for
   WMT). Classification and regression: predictions on the whole split, scored
@@ -391,6 +406,8 @@ def task_evaluation(config, model, params, data, sharding=None) -> dict[str, flo
     batches = itertools.islice(data(config, "validation", 0, **whole), decode.eval_batches)
     predictions, references = task_eval.decode_batches(model, params, batches, decode,
                                                        sharding=sharding)
+  elif outputs is not None:
+    predictions, references = task_eval.row_predictions(outputs, config.objective)
   else:
     predictions, references = task_eval.predict_batches(
         model, params, data(config, "validation", 0, **whole), config.objective,
@@ -494,7 +511,9 @@ def train(config: ml_collections.ConfigDict, workdir: str,
   train_batches = _train_batches(data, config, start_step, host, checkpointer)
 
   step_fn = jit_train_step(model, config, schedule, state_shardings, mesh)
-  eval_fn = jax.jit(make_eval_step(model, config))
+  # One process reads the whole split: the loss pass's outputs are the task's predictions.
+  one_pass = config.objective in OUTPUT_LOSSES and jax.process_count() == 1
+  eval_fn = jax.jit(make_eval_step(model, config, outputs=one_pass))
   writer = MetricWriter(workdir, start_step)
   best = BestKeeper(workdir, config.get("best_metric"))
   length = config.get("target_len") or config.seq_len
@@ -548,12 +567,14 @@ def train(config: ml_collections.ConfigDict, workdir: str,
           if config.eval_every and (step % config.eval_every == 0 or step == config.total_steps):
             # The default pipeline's split is what the reference counts.
             reference = unigram_reference(config) if default_data else None
+            outputs = [] if one_pass else None
             scalars |= evaluate(eval_fn, state.params,
                                 randomized_batches(config, data(config, "validation", 0, **host),
                                                    0, host["shard_id"], evaluation=True),
                                 batch_sharding, perplexity=config.objective in PRETRAINING,
-                                reference=reference)
-            scalars |= task_evaluation(config, model, state.params, data, batch_sharding)
+                                reference=reference, outputs=outputs)
+            scalars |= task_evaluation(config, model, state.params, data, batch_sharding,
+                                       outputs)
             best.update(step, scalars, state.params)
           writer.write(step, scalars)
           history.append({"step": step, **scalars})

@@ -163,18 +163,26 @@ def _row_weights(batch) -> Array:
   return batch.get("weight", jnp.ones(batch["input_ids"].shape[:1], jnp.float32))
 
 
-def classification_objective(model, params, batch, rng, label_smoothing=0.0):
+def classification_loss(logits, batch, label_smoothing=0.0):
   """Cross-entropy of ``label`` from the pooled [CLS] logits ``[B, C]``."""
-  logits = _apply(model, params, batch, rng)
   loss, weight, correct = weighted_cross_entropy(logits, batch["label"], _row_weights(batch),
                                                  label_smoothing)
   return loss, {"loss": loss, "weight": weight, "correct": correct}
 
 
+def classification_objective(model, params, batch, rng, label_smoothing=0.0):
+  """:func:`classification_loss` of the model's logits ``[B, C]``."""
+  return classification_loss(_apply(model, params, batch, rng), batch, label_smoothing)
+
+
 def regression_objective(model, params, batch, rng, label_smoothing=0.0):
+  """:func:`regression_loss` of the model's prediction ``[B]``."""
+  return regression_loss(_apply(model, params, batch, rng), batch, label_smoothing)
+
+
+def regression_loss(prediction, batch, label_smoothing=0.0):
   """Squared error of a scalar prediction ``[B]`` (STS-B); ``correct`` counts |error| < 0.5."""
   del label_smoothing
-  prediction = _apply(model, params, batch, rng)
   weights = _row_weights(batch)
   error = prediction - batch["label"].astype(jnp.float32)
   loss = jnp.sum(weights * error ** 2)
@@ -193,6 +201,24 @@ def span_objective(model, params, batch, rng, label_smoothing=0.0):
            & (jnp.argmax(end, -1) == batch["end_positions"]))
   loss = (start_loss + end_loss) / 2
   return loss, {"loss": loss, "weight": weight, "correct": jnp.sum(weights * exact)}
+
+
+# The objectives whose model outputs, one per row, are also the task's predictions: their loss
+# of those outputs, so that one forward pass gives the evaluation's loss and the predictions.
+OUTPUT_LOSSES = {"classification": classification_loss, "regression": regression_loss}
+
+
+def loss_and_outputs(name: str):
+  """``(model, params, batch) -> (sums, outputs)`` for an objective of :data:`OUTPUT_LOSSES`:
+  its summed metrics, deterministic, and the model's outputs (``[B, C]`` logits, ``[B]``
+  predictions) from the same forward pass."""
+  loss = OUTPUT_LOSSES[name]
+
+  def evaluate(model, params, batch):
+    outputs = _apply(model, params, batch, None)
+    return loss(outputs, batch)[1], outputs
+
+  return evaluate
 
 
 def objective(name: str, max_predictions: int | None = None):

@@ -100,10 +100,19 @@ def predict_batches(model: nn.Module, params: Any, batches: Iterable[dict[str, n
   (:func:`apply_on_all_processes` with ``sharding``)."""
   run = jax.jit(lambda p, b: model.apply({"params": p}, b["input_ids"], b["segment_ids"],
                                          b["mask"]))
+  return row_predictions(
+      ((apply_on_all_processes(run, params, {k: batch[k] for k in ("input_ids", "segment_ids",
+                                                                  "mask")}, sharding), batch)
+       for batch in batches), objective)
+
+
+def row_predictions(outputs: Iterable[tuple[np.ndarray, dict[str, np.ndarray]]],
+                    objective: str) -> tuple[list, list]:
+  """(predictions, labels) of the real rows (``weight`` > 0) of ``(model outputs, batch)``
+  pairs: the argmax of ``[B, C]`` logits, or the ``[B]`` regression outputs as they are."""
   predictions, labels = [], []
-  for batch in batches:
-    inputs = {k: batch[k] for k in ("input_ids", "segment_ids", "mask")}
-    out = apply_on_all_processes(run, params, inputs, sharding)
+  for out, batch in outputs:
+    out = np.asarray(out)
     out = out if objective == "regression" else out.argmax(-1)
     keep = np.asarray(batch.get("weight", np.ones(len(out)))) > 0
     predictions.extend(out[keep].tolist())
