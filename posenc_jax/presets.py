@@ -16,7 +16,7 @@ from typing import Any
 import ml_collections
 
 from posenc_jax.messages import nearest
-from posenc_jax.models.config import HEADS, ModelConfig, ModelConfigError
+from posenc_jax.models.config import ModelConfig, ModelConfigError
 
 # Model sizes. Unset fields keep the ModelConfig defaults (BERT-base).
 SIZES: dict[str, dict] = {

@@ -193,7 +193,6 @@ def config_from_hf(hf_config: Mapping[str, Any], **overrides):
   :class:`ConversionError` line naming the ``config.json`` field.
   """
   from posenc_jax.models.config import ModelConfigError, model_config  # noqa: PLC0415
-  from posenc_jax.models.scan import layout_for  # noqa: PLC0415
 
   model_type = hf_config.get("model_type", "bert")
   if model_type != "bert":

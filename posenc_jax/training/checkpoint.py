@@ -50,7 +50,7 @@ from etils import epath
 from jax.experimental import multihost_utils
 from orbax.checkpoint._src.futures import future, synchronization
 
-from posenc_jax.paths import absolute, is_remote
+from posenc_jax.paths import absolute
 from posenc_jax.messages import first_line
 from posenc_jax.models.scan import match_layout
 
