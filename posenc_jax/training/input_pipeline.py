@@ -81,7 +81,8 @@ class EvaluationBatches:
 
   Evaluation batches are the same at every evaluation (:func:`make_batches`), so a replay
   equals a fresh read; it saves rebuilding the split's ``tf.data`` pipeline and tokenising
-  it again, twice per evaluation of a fine-tuning run (the loss, then the task's metrics).
+  it again at every evaluation after the first (and, with several processes, for the task's
+  metrics, which read the whole split beside each host's shard).
   Training batches (``split`` ``"train"``) are ``data``'s own.
   """
 

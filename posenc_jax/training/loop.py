@@ -347,10 +347,10 @@ def evaluate(eval_step, params, batches: Iterator, sharding, perplexity: bool = 
   ``(model outputs, batch)`` is appended to it."""
   total, unigram_loss, unigram_weight = None, 0.0, 0.0
   for batch in batches:
-    sums = eval_step(params, _global(batch, sharding))
+    result = eval_step(params, _global(batch, sharding))
+    sums = result if outputs is None else result[0]
     if outputs is not None:
-      sums, rows = sums
-      outputs.append((np.asarray(rows), batch))
+      outputs.append((np.asarray(result[1]), batch))
     total = sums if total is None else _sum_metrics(total, sums)
     if reference is not None:
       log_p, objective_name, predictions = reference

@@ -214,11 +214,11 @@ def loss_and_outputs(name: str):
   predictions) from the same forward pass."""
   loss = OUTPUT_LOSSES[name]
 
-  def evaluate(model, params, batch):
+  def with_outputs(model, params, batch):
     outputs = _apply(model, params, batch, None)
     return loss(outputs, batch)[1], outputs
 
-  return evaluate
+  return with_outputs
 
 
 def objective(name: str, max_predictions: int | None = None):

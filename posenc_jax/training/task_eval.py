@@ -100,10 +100,13 @@ def predict_batches(model: nn.Module, params: Any, batches: Iterable[dict[str, n
   (:func:`apply_on_all_processes` with ``sharding``)."""
   run = jax.jit(lambda p, b: model.apply({"params": p}, b["input_ids"], b["segment_ids"],
                                          b["mask"]))
-  return row_predictions(
-      ((apply_on_all_processes(run, params, {k: batch[k] for k in ("input_ids", "segment_ids",
-                                                                  "mask")}, sharding), batch)
-       for batch in batches), objective)
+  inputs = ("input_ids", "segment_ids", "mask")
+
+  def outputs():
+    for batch in batches:
+      yield apply_on_all_processes(run, params, {k: batch[k] for k in inputs}, sharding), batch
+
+  return row_predictions(outputs(), objective)
 
 
 def row_predictions(outputs: Iterable[tuple[np.ndarray, dict[str, np.ndarray]]],
