@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 
+import ml_collections
 import pytest
 from absl import flags
 from etils import epath
@@ -490,6 +491,46 @@ def test_pretrain_seeds_pretrain_once_and_the_other_seeds_fine_tune_that_model()
   config.pretrain_seeds = ""  # every seed pre-trains its own
   assert all(c.steps[0].name == "train" and c.steps[2].argv[2] ==
              f"--init_checkpoint={c.folder}/train" for c in plan.cells(config, "/r"))
+
+
+def test_a_task_can_have_its_own_budget_and_rows():
+  """``finetune_by_task.<task>`` overrides ``finetune`` for that task alone;
+  ``task_schemes.<task>`` names the rows fine-tuned on it (the others skip it)."""
+  config = get_config("pretrain_finetune")
+  config.schemes, config.seeds = "bert,diet_abs_share,none", "0,1"
+  config.tasks = "wordnet_order,wordnet_hypernym"
+  config.task_schemes.wordnet_hypernym = "diet_abs_share,bert"
+  config.finetune_by_task.wordnet_hypernym = ml_collections.ConfigDict(dict(
+      total_steps=600, checkpoint_every=600))
+  steps = {c.name: {s.name: s.overrides() for s in c.steps} for c in plan.cells(config, "/r")}
+  for name, by_step in steps.items():
+    assert by_step["finetune wordnet_order"]["total_steps"] == "200"
+    assert by_step["finetune wordnet_order"]["eval_every"] == "100"
+    if name.startswith("none/"):
+      assert "finetune wordnet_hypernym" not in by_step
+    else:
+      hypernym = by_step["finetune wordnet_hypernym"]
+      assert (hypernym["total_steps"], hypernym["checkpoint_every"]) == ("600", "600")
+      assert hypernym["eval_every"] == "100"  # finetune's, not overridden
+      assert hypernym["seed"] == name[-1]
+
+
+@pytest.mark.parametrize("field, value, expected", [
+    ("finetune_by_task", ml_collections.ConfigDict(dict(wordnet_hypernim=dict(total_steps=9))),
+     "finetune_by_task: task 'wordnet_hypernim' is not among the tasks; did you mean "
+     "'wordnet_hypernym'?"),
+    ("task_schemes", ml_collections.ConfigDict(dict(wordnet_hypernym="bert,diet_abs_shared")),
+     "task_schemes.wordnet_hypernym: 'diet_abs_shared' is not among the schemes; did you mean "
+     "'diet_abs_share'?"),
+    ("task_schemes", ml_collections.ConfigDict(dict(wordnet_hypernym=" ")),
+     "task_schemes.wordnet_hypernym: empty"),
+])
+def test_bad_per_task_fields_are_one_line(field, value, expected):
+  config = get_config("pretrain_finetune")
+  config.schemes, config.tasks = "bert,diet_abs_share", "wordnet_order,wordnet_hypernym"
+  config[field] = value
+  with pytest.raises(plan.PlanError, match="^" + re.escape(expected)):
+    plan.cells(config, "/tmp/unused")
 
 
 @pytest.mark.parametrize("experiment, value, expected", [

@@ -194,7 +194,8 @@ def _pretrain_seeds(config: ml_collections.ConfigDict, seeds: list[int]) -> list
 
 def check(config: ml_collections.ConfigDict) -> dict[str, Any]:
   """The experiment's lists, checked: ``{"protocol", "sizes", "schemes", "baseline", "seeds",
-  "pretrain_seeds", "tasks", "keep", "lengths"}``; raises :class:`PlanError` naming the
+  "pretrain_seeds", "tasks", "task_schemes", "keep", "lengths"}`` (``task_schemes``: the
+  rows of each task that names its own); raises :class:`PlanError` naming the
   first bad field."""
   if config.get("protocol") not in PROTOCOLS:
     raise PlanError(f"protocol: got {config.get('protocol')!r}; allowed: {', '.join(PROTOCOLS)}")
@@ -226,6 +227,22 @@ def check(config: ml_collections.ConfigDict) -> dict[str, Any]:
                     "trained on (docs/evaluation.md)")
   if config.protocol != "extrapolation" and not plan["tasks"]:
     raise PlanError(f"tasks: empty; the {config.protocol} protocol runs one per task")
+  for field in ("finetune_by_task", "task_schemes"):
+    for task in config.get(field) or {}:
+      if task not in plan["tasks"]:
+        raise PlanError(f"{field}: task {task!r} is not among the tasks"
+                        f"{nearest(task, plan['tasks'])} tasks: {', '.join(plan['tasks'])}")
+  plan["task_schemes"] = {}
+  for task in config.get("task_schemes") or {}:
+    chosen = names(config.task_schemes, task)
+    for row in chosen:
+      if row not in schemes:
+        raise PlanError(f"task_schemes.{task}: {row!r} is not among the schemes"
+                        f"{nearest(row, schemes)} schemes: {', '.join(schemes)}")
+    if not chosen:
+      raise PlanError(f"task_schemes.{task}: empty; allowed: comma-separated schemes of the "
+                      "grid (a task no scheme runs is left out of tasks)")
+    plan["task_schemes"][task] = chosen
   for field in ("train_config", "finetune_config") if config.protocol == "finetune" else (
       "train_config",):
     if not config.get(field):
@@ -307,6 +324,17 @@ def _evaluate(workdir: str, protocol: str, lengths_: list[int], options: dict[st
   return Step(f"evaluate {protocol}{windows}", workdir, argv, (protocol, dict(options)))
 
 
+def finetune_overrides(config: ml_collections.ConfigDict, task: str
+                       ) -> ml_collections.ConfigDict:
+  """The ``--config.<field>`` overrides of ``task``'s fine-tuning runs: ``finetune`` (every
+  task's), then ``finetune_by_task.<task>`` over it (one task's budget)."""
+  values = ml_collections.ConfigDict(config.finetune.to_dict())
+  by_task = config.get("finetune_by_task") or {}
+  if task in by_task:
+    values.update(by_task[task].to_dict())
+  return values
+
+
 def _one_checkpoint(values: ml_collections.ConfigDict, params_only: bool) -> list[str]:
   """The flag that makes a training run keep one checkpoint (enough to resume it) when its
   cell keeps its final parameters only, unless ``values`` (the experiment's ``train`` or
@@ -354,11 +382,14 @@ def cells(config: ml_collections.ConfigDict, root: str) -> list[Cell]:
                     for options in evaluate_options(config)]
         if plan["protocol"] == "finetune":
           for task in plan["tasks"]:
+            if scheme not in plan["task_schemes"].get(task, plan["schemes"]):
+              continue
             spec = fill_spec("finetune_config", config.finetune_config, **fill, task=task)
+            budget = finetune_overrides(config, task)
             steps.append(Step(f"finetune {task}", f"{folder}/{task}", (
                 "posenc_jax.finetune", f"--config={spec}", f"--init_checkpoint={workdir}",
-                f"--workdir={folder}/{task}", *overrides(config.finetune),
-                f"--config.seed={seed}", *_one_checkpoint(config.finetune, params_only)),
+                f"--workdir={folder}/{task}", *overrides(budget),
+                f"--config.seed={seed}", *_one_checkpoint(budget, params_only)),
                 params_only=params_only))
         out.append(Cell(size, scheme, seed, folder, tuple(steps)))
   return out
