@@ -231,6 +231,20 @@ def test_the_demo_gives_each_scheme_its_calibrated_position_learning_rate():
   assert config.optimizer.position_lr_scale == 2.0
 
 
+def test_the_demo_sinusoid_is_quieter_than_vaswanis():
+  """The demo's sinusoidal APE (fixed or learnable) has amplitude 1/sqrt(d_model) beside
+  BERT's N(0, 0.02) tokens; the papers' protocols keep Vaswani et al.'s 1, and a flag wins."""
+  from posenc_jax.configs import pretrain  # noqa: PLC0415
+  for preset in ("sinusoidal", "sinusoidal_learnable"):
+    config = pretrain.get_config(f"bert_demo,{preset}")
+    assert config.model.scheme.amplitude == pytest.approx(128 ** -0.5)
+    assert build_model(validate_train_config(config), "mlm") is not None
+  assert "amplitude" not in pretrain.get_config("bert_base,sinusoidal,tupe_protocol").model.scheme
+  assert "amplitude" not in pretrain.get_config("bert_demo,bert").model.scheme
+  config = _parsed("configs/pretrain.py:bert_demo,sinusoidal", "--config.model.scheme.amplitude=1")
+  assert config.model.scheme.amplitude == 1.0
+
+
 def test_wordnet_order_fine_tunes_without_dropout_the_repeated_tasks_with_it():
   """Under about one epoch (wordnet_order) nothing is seen twice to overfit: no dropout; the
   tasks whose 600 steps repeat their train split keep 0.1 (configs/finetune_wordnet.py)."""

@@ -52,6 +52,8 @@ def test_config_dict_and_plain_dict_build_the_same_scheme():
                                             "allowed fields: init_std"),
     ({"name": "learned_ape", "init_std": -0.02},
      "scheme 'learned_ape': init_std must be a finite number >= 0, got -0.02"),
+    ({"name": "sinusoidal_ape", "amplitude": 0.0},
+     "scheme 'sinusoidal_ape': amplitude must be a finite positive number, got 0.0"),
     ("diet_abs", "scheme config must be a mapping with a 'name', got 'diet_abs'"),
     ({"name": "fire", "mlp_width": 0}, "scheme 'fire': mlp_width must be a positive integer, got 0"),
     ({"name": "fire", "init_c": 0.0},

@@ -147,6 +147,19 @@ def test_sinusoidal_ape_equals_the_float64_table_at_every_frequency():
                              atol=SINUSOID_ATOL)
 
 
+@pytest.mark.parametrize("learnable", [False, True])
+def test_sinusoidal_ape_amplitude_scales_the_float64_table(learnable):
+  """``amplitude`` multiplies Vaswani's table (fixed or at its initial frequencies)."""
+  d = DIMS["d_model"]
+  amplitude = 1 / np.sqrt(d)
+  module = build_scheme({"name": "sinusoidal_ape", "learnable": learnable,
+                         "amplitude": float(amplitude)}, **DIMS)
+  variables = module.init(jax.random.key(0), 16)
+  got = np.asarray(module.apply(variables, 16).embed(jnp.zeros((1, 16, d)))[0])
+  np.testing.assert_allclose(got, amplitude * vaswani_table(range(16), d), rtol=0,
+                             atol=amplitude * SINUSOID_ATOL)
+
+
 def test_learnable_sinusoidal_ape_starts_at_the_table_and_reads_its_frequencies():
   """At init (Wang et al.: the fixed frequencies, trainable) the embedding is Vaswani's table;
   with other frequencies it is the same formula at those."""

@@ -17,6 +17,8 @@ With no protocol it is the bundled demo (size ``bert_demo`` by default): a small
 BERT on the bundled WordNet corpus, a few minutes on a laptop CPU.
 """
 
+import math
+
 from posenc_jax.presets import preset_config
 from posenc_jax.training.config import base_train_config
 
@@ -60,6 +62,14 @@ DEMO = dict(total_steps=600, batch_size=32, seq_len=64, mask_rate=0.4, log_every
 # too) is best at x1. Learned APE (no scale helped it), a scheme not measured, and a composed
 # one keep 1.
 DEMO_POSITION_LR_SCALE = {"t5": 10.0, "diet_rel": 10.0, "diet_abs": 3.0}
+# The demo's sinusoidal APE (fixed or learnable frequencies) at amplitude 1/sqrt(d_model):
+# Vaswani et al.'s amplitude 1 is 35 times louder than BERT's N(0, 0.02) token table and the
+# masked LM never leaves the unigram's plateau (1.01x, wordnet_order 50.0%; 0.15: 1.02x).
+# Measured at the comparison's 800 steps (seed 0, d_model 128; docs/results/pretrain-
+# calibration-cpu.md): 1/sqrt(d) ends at 0.60x and fine-tunes wordnet_order to 58.2%;
+# quieter sinusoids (0.05, 0.028) pass the perplexity criterion (0.52x, 0.48x) but learn
+# no order (50.5%, 50.0%).
+DEMO_SINUSOID_AMPLITUDE_X_SQRT_D = 1.0
 
 
 def get_config(arg="bert_demo,diet_abs_share"):
@@ -79,4 +89,7 @@ def get_config(arg="bert_demo,diet_abs_share"):
     scheme = config.model.scheme
     name = scheme.get("name") if hasattr(scheme, "get") else None
     config.optimizer.position_lr_scale = DEMO_POSITION_LR_SCALE.get(name, 1.0)
+    if name == "sinusoidal_ape":
+      config.model.scheme.amplitude = DEMO_SINUSOID_AMPLITUDE_X_SQRT_D / math.sqrt(
+          config.model.d_model)
   return config

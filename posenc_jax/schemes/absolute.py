@@ -7,7 +7,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from posenc_jax.schemes.base import BOOL, NON_NEGATIVE_FLOAT, Scheme
+from posenc_jax.schemes.base import BOOL, NON_NEGATIVE_FLOAT, POSITIVE_FLOAT, Scheme
 from posenc_jax.terms import InputEmbedding, SchemeTerms, lookup_rows
 
 Array = jax.Array
@@ -66,18 +66,25 @@ class LearnedAPE(Scheme):
 
 
 class SinusoidalAPE(Scheme):
-  """``x_i = w_i + sinusoid(i)``; frequencies fixed or trainable (Wang et al.).
+  """``x_i = w_i + amplitude * sinusoid(i)``; frequencies fixed or trainable (Wang et al.).
 
   Attributes:
     learnable: train the ``d / 2`` frequencies (initialised to the fixed ones).
+    amplitude: the sinusoid's scale (1: Vaswani et al.'s; its RMS is ``amplitude / sqrt(2)``).
+      Vaswani et al. add it to token embeddings of RMS 1 (``N(0, 1/d)`` times ``sqrt(d)``).
+      Beside BERT's unscaled ``N(0, 0.02)`` token table it is 35 times louder than every
+      token, and the LayerNorm after the sum leaves the tokens a thousandth of the variance
+      (docs/results/pretrain-calibration-cpu.md measures what the masked LM learns at other
+      amplitudes).
   """
 
   learnable: bool = False
+  amplitude: float = 1.0
 
   scheme_name = "sinusoidal_ape"
   even_dimension = "d_model"
   fits_linformer = True
-  hyperparameters = {"learnable": BOOL}
+  hyperparameters = {"learnable": BOOL, "amplitude": POSITIVE_FLOAT}
 
   @nn.compact
   def __call__(self, length, segment_ids=None, position_ids=None):
@@ -85,4 +92,4 @@ class SinusoidalAPE(Scheme):
     ids = self.check_position_ids(length, position_ids)  # any integer: no table
     freqs = sinusoid_param(self, self.d_model, self.learnable)
     positions = jnp.arange(length) if ids is None else ids
-    return SchemeTerms(embedding=InputEmbedding(sinusoid(positions, freqs)))
+    return SchemeTerms(embedding=InputEmbedding(self.amplitude * sinusoid(positions, freqs)))
