@@ -101,7 +101,8 @@ def test_pretrain_finetune_variants_plan_and_their_configs_validate(variant):
   if variant == "all":
     assert set(checked["schemes"]) >= {
         "bert", "sinusoidal", "shaw", "sinusoidal_rpe", "t5", "tupe_a", "tupe_r", "bert_ad",
-        "diet_rel", "diet_abs", "diet_abs_share", "diet_abs_rank64_share", "diet_abs_share_head",
+        "diet_rel", "diet_rel_share", "diet_abs", "diet_abs_share", "diet_abs_rank64_share",
+        "diet_abs_share_head",
         "linformer", "diet_abs_lin", "rope", "alibi", "none"}
   if variant in ("gpu", "tpu"):
     assert config.device == variant and cells[0].size == "bert_small"

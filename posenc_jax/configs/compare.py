@@ -21,12 +21,12 @@ The argument is the experiment, optionally with a variant: ``<experiment>[,<vari
   Default: the core contrasts (learned APE, TUPE-A,
   DIET-ABS shared, DIET-REL, T5, none), 3 seeds. Variants: ``quick`` (DIET-REL against
   none, 1 seed, 300 pre-training steps, no cost), ``all`` (every encoder scheme of the
-  seeds, and ``wordnet_hypernym``, a gloss pair, 600 fine-tuning steps, for the segment
-  comparison's rows (``SEGMENT_SCHEMES``): learned and
-  sinusoidal APE, Shaw, sinusoidal RPE, T5, TUPE-A, TUPE-R, BERT-A^d, DIET-REL, DIET-ABS at
-  rank 64 and 128 and with sharing none, layer and head, DIET-ABS with per-head segments
-  (``diet_abs_share+segment_per_head``) against input segments, Linformer with input APE against
-  DIET-ABS-LIN, RoPE, ALiBi and none), ``gpu`` and ``tpu`` (``bert_small`` pre-trained on
+  seeds: learned and sinusoidal APE, Shaw, sinusoidal RPE, T5, TUPE-A, TUPE-R, BERT-A^d,
+  DIET-REL with and without layer-wise sharing, DIET-ABS at rank 64 and 128 and with sharing
+  none, layer and head, DIET-ABS with per-head segments (``diet_abs_share+segment_per_head``)
+  against input segments, Linformer with input APE against DIET-ABS-LIN, RoPE, ALiBi and
+  none; and ``wordnet_hypernym``, a gloss pair, 600 fine-tuning steps, for the segment
+  comparison's rows, ``SEGMENT_SCHEMES``), ``gpu`` and ``tpu`` (``bert_small`` pre-trained on
   English Wikipedia, 100k steps of 256 x 128, then the GLUE tasks and SQuAD v1.1 with
   configs/finetune_glue.py; prepare the data first: see docs/data.md).
 * ``extrapolation`` (Press et al. 2022): a ``bert_tiny``-sized causal LM per scheme and
@@ -132,10 +132,11 @@ KAZEMNEJAD_SCHEMES = "none,t5,alibi,rope,bert"
 # layer-wise sharing, DIET-REL, T5's buckets, and no position as the control row.
 CORE_ENCODER_SCHEMES = "bert,tupe_a,diet_abs_share,diet_rel,t5,none"
 # Every encoder scheme of the seeds (DIET-ABS at rank 64 and 128 and with sharing none,
-# layer and head, and with per-head segments against input segments; DIET-ABS-LIN against
-# Linformer with input APE), with RoPE, ALiBi and none.
+# layer and head, and with per-head segments against input segments; DIET-REL with and
+# without layer-wise sharing, which DIET finds helps DIET-ABS and hurts DIET-REL; DIET-ABS-LIN
+# against Linformer with input APE), with RoPE, ALiBi and none.
 SEED_ENCODER_SCHEMES = ("bert,sinusoidal,shaw,sinusoidal_rpe,t5,tupe_a,tupe_r,bert_ad,diet_rel,"
-                        "diet_abs,diet_abs_share,diet_abs_share+segment_per_head,"
+                        "diet_rel_share,diet_abs,diet_abs_share,diet_abs_share+segment_per_head,"
                         "diet_abs_rank64_share,diet_abs_share_head,linformer,diet_abs_lin,rope,"
                         "alibi,none")
 # Every cell's pre-training: longer than the demo's 600 steps (configs/pretrain.py), because
