@@ -9,9 +9,10 @@ tool, and the papers' tables built from the runs:
       --workdir=/tmp/pf                             # the table again from ROOT's cells
 
 Each cell runs in ``ROOT/<scheme>/seed<k>`` (see :mod:`posenc_jax.comparison.plan`) as
-subprocesses whose output goes to ``ROOT/<scheme>/seed<k>/log.txt``; one progress line per
-cell. A finished cell (``cell.json``) is not rerun (a task or an evaluation added to the
-experiment since runs alone) and an unfinished one resumes, so a killed compare is restarted
+subprocesses whose output goes to ``ROOT/<scheme>/seed<k>/log.txt`` (each command line, its
+output and, once it succeeds, ``# <step>: <seconds> s``); one progress line per cell. A
+finished cell (``cell.json``) is not rerun (a task or an evaluation added to the experiment
+since runs alone) and an unfinished one resumes, so a killed compare is restarted
 with the same command; SIGTERM or Ctrl-C goes to the running step too (train.py saves the
 step it is at), and compare stops with the step's status; a failed cell is reported and the
 others go on (exit status 1 at the end). A cell keeps what its evaluation needs: while it trains,

@@ -613,6 +613,28 @@ def test_a_config_spec_fills_only_its_named_fields():
                         scheme="R", task="") == "configs/lm.py:S,R,x{y}"
 
 
+def test_the_log_gives_each_step_that_succeeded_its_seconds(tmp_path):
+  """After each command's output, ``# <step>: <seconds> s``: where a cell's time went."""
+  cell = plan.cells(get_config("pretrain_finetune,quick"), str(tmp_path))[0]
+
+  def launch(command, out):
+    out.write(f"ran {command[2]}\n")
+    time.sleep(0.05)
+    return 0
+
+  log = epath.Path(tmp_path / "log.txt")
+  run.run_steps(cell, log, launch)
+  lines = log.read_text().splitlines()
+  assert [line.split(":")[0] for line in lines if line.startswith("# ")] == [
+      f"# {step.name}" for step in cell.steps] == ["# train", "# evaluate indicators",
+                                                   "# finetune wordnet_order"]
+  for line in lines:
+    if line.startswith("# "):
+      seconds = float(line.split(": ")[1].removesuffix(" s"))
+      assert 0.05 <= seconds < 5
+  assert lines[1].startswith("ran ") and lines[2].startswith("# train: ")
+
+
 def test_a_failing_step_is_its_status_and_last_line_and_the_log_holds_its_output(tmp_path):
   config = get_config("extrapolation")
   config.update(dict(schemes="alibi", seeds="0"))

@@ -154,7 +154,8 @@ def run_steps(cell: Cell, log: epath.Path,
               launch: Callable[[list[str], IO[str]], int] = subprocess_status,
               slot: Slot | None = None) -> None:
   """Runs ``cell``'s steps in order through ``launch`` (default: subprocesses; on ``slot``'s
-  devices where given), their output appended to ``log`` after each command line.
+  devices where given), their output appended to ``log`` after each command line, and after a
+  step that succeeds the line ``# <step>: <seconds> s`` (its process from start to exit).
 
   Raises:
     CellFailed: ``<step> exited <status>: <its last output line>``.
@@ -164,7 +165,10 @@ def run_steps(cell: Cell, log: epath.Path,
     with log.open("a") as out:
       out.write(f"$ {' '.join(command)}\n")
       out.flush()
+      start = time.perf_counter()
       status = launch(command, out, slot) if slot is not None else launch(command, out)
+      if not status:
+        out.write(f"# {step.name}: {time.perf_counter() - start:.1f} s\n")
     if status:
       lines = [line for line in log.read_text().splitlines() if line.strip()]
       raise CellFailed(f"{step.name} exited {status}: {lines[-1] if lines else 'no output'}")
