@@ -66,9 +66,10 @@ DEMO_POSITION_LR_SCALE = {"t5": 10.0, "diet_rel": 10.0, "diet_abs": 3.0}
 # Vaswani et al.'s amplitude 1 is 35 times louder than BERT's N(0, 0.02) token table and the
 # masked LM never leaves the unigram's plateau (1.01x, wordnet_order 50.0%; 0.15: 1.02x).
 # Measured at the comparison's 800 steps (seed 0, d_model 128; docs/results/pretrain-
-# calibration-cpu.md): 1/sqrt(d) ends at 0.60x and fine-tunes wordnet_order to 58.2%;
-# quieter sinusoids (0.05, 0.028) pass the perplexity criterion (0.52x, 0.48x) but learn
-# no order (50.5%, 50.0%).
+# calibration-cpu.md): 1/sqrt(d) ends at 0.60-0.61x and fine-tunes wordnet_order to
+# 53.4-58.2% (marginal, but the only amplitude measured above chance); quieter sinusoids
+# (0.05, 0.028) pass the perplexity criterion (0.52x, 0.48x) but learn no order (50.5%,
+# 50.0%).
 DEMO_SINUSOID_AMPLITUDE_X_SQRT_D = 1.0
 
 
