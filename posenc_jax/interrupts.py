@@ -13,6 +13,11 @@ Python raises ``KeyboardInterrupt`` in whatever Python code runs when SIGINT arr
 that is a garbage-collection callback (JAX registers one) or a finalizer, Python prints
 "Exception ignored in ..." and carries on, and the Ctrl-C is lost (train.py then trained on).
 The handler :func:`install` sets sends such a SIGINT again once the collection is over.
+
+A ``KeyboardInterrupt`` raised inside a C extension's initialisation does not reach the top:
+numpy prints it (through ``sys.excepthook``) and raises ``ImportError: numpy._core.multiarray
+failed to import``, and the importer (jaxlib) chains its own ``ImportError`` to that. After a
+SIGINT the handler raised, the hook words any uncaught exception as the interruption, once.
 """
 
 from __future__ import annotations
@@ -47,8 +52,14 @@ def tool_name() -> str:
   return name.removesuffix(".py") or "posenc_jax"
 
 
+_state = {"interrupted": False, "reported": False}  # a SIGINT raised here; its line printed
+
+
 def _hook(kind, value, traceback, previous=sys.excepthook) -> None:
-  if issubclass(kind, KeyboardInterrupt):
+  if issubclass(kind, KeyboardInterrupt) or _state["interrupted"]:
+    if _state["reported"]:
+      return
+    _state["reported"] = True
     print(f"{tool_name()}: interrupted (SIGINT); run the same command to resume (a training "
           "run resumes from its last checkpoint)", file=sys.stderr, flush=True)
     return
@@ -74,6 +85,7 @@ def _interrupt(signum, frame) -> None:
     again.daemon = True
     again.start()
     return
+  _state["interrupted"] = True
   raise KeyboardInterrupt
 
 

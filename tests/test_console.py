@@ -213,6 +213,30 @@ def test_the_interrupt_hook_is_only_a_command_lines():
   assert proc.stdout.strip() == "True", proc.stderr[-2000:]
 
 
+def test_a_ctrl_c_that_a_c_extension_turned_into_an_import_error_is_one_line():
+  """SIGINT 0.4 s into train.py landed in numpy's C initialisation (CI, 2026-11-29): numpy
+  printed the KeyboardInterrupt through the hook and raised ImportError, and jaxlib chained
+  its own, so the one line came with an ImportError traceback. Done here as numpy does it."""
+  code = ("import os, signal, sys\n"
+          "sys.argv = ['train.py']  # a command line's process\n"
+          "import posenc_jax\n"
+          "try:\n"
+          "  try:\n"
+          "    os.kill(os.getpid(), signal.SIGINT)\n"
+          "    signal.pause()\n"
+          "  except KeyboardInterrupt:\n"
+          "    sys.excepthook(*sys.exc_info())  # PyErr_Print in the extension's init\n"
+          "    raise ImportError('numpy._core.multiarray failed to import') from None\n"
+          "except ImportError as error:\n"
+          "  raise ImportError('Encountered an error while initializing the extension.') "
+          "from error\n")
+  proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                        timeout=120)
+  assert proc.returncode == 1 and proc.stderr.splitlines() == [
+      "train.py: interrupted (SIGINT); run the same command to resume (a training run resumes "
+      "from its last checkpoint)"], proc.stderr[-3000:]
+
+
 def test_a_ctrl_c_during_a_garbage_collection_callback_is_not_lost():
   """JAX's gc callback swallowed the KeyboardInterrupt of a SIGINT that arrived while it ran
   ('Exception ignored in: <function _xla_gc_callback>'), and train.py trained on; the signal
