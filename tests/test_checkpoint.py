@@ -8,21 +8,19 @@ import re
 import shutil
 import subprocess
 import sys
-import threading
 import time
 
 import jax
 import jax.numpy as jnp
 import ml_collections
 import pytest
-from orbax.checkpoint._src.futures import future
 
 from posenc_jax.presets import preset_config
 from posenc_jax.training import checkpoint as checkpoint_lib
 from posenc_jax.training import params_only
 from posenc_jax.training import workdir as workdir_lib
-from posenc_jax.training.checkpoint import (BackgroundSaveError, Checkpointer, CheckpointError,
-                                            damage, fingerprints, restore_params)
+from posenc_jax.training.checkpoint import (Checkpointer, CheckpointError, damage, fingerprints,
+                                            restore_params)
 from posenc_jax.training.config import TrainConfigError, base_train_config
 from tests.test_remote_workdir import bucket  # noqa: F401 - the fake gs:// fixture
 

@@ -295,7 +295,7 @@ def test_a_model_modifier_row_pretrains_with_that_preset_and_collects_as_its_own
                      tasks="wordnet_hypernym"))
   plain, per_head = plan.cells(config, str(tmp_path))
   assert per_head.name == "diet_abs_share+segment_per_head/seed0"
-  assert (f"--config=configs/pretrain.py:bert_demo,diet_abs_share,segment_per_head"
+  assert ("--config=configs/pretrain.py:bert_demo,diet_abs_share,segment_per_head"
           in per_head.steps[0].argv)
   assert "--config=configs/pretrain.py:bert_demo,diet_abs_share" in plain.steps[0].argv
   assert not any("segment_per_head" in a for a in plain.steps[0].argv + per_head.steps[0].argv

@@ -8,8 +8,6 @@ tables are read at the ids (float64 references); the backward pass with ids hold
 scatter; bad ids are one-line errors.
 """
 
-import re
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp

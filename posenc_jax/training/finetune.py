@@ -488,12 +488,13 @@ def finetune(config: ml_collections.ConfigDict, workdir: str, init_checkpoint: s
     check_encoder_fit(traverse_util.flatten_dict(target, sep="/"),
                       traverse_util.flatten_dict(source, sep="/"), init_checkpoint)  # shapes only
 
-    def init(params):
+    def merge_pretrained(params):
       merged, report = merge_encoder(params, source, init_checkpoint)
       if jax.process_index() == 0:
         print(report.summary(), flush=True)
       return merged
 
+    init = merge_pretrained
   return train(config, workdir, data=data, init_params=init)
 
 
