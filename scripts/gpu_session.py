@@ -49,6 +49,16 @@ put its wheel in the ignored folder ``.gpu/whl`` and carry ``.gpu``
     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \\
         --implementation cp --platform manylinux2014_x86_64 -d .gpu/whl ml-collections==1.1.0
 
+openxla/tokamax (the routes bench's ``tokamax`` rows, issue 51's base-kernel candidate) is
+not in the image either; carry its wheel and those of the packages it imports that the image
+lacks (about 27 MB; the rows say what is missing where one is)::
+
+    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \\
+        --implementation cp --platform manylinux2014_x86_64 -d .gpu/whl tokamax==0.0.17 \\
+        qwix==0.1.8 pydantic==2.14.4 pydantic-core==2.50.5 typing-inspection==0.4.5 \\
+        annotated-types==0.8.0 immutabledict==4.3.1 jaxtyping==0.3.11 wadler-lindig==0.1.8 \\
+        einshape==1.0 fire==0.7.1 termcolor==3.3.0 six==1.17.0 tqdm==4.70.1 xprof==2.22.1
+
 Each command's output goes to ``OUT/PHASE/NAME.log`` (``--out``, default ``$OUT``), and
 the route table to ``OUT/PHASE/routes.json`` (copy it to ``.gpu/routes.json`` here before
 the model phases' call); the commands read the route table ``--routes`` through

@@ -7,13 +7,16 @@ What a GPU would reject at trace time is checked by lowering each kernel's forwa
 backward pass for CUDA (stubs answer as an H100, as in test_accelerator_lowering.py).
 """
 
+import importlib.machinery
 import json
 import pathlib
 import subprocess
 import sys
+import types
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax._src.cudnn import fused_attention_stablehlo
 from jax._src.pallas.triton import gpu_info
@@ -31,7 +34,9 @@ NOT_HERE = {"cudnn no bias": "backend cpu has no cuDNN", "cudnn bias": "backend 
             **dict.fromkeys((route_table.HOPPER_ROW, bench.HOPPER_ONE_ROW,
                              route_table.HOPPER_BOTH_ROW),
                             "takes bfloat16/float16 and head dims padded to multiples of 64 "
-                            "within shared memory; got float32, D=16")}
+                            "within shared memory; got float32, D=16"),
+            **{kernel.name: bench.tokamax_unsupported()
+               for kernel in bench.ATTENTION_KERNELS if kernel.family == "tokamax"}}
 
 
 def _table(stdout: str) -> dict[str, list[str]]:
@@ -151,6 +156,8 @@ def test_every_kernel_lowers_for_gpu(like_h100, causal):
     if kernel.family == "channels" and not causal:  # separable only under the causal mask
       assert reason.startswith("attend plans route fused: kernel"), (kernel.name, reason)
       continue
+    if kernel.family == "tokamax":  # traced on a GPU only: test_the_tokamax_rows_...
+      continue
     assert reason is None, (kernel.name, reason)
     text = (jax.jit(bench.forward_backward(f)).trace(qkv, qkv, qkv, offsets, qkv)
             .lower(lowering_platforms=("cuda",)).as_text())
@@ -158,6 +165,41 @@ def test_every_kernel_lowers_for_gpu(like_h100, causal):
     assert ("mosaic_gpu" in text) == ("hopper" in (kernel.forward, kernel.backward)), kernel.name
     assert ("__gpu$xla.gpu.triton" in text) == (kernel.family == "pallas"
                                                 and kernel.backward != "hopper"), kernel.name
+
+
+def test_the_tokamax_rows_call_it_with_the_xla_rows_bias(monkeypatch):
+  """The tokamax rows (issue 51: a maintained base kernel against cuDNN and ours) pass q, k,
+  v and the materialised offset bias as the XLA bias row attends with them: a stand-in
+  package computing plain attention gives that row's output and offset-vector gradient.
+  Without the package, or off a GPU, each row says why it cannot run."""
+  calls = []
+
+  def dot_product_attention(q, k, v, *, bias, is_causal, implementation):
+    calls.append(implementation)
+    return jax.nn.dot_product_attention(q, k, v, bias=bias, is_causal=is_causal)
+
+  stand_in = types.ModuleType("tokamax")
+  stand_in.__spec__ = importlib.machinery.ModuleSpec("tokamax", loader=None)
+  stand_in.dot_product_attention = dot_product_attention
+  monkeypatch.setitem(sys.modules, "tokamax", stand_in)
+  keys = jax.random.split(jax.random.key(0), 5)
+  q, k, v, do = (jax.random.normal(key, (2, 16, 2, 8)) for key in keys[:4])
+  ob = jax.random.normal(keys[4], (2, 31))
+  rows = {kernel.name: kernel for kernel in bench.ATTENTION_KERNELS}
+  for causal in (False, True):
+    want, _ = bench.attention_kernel(rows["xla bias"], q, causal=causal, rng=keys[0])
+    got, _ = bench.attention_kernel(rows["tokamax triton bias"], q, causal=causal, rng=keys[0])
+    (w, dw), (g, dg) = (bench.forward_backward(f)(q, k, v, ob, do) for f in (want, got))
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+    for a, b in zip(dg, dw, strict=True):
+      np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+  plain, _ = bench.attention_kernel(rows["tokamax mosaic no bias"], q, causal=False, rng=keys[0])
+  np.testing.assert_allclose(plain(q, k, v, ob), jax.nn.dot_product_attention(q, k, v),
+                             rtol=1e-6)
+  assert calls[-1] == "mosaic" and "triton" in calls
+  assert bench.tokamax_unsupported() == "tokamax's kernels run on GPUs only; backend cpu"
+  monkeypatch.setattr(bench.importlib.util, "find_spec", lambda name: None)
+  assert bench.tokamax_unsupported().startswith("tokamax is not installed (pip install tokamax")
 
 
 def test_the_hopper_row_needs_a_hopper_gpu(like_h100, monkeypatch):

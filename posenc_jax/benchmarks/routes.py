@@ -10,9 +10,11 @@ per kernel of :data:`ATTENTION_KERNELS`: the Pallas Toeplitz kernel with an
 offset bias ``[H, 2L - 1]`` (and again with attention dropout 0.1), the Pallas
 kernel without a bias, cuDNN (``jax.nn.dot_product_attention``) without a bias
 and with the bias materialised as ``[1, H, L, L]``, with ``--causal`` causal ALiBi and FoX's
-forget gates folded into q/k channels for cuDNN (:mod:`posenc_jax.terms.channels`), and the
-materialised XLA reference route without and with that bias. ``--rank R`` adds two rows for a batch-free
-factored term ``u.v`` of rank ``R`` (DIET-ABS's ``d_p``) on the fused route: folded into q/k
+forget gates folded into q/k channels for cuDNN (:mod:`posenc_jax.terms.channels`), the
+materialised XLA reference route without and with that bias, and, where the package is
+installed (``pip install tokamax``) on a GPU, openxla/tokamax's Mosaic GPU and Triton
+attention without a bias and with that bias materialised. ``--rank R`` adds two rows for a
+batch-free factored term ``u.v`` of rank ``R`` (DIET-ABS's ``d_p``) on the fused route: folded into q/k
 (``D + R`` wide) and materialised as a ``[1, H, L, L]`` bias. Each row that is a route
 attention can take runs through :func:`posenc_jax.attend` (the bias as a Toeplitz term of
 the offset vector, its ways forced by :func:`posenc_jax.route_table.using`), so it times what
@@ -52,6 +54,7 @@ paths made) before anything compiles; a bad one is one line
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 from collections.abc import Callable
@@ -139,6 +142,9 @@ class Kernel(NamedTuple):
     closed: ``(offset_fn, R)``: a closed-form bias evaluated in the tiles (a kernel variant),
       its ``[H, R]`` parameters taken from the row's offset vector (``|x| + 0.1``, so that
       the gradient reaches the vector as the other rows'); None: the vector.
+    tokamax: the ``tokamax`` family's implementation (``tokamax.dot_product_attention``'s
+      ``implementation``: ``mosaic`` or ``triton``), its bias materialised as
+      ``[1, H, L, L]``.
   """
 
   name: str
@@ -151,6 +157,7 @@ class Kernel(NamedTuple):
   tiles: str | None = None
   backward: str = "tiles"
   closed: tuple[Callable, int] | None = None
+  tokamax: str | None = None
 
   @property
   def bias_text(self) -> str:
@@ -201,6 +208,10 @@ ATTENTION_KERNELS = (
     Kernel("cudnn fox channels", "channels", bias=True, request=Request("fox")),
     Kernel("xla no bias", "xla", bias=False, request=Request(None, route="reference")),
     Kernel("xla bias", "xla", bias=True, request=Request("toeplitz", route="reference")),
+    # A maintained base kernel to measure against cuDNN and ours (issue 51): openxla/tokamax.
+    *(Kernel(f"tokamax {implementation}" + (" bias" if bias else " no bias"), "tokamax",
+             bias=bias, request=None, tokamax=implementation)
+      for implementation in ("mosaic", "triton") for bias in (False, True)),
 )
 # With --rank: a factored term on the fused route, folded and materialised.
 FACTORED_KERNELS = (
@@ -299,6 +310,8 @@ def attention_kernel(kernel: Kernel, q: jax.Array, *, causal: bool, rng: jax.Arr
   reason = (hopper_unsupported(q) if "hopper" in (kernel.forward, kernel.backward) else
             cudnn_unsupported(q.shape, q.shape, q.dtype, has_bias=kernel.bias)
             if kernel.family == "cudnn" else None)
+  if kernel.family == "tokamax":
+    return _tokamax_attention(kernel.tokamax, kernel.bias, causal), tokamax_unsupported()
   request = kernel.request
   if request is None:
     if kernel.tiles == "band" and jax.default_backend() == "tpu":
@@ -320,6 +333,39 @@ def attention_kernel(kernel: Kernel, q: jax.Array, *, causal: bool, rng: jax.Arr
                     dropout_rng=rng if kernel.dropout else None)
 
   return through_attend, reason
+
+
+def materialised_offsets(offset_bias: jax.Array, length: int) -> jax.Array:
+  """The ``[1, H, L, L]`` float32 bias of the offset vector ``[H, 2L - 1]`` (keys minus
+  queries, :func:`offset_vector`), its gradient reaching the vector."""
+  rel = (jnp.arange(length)[None, :] - jnp.arange(length)[:, None]).reshape(-1)
+  return offset_vector(offset_bias, rel).reshape(-1, length, length)[None]
+
+
+def _tokamax_attention(implementation: str, bias: bool, causal: bool):
+  """``f(q, k, v, offset_bias)`` of :func:`attention_kernel` on
+  ``tokamax.dot_product_attention`` (the same ``[B, L, H, D]`` layout), the bias
+  materialised in the inputs' dtype."""
+
+  def f(q, k, v, offset_bias):
+    import tokamax  # noqa: PLC0415 - optional: its rows say so where it is absent
+
+    dense = materialised_offsets(offset_bias, q.shape[1]).astype(q.dtype) if bias else None
+    return tokamax.dot_product_attention(q, k, v, bias=dense, is_causal=causal,
+                                         implementation=implementation)
+
+  return f
+
+
+def tokamax_unsupported() -> str | None:
+  """Why the ``tokamax`` rows cannot run here, or None: the package is optional, and its
+  Mosaic GPU and Triton implementations refuse any backend but a GPU when traced (they
+  cannot be lowered for CUDA from a CPU host, as ours are)."""
+  if importlib.util.find_spec("tokamax") is None:
+    return "tokamax is not installed (pip install tokamax; a device call: scripts/gpu_session.py)"
+  if jax.default_backend() != "gpu":
+    return f"tokamax's kernels run on GPUs only; backend {jax.default_backend()}"
+  return None
 
 
 def hopper_unsupported(q: jax.Array) -> str | None:
