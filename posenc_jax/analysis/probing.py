@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from posenc_jax.models.config import MATRIX_ATTENTIONS
 from posenc_jax.models.scan import layout_for
 from posenc_jax.models.stack import select_terms
 from posenc_jax.terms import Bias, Factored, QKShift, QueryRelative, SchemeTerms, Toeplitz
@@ -114,7 +115,7 @@ def identical_word_ids(words: Sequence[int], length: int, tokens: ProbeTokens,
 
 def _check_model(encoder, layer: int) -> None:
   cfg = encoder.config
-  if cfg.attention != "full":
+  if cfg.attention not in MATRIX_ATTENTIONS:
     raise AnalysisError(f"model.attention: {cfg.attention!r} attends over projected keys, "
                         "not an [L, L] matrix; probing needs attention='full'")
   if not 0 <= layer < cfg.num_layers:

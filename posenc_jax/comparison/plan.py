@@ -8,7 +8,8 @@ the workdir it scores. With ``pretrain_seeds`` (the fine-tuning protocol) only t
 pre-train; every other seed's cell fine-tunes from the first of them (``seed<first>/train``),
 as DIET and TUPE fine-tune one pre-trained model per scheme with several seeds. Each
 pre-trained model of the fine-tuning protocol is also scored by the evaluate tool's
-``indicators`` (Wang et al.'s Table 2).
+``indicators`` (Wang et al.'s Table 2), where it has an ``[L, L]`` attention matrix to probe
+(:func:`probed`: not Linformer's).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 import ml_collections
 
 from posenc_jax.messages import nearest
+from posenc_jax.models.config import MATRIX_ATTENTIONS, ModelConfig
 from posenc_jax.presets import POSITION_PRESETS, SCHEME_PRESETS, SIZES
 
 PROTOCOLS = ("finetune", "extrapolation", "probes")
@@ -131,6 +133,13 @@ def presets_of(row: str) -> str:
   model modifier (``diet_abs_share,segment_per_head`` for ``diet_abs_share+segment_per_head``)."""
   scheme, *modifiers = row.split("+")
   return ",".join([scheme, *(m for m in modifiers if m in MODEL_MODIFIERS)])
+
+
+def probed(row: str) -> bool:
+  """Whether a row's pre-trained model has the property indicators (identical-word probing
+  reads an ``[L, L]`` attention matrix: not Linformer's, over projected keys)."""
+  attention = SCHEME_PRESETS[scheme_of(row)].get("attention", ModelConfig.attention)
+  return attention in MATRIX_ATTENTIONS
 
 
 def _has_preset(model: Any, preset: dict[str, Any]) -> bool:
@@ -373,7 +382,7 @@ def cells(config: ml_collections.ConfigDict, root: str) -> list[Cell]:
           steps.append(Step("train", workdir, ("posenc_jax.train", f"--config={spec}",
                                                f"--workdir={workdir}", *train),
                             params_only=params_only))
-          if plan["protocol"] == "finetune":  # Wang et al.'s Table 2 of the pre-trained model
+          if plan["protocol"] == "finetune" and probed(scheme):  # Wang et al.'s Table 2
             steps.append(_evaluate(workdir, "indicators", [], {}))
         else:  # fine-tunes the first pre-training seed's model (made earlier in this order)
           workdir = f"{root.rstrip('/')}/{label}/seed{plan['pretrain_seeds'][0]}/train"

@@ -28,6 +28,9 @@ from posenc_jax.schemes.registry import SCHEMES, SchemePart, check_scheme, schem
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu")
 DTYPES = ("float32", "bfloat16")
 ATTENTIONS = ("full", "linformer")
+# The attentions whose weights are an [L, L] matrix over the tokens (what probing reads):
+# Linformer's are [L, k], over projected keys.
+MATRIX_ATTENTIONS = ("full",)
 REMAT = ("none", "dots", "full")
 LINFORMER_SHARING = ("none", "kv", "layer")
 
