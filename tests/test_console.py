@@ -213,25 +213,31 @@ def test_the_interrupt_hook_is_only_a_command_lines():
   assert proc.stdout.strip() == "True", proc.stderr[-2000:]
 
 
+def _as_train_py(body: str) -> subprocess.CompletedProcess:
+  """Runs ``body`` in a process that imports posenc_jax as train.py's does (its
+  ``sys.argv[0]``), after ``import gc, os, signal, sys, time``."""
+  code = ("import gc, os, signal, sys, time\n"
+          "sys.argv = ['train.py']  # a command line's process\n"
+          "import posenc_jax\n" + body)
+  return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                        timeout=120)
+
+
 def test_a_ctrl_c_that_a_c_extension_turned_into_an_import_error_is_one_line():
   """SIGINT 0.4 s into train.py landed in numpy's C initialisation (CI, 2026-11-29): numpy
   printed the KeyboardInterrupt through the hook and raised ImportError, and jaxlib chained
   its own, so the one line came with an ImportError traceback. Done here as numpy does it."""
-  code = ("import os, signal, sys\n"
-          "sys.argv = ['train.py']  # a command line's process\n"
-          "import posenc_jax\n"
-          "try:\n"
-          "  try:\n"
-          "    os.kill(os.getpid(), signal.SIGINT)\n"
-          "    signal.pause()\n"
-          "  except KeyboardInterrupt:\n"
-          "    sys.excepthook(*sys.exc_info())  # PyErr_Print in the extension's init\n"
-          "    raise ImportError('numpy._core.multiarray failed to import') from None\n"
-          "except ImportError as error:\n"
-          "  raise ImportError('Encountered an error while initializing the extension.') "
-          "from error\n")
-  proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                        timeout=120)
+  proc = _as_train_py(
+      "try:\n"
+      "  try:\n"
+      "    os.kill(os.getpid(), signal.SIGINT)\n"
+      "    signal.pause()\n"
+      "  except KeyboardInterrupt:\n"
+      "    sys.excepthook(*sys.exc_info())  # PyErr_Print in the extension's init\n"
+      "    raise ImportError('numpy._core.multiarray failed to import') from None\n"
+      "except ImportError as error:\n"
+      "  raise ImportError('Encountered an error while initializing the extension.') "
+      "from error\n")
   assert proc.returncode == 1 and proc.stderr.splitlines() == [
       "train.py: interrupted (SIGINT); run the same command to resume (a training run resumes "
       "from its last checkpoint)"], proc.stderr[-3000:]
@@ -241,23 +247,19 @@ def test_a_ctrl_c_during_a_garbage_collection_callback_is_not_lost():
   """JAX's gc callback swallowed the KeyboardInterrupt of a SIGINT that arrived while it ran
   ('Exception ignored in: <function _xla_gc_callback>'), and train.py trained on; the signal
   is sent again once the collection is over."""
-  code = ("import gc, os, signal, sys, time\n"
-          "sys.argv = ['train.py']  # a command line's process\n"
-          "import posenc_jax\n"
-          "hit = []\n"
-          "def callback(phase, info):\n"
-          "  if phase == 'start' and not hit:\n"
-          "    hit.append(1)\n"
-          "    os.kill(os.getpid(), signal.SIGINT)\n"
-          "    time.sleep(0.01)\n"
-          "gc.callbacks.insert(0, callback)\n"
-          "try:\n"
-          "  gc.collect()\n"
-          "  time.sleep(5)\n"
-          "  print('lost')\n"
-          "except KeyboardInterrupt:\n"
-          "  print('interrupted')\n")
-  proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                        timeout=120)
+  proc = _as_train_py(
+      "hit = []\n"
+      "def callback(phase, info):\n"
+      "  if phase == 'start' and not hit:\n"
+      "    hit.append(1)\n"
+      "    os.kill(os.getpid(), signal.SIGINT)\n"
+      "    time.sleep(0.01)\n"
+      "gc.callbacks.insert(0, callback)\n"
+      "try:\n"
+      "  gc.collect()\n"
+      "  time.sleep(5)\n"
+      "  print('lost')\n"
+      "except KeyboardInterrupt:\n"
+      "  print('interrupted')\n")
   assert proc.stdout.strip() == "interrupted", proc.stdout + proc.stderr[-2000:]
   assert "Exception ignored" not in proc.stderr
