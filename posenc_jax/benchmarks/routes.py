@@ -335,22 +335,18 @@ def attention_kernel(kernel: Kernel, q: jax.Array, *, causal: bool, rng: jax.Arr
   return through_attend, reason
 
 
-def materialised_offsets(offset_bias: jax.Array, length: int) -> jax.Array:
-  """The ``[1, H, L, L]`` float32 bias of the offset vector ``[H, 2L - 1]`` (keys minus
-  queries, :func:`offset_vector`), its gradient reaching the vector."""
-  rel = (jnp.arange(length)[None, :] - jnp.arange(length)[:, None]).reshape(-1)
-  return offset_vector(offset_bias, rel).reshape(-1, length, length)[None]
-
-
 def _tokamax_attention(implementation: str, bias: bool, causal: bool):
   """``f(q, k, v, offset_bias)`` of :func:`attention_kernel` on
   ``tokamax.dot_product_attention`` (the same ``[B, L, H, D]`` layout), the bias
-  materialised in the inputs' dtype."""
+  materialised ``[1, H, L, L]`` as the Toeplitz term does it (its gradient reaching the
+  offset vector), in the inputs' dtype."""
 
   def f(q, k, v, offset_bias):
     import tokamax  # noqa: PLC0415 - optional: its rows say so where it is absent
 
-    dense = materialised_offsets(offset_bias, q.shape[1]).astype(q.dtype) if bias else None
+    length = q.shape[1]
+    dense = (Toeplitz(offset_bias, offset_vector).materialise(length, length).value
+             .astype(q.dtype) if bias else None)
     return tokamax.dot_product_attention(q, k, v, bias=dense, is_causal=causal,
                                          implementation=implementation)
 
