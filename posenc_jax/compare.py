@@ -29,7 +29,8 @@ A compare ROOT's ``cost.json`` (in ``--workdir`` or a folder given) is shown bes
 ``--dry_run`` prints each cell's commands, to submit to a scheduler, and writes nothing.
 ``--dry_run --format=slurm`` prints a Slurm job-array script instead (one task per group of
 cells that run in order; ``--task=K`` runs task K: :mod:`posenc_jax.comparison.formats`).
-``--parallel=N`` (``auto``: one per GPU, TPU chip or CPU core) runs N cells at once on this
+``--parallel=N`` (``auto``: one per GPU, TPU chip or CPU core; default: the experiment's
+``parallel``, ``auto`` for the CPU pre-train/fine-tune grids) runs N cells at once on this
 host, the devices split evenly between them (``CUDA_VISIBLE_DEVICES``, the TPU runtime's
 visible chips, a CPU set: :mod:`posenc_jax.comparison.slots`); everything above holds, and
 the cost is timed after the cells, alone.
@@ -56,9 +57,9 @@ _FORMAT = flags.DEFINE_string("format", "lines", "with --dry_run: lines (each ce
 _TASK = flags.DEFINE_integer("task", None, "run only task K of the grid (a job array's index: "
                              "a cell, with the cells that fine-tune its model), no cost, no "
                              "tables", lower_bound=0)
-_PARALLEL = flags.DEFINE_string("parallel", "1", "cells at once on this host: N, or auto (one "
+_PARALLEL = flags.DEFINE_string("parallel", None, "cells at once on this host: N, or auto (one "
                                 "per GPU, TPU chip or CPU core); the devices split evenly "
-                                "between them")
+                                "between them (default: the experiment's parallel field)")
 PROG = "compare"
 COST_FILE = "cost.json"
 RESULTS_FILE = "results.json"
@@ -276,7 +277,8 @@ def main(argv):
       if _TASK.value is not None:
         run_task(cells, _TASK.value)
         return
-      chosen = slots.slots(_PARALLEL.value) if _PARALLEL.value != "1" else None
+      parallel = _PARALLEL.value or str(config.get("parallel", "1"))
+      chosen = slots.slots(parallel) if parallel != "1" else None
       cli.check_output_dir("workdir", root)
       hold("workdir", root)  # one compare per ROOT (a grid's --task=K runs share it)
       summary = compare(config, root, command=_command(), slots=chosen)

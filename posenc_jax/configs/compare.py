@@ -17,8 +17,8 @@ The argument is the experiment, optionally with a variant: ``<experiment>[,<vari
   (held-out masked-LM perplexity against the unigram's, steps to the baseline's final loss,
   curves), per task the median over seeds of each run's best dev score with the range, a
   majority-class row, each pre-trained model's property indicators beside Wang et al.'s
-  rows (the evaluate tool's ``indicators``), and the cost (training and inference).
-  Default: the core contrasts (learned APE, TUPE-A,
+  rows (the evaluate tool's ``indicators``), and the cost (training and inference). On CPUs
+  its cells run one a core (``parallel``: auto). Default: the core contrasts (learned APE, TUPE-A,
   DIET-ABS shared, DIET-REL, T5, none), 3 seeds. Variants: ``quick`` (DIET-REL against
   none, 1 seed, 300 pre-training steps, no cost), ``all`` (every encoder scheme of the
   seeds: learned and sinusoidal APE, Shaw, sinusoidal RPE, T5, TUPE-A, TUPE-R, BERT-A^d,
@@ -70,7 +70,9 @@ itself for the noise.
 checkpoint (``--config.keep_checkpoints=1``, enough to resume a killed cell) and, once
 finished, keeps its final parameters only, without the optimizer state
 (:func:`posenc_jax.training.params_only.keep_params_only`): what its evaluation reads.
-``--config.keep=all`` keeps every checkpoint train.py and finetune.py keep.
+``--config.keep=all`` keeps every checkpoint train.py and finetune.py keep. ``parallel`` is
+how many cells run at once on this host (``compare --parallel`` overrides it): ``1``, N, or
+``auto``, one per GPU, TPU chip or CPU core.
 """
 
 from ml_collections import config_dict
@@ -116,6 +118,9 @@ def _base(experiment: str, protocol: str, schemes: str, seeds: str) -> config_di
   # lengths: comma-separated; empty: the training length and the longest evaluated length.
   # The device kind the grid is sized for (cpu, gpu, tpu): what --dry_run estimates it on.
   config.device = "cpu"
+  # Cells at once on this host (compare --parallel, which overrides it): N, or auto (one per
+  # GPU, TPU chip or CPU core; posenc_jax/comparison/slots.py).
+  config.parallel = "1"
   config.cost = config_dict.ConfigDict(dict(enabled=True, batch=8, lengths="", repeats=5,
                                             dtype="float32"))
   return config
@@ -240,6 +245,11 @@ def _pretrain_finetune(variant: str | None) -> config_dict.ConfigDict:
   # a warmup_steps that the fraction would override.
   config.finetune.update(dict(total_steps=FINETUNE_STEPS, log_every=100,
                               eval_every=FINETUNE_STEPS // 2, checkpoint_every=FINETUNE_STEPS))
+  # On CPUs one cell a core: a bert_demo pre-training on one core makes 0.74x the steps per
+  # second of one on two (4.0 against 5.4, the same losses to the last digit; Intel Xeon,
+  # 2026-11-29), and a step's start-up (imports, tracing) is one core's work either way, so
+  # two cells at once finish the grid sooner (docs/results/pretrain-finetune-cpu).
+  config.parallel = "auto"
   if variant == "quick":  # DIET-REL against no position, one seed, a shorter pre-training
     config.schemes, config.seeds = "diet_rel,none", "0"
     config.train.update(dict(total_steps=QUICK_PRETRAIN_STEPS, eval_every=100,
@@ -253,6 +263,7 @@ def _pretrain_finetune(variant: str | None) -> config_dict.ConfigDict:
         total_steps=HYPERNYM_STEPS, eval_every=100, checkpoint_every=HYPERNYM_STEPS))
   elif variant in ACCELERATOR_VARIANTS:  # the real GLUE tasks and SQuAD at bert_small
     config.device = variant
+    config.parallel = "1"  # every device on one cell (data parallel): bert_small at batch 256
     config.sizes = "bert_small"
     config.train_config = "configs/pretrain.py:{size},{scheme}"
     config.train = config_dict.ConfigDict(dict(
