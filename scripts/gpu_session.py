@@ -36,7 +36,9 @@ Phases (each fits the device tool's 10-minute call):
   (``posenc_jax/terms/channels.py``), in one call (default budget 540 s): FlexAttention's
   ALiBi anchor at B=2 L=8192; causal attention alone (``benchmarks.routes --causal``: the
   ``cudnn alibi channels`` and ``cudnn fox channels`` rows against cuDNN without a bias) at
-  B=2 L=8192 and B=32 L=512; the causal LMs at BERT-small dims, B=2 L=8192 (``none``,
+  B=2 L=8192 and B=32 L=512; attention alone without a mask at B=2 L=8192 (the closed
+  forms, non-causal ALiBi and KERPLE, in the tiles of both Hopper passes: the ``pallas
+  <form> closed hopper`` rows); the causal LMs at BERT-small dims, B=2 L=8192 (``none``,
   ``alibi``, ``fox`` against ``none``, ``benchmarks.steps --model lm``). The targets: the
   channel rows and the LMs at most 1.15x their no-bias baselines::
 
@@ -152,6 +154,11 @@ def commands(phase: str, routes: str, lengths=LENGTHS,
             "posenc_jax.benchmarks.routes", "--batch", str(batch), "--length", str(length),
             "--heads", "12", "--head_dim", "64", "--dtype", "bfloat16", "--causal"])
           for batch, length in ISSUE40_ATTENTION],
+        # Non-causal: the closed forms in the Hopper passes' tiles (pallas <form> closed
+        # hopper) against the Triton tiles' and the band's.
+        ("attention_8192", module + [
+            "posenc_jax.benchmarks.routes", "--batch", "2", "--length", "8192", "--heads", "12",
+            "--head_dim", "64", "--dtype", "bfloat16"]),
         (f"lm_{size}_{length}", module + [
             "posenc_jax.benchmarks.steps", "--size", size, "--length", str(length), "--batch",
             str(batch), "--dtype", "bfloat16", "--step", "trainer", "--model", "lm",

@@ -32,7 +32,9 @@ NAMES = [kernel.name for kernel in bench.ATTENTION_KERNELS]
 # Rows that do not run in this float32 CPU run, and why.
 NOT_HERE = {"cudnn no bias": "backend cpu has no cuDNN", "cudnn bias": "backend cpu has no cuDNN",
             **dict.fromkeys((route_table.HOPPER_ROW, bench.HOPPER_ONE_ROW,
-                             route_table.HOPPER_BOTH_ROW),
+                             route_table.HOPPER_BOTH_ROW,
+                             *(bench.CLOSED_HOPPER_ROW.format(form)
+                               for form in ("alibi", "kerple_log", "kerple_power"))),
                             "takes bfloat16/float16 and head dims padded to multiples of 64 "
                             "within shared memory; got float32, D=16"),
             **{kernel.name: bench.tokamax_unsupported()

@@ -46,12 +46,23 @@ def _params(name, heads=H):
   return r
 
 
-def _reference64(q, k, v, params, name, *, causal, keep, zero_first):
-  """Attention with the closed-form bias, all in float64 (differentiable in every input)."""
-  lq, lk = q.shape[1], k.shape[1]
+def _bias64_reset(name, params, lq, lk, zero_first):
+  """:func:`_bias64`, its row 0 and column 0 zeroed with ``zero_first``."""
   bias = _bias64(name, params, lq, lk)
   if zero_first:
     bias = bias * ((np.arange(lq) != 0)[:, None] & (np.arange(lk) != 0)[None, :])
+  return bias
+
+
+def _reference64(q, k, v, params, name, *, causal, keep, zero_first):
+  """Attention with the closed-form bias, all in float64 (differentiable in every input)."""
+  return _attention64(q, k, v, _bias64_reset(name, params, q.shape[1], k.shape[1], zero_first),
+                      causal=causal, keep=keep)
+
+
+def _attention64(q, k, v, bias, *, causal, keep):
+  """Softmax attention with the materialised ``bias [H, Lq, Lk]``, in the inputs' dtype."""
+  lq, lk = q.shape[1], k.shape[1]
   logits = jnp.einsum("bihd,bjhd->bhij", q, k) / np.sqrt(q.shape[-1]) + bias[None]
   allowed = np.ones((q.shape[0], 1, lq, lk), bool) if keep is None else keep
   if causal:
@@ -129,10 +140,143 @@ def test_argument_errors():
   with pytest.raises(ValueError, match=r"^offset_params: got shape \(3, 1\); expected \[2 or 1"):
     relative_flash_attention(q, k, v, offset_fn=LinearDistance(),
                              offset_params=jnp.ones((3, 1)))
-  with pytest.raises(ValueError, match=r"^forward: 'hopper' takes no closed-form offset_fn"):
-    relative_flash_attention(q.astype(jnp.bfloat16), k.astype(jnp.bfloat16),
-                             v.astype(jnp.bfloat16), offset_fn=LinearDistance(),
-                             offset_params=slopes, forward="hopper")
+  with pytest.raises(ValueError, match=r"^forward: 'hopper' takes bfloat16/float16 .*float32"):
+    relative_flash_attention(q, k, v, offset_fn=LinearDistance(), offset_params=slopes,
+                             forward="hopper")
+
+
+# ---------------------------------------------------------------------------
+# The Hopper passes (Mosaic GPU, interpreted on the CPU): the closed form in their tiles, the
+# parameters' gradient from the per-diagonal sums of dS pulled back through it.
+
+BF16_TOL = 2e-2  # bfloat16 operands of the products, float32 accumulation
+
+
+def _check_hopper(name, *, b=1, lq=100, lk=100, causal=False, zero_first=False, mask=False,
+                  segments=False, shared=False):
+  """Both Hopper passes with the closed form against the float64 reference on the same
+  (bfloat16-rounded) inputs, and against the Triton tiles' closed form, whose products
+  round the same operands; the parameters' gradient too."""
+  q, k, v, cot = _inputs(b, lq, lk, d=64)
+  q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
+  params = _params(name, 1 if shared else H)
+  keep, extra = None, {}
+  if mask:
+    keys = jnp.arange(lk)[None, :] < jnp.array([[lk], [lk - 29]])[:b]
+    keep, extra["mask"] = np.asarray(keys)[:, None, None, :], keys
+  if segments:
+    ids = jnp.broadcast_to(jnp.arange(lq) * 3 // lq, (b, lq))
+    same = np.asarray(ids)[:, :, None] == np.asarray(ids)[:, None, :]
+    keep = same[:, None] if keep is None else keep & same[:, None]
+    extra.update(q_segment_ids=ids, kv_segment_ids=ids)
+
+  def run(passes):
+    def f(q, k, v, params):
+      out = relative_flash_attention(q, k, v, offset_fn=FUNCTIONS[name], offset_params=params,
+                                     causal=causal, zero_first=zero_first, block_q=64,
+                                     block_k=64, forward=passes, backward=passes, **extra)
+      return out.astype(jnp.float32)
+    out, pullback = jax.vjp(jax.jit(f), q, k, v, params)
+    return [np.asarray(x, np.float32) for x in (out, *pullback(cot))]
+
+  hopper, tiles = run("hopper"), run("tiles")
+  with jax.enable_x64(True):
+    f64 = [jnp.asarray(np.asarray(x, np.float32), jnp.float64) for x in (q, k, v, params, cot)]
+    want, pullback = jax.vjp(lambda *a: _reference64(*a, name, causal=causal, keep=keep,
+                                                     zero_first=zero_first), *f64[:4])
+    want = [np.asarray(want), *(np.asarray(g) for g in pullback(f64[4]))]
+  for label, got, ref, triton in zip(("out", "dq", "dk", "dv"), hopper, want, tiles):
+    scale = max(np.abs(ref).max(), 1e-3)
+    np.testing.assert_allclose(got, ref, atol=BF16_TOL * scale, rtol=BF16_TOL, err_msg=label)
+    # Closer to the Triton tiles (same rounded operands) than either is to float64, on average.
+    assert np.abs(got - triton).mean() <= 2e-3 * max(np.abs(ref).mean(), 1e-3), label
+  # The parameters' gradient sums dS times d bias / d params over every logit, terms that
+  # cancel (KERPLE's power form: |i - j|^r2 log |i - j| up to 4.5e3 a logit) and carry the
+  # rounding of the bf16 operands, output and cotangent: as close to float64 as the Triton
+  # tiles' closed form gets on the same inputs (test_closed_gradient_against_the_derivatives
+  # checks the pullback itself in float64).
+  got, ref, triton = hopper[4], want[4], tiles[4]
+  assert np.all(np.abs(got - ref) <= 1.5 * np.abs(triton - ref) + BF16_TOL * np.abs(ref) + 1e-3), (
+      got, triton, ref)
+  assert np.abs(hopper[4]).max() > 1e-2  # the parameters' gradient is not vacuous
+  return hopper
+
+
+def _derivatives64(name, params, rel):
+  """``[H, R, N]`` float64 d bias / d params of each head at offsets ``rel`` ``[N]``, the
+  papers' formulas differentiated by hand."""
+  d = np.abs(rel).astype(np.float64)[None, :]
+  p = np.asarray(params, np.float64)
+  if name == "alibi":
+    return -np.broadcast_to(d, (p.shape[0], d.shape[1]))[:, None, :]
+  r1, r2 = p[:, 0:1], p[:, 1:2]
+  if name == "kerple_log":
+    return np.stack([-np.log1p(r2 * d), -r1 * d / (1 + r2 * d)], axis=1)
+  logs = np.log(np.where(d > 0, d, 1.0))  # d^r2 log d is 0 at d = 0
+  return np.stack([-d ** r2, -r1 * d ** r2 * logs], axis=1)
+
+
+@pytest.mark.parametrize("name", ["alibi", "kerple_log", "kerple_power"])
+def test_closed_gradient_against_the_derivatives(name):
+  """The Hopper backward's last step: the offset vector's gradient ``[H, Lq + Lk - 1]``
+  pulled back through the closed form is ``sum_o d_o d closed(o - (Lq - 1)) / d params``,
+  zero in the parameters' padding."""
+  from posenc_jax.kernels.hopper_mosaic import closed_gradient  # noqa: PLC0415
+
+  q_len, k_len = 128, 192
+  params = np.asarray(_params(name, H))
+  width = params.shape[1]
+  padded = np.pad(params, ((0, 0), (0, 4 - width)))[:, None, :]  # [H, 1, R_p]
+  d_offsets = np.asarray(jax.random.normal(jax.random.PRNGKey(7), (H, q_len + k_len - 1)))
+  got = np.asarray(closed_gradient(FUNCTIONS[name], jnp.asarray(padded), width,
+                                   jnp.asarray(d_offsets), q_len))
+  rel = np.arange(q_len + k_len - 1) - (q_len - 1)
+  want = np.einsum("hrn,hn->hr", _derivatives64(name, params, rel), d_offsets)
+  assert got.shape == (H, 1, 4) and np.all(got[:, 0, width:] == 0)
+  np.testing.assert_allclose(got[:, 0, :width], want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("name", ["alibi", "kerple_log", "kerple_power"])
+def test_hopper_passes_against_float64_with_padding(name):
+  """Odd length (padded to 128: two query blocks, the forward's two warpgroups), a key mask
+  leaving 29 keys of the second example out."""
+  _check_hopper(name, b=2, mask=True)
+
+
+def test_hopper_passes_causal_packed_with_the_cls_reset():
+  _check_hopper("kerple_log", lq=128, lk=128, causal=True, zero_first=True, segments=True)
+
+
+def test_hopper_passes_cross_lengths_with_shared_parameters():
+  """64 queries against 160 keys (padded 192): the offsets run from -63 to 159; one set of
+  parameters for both heads gets their summed gradient."""
+  _check_hopper("kerple_power", lq=64, lk=160, zero_first=True, shared=True)
+
+
+@pytest.mark.parametrize("name", ["alibi", "kerple_log", "kerple_power"])
+def test_hopper_passes_with_a_closed_form_lower_for_cuda(name):
+  """Forward and backward on Mosaic GPU with the closed form in the tiles: the four kernels,
+  no Triton, and the heads' parameters in place of a band (no ``[H, 64, N]`` operand)."""
+  from tests.test_hopper_flash import MOSAIC_GPU  # noqa: PLC0415
+
+  length = 256
+
+  def loss(q, k, v, params):
+    out = relative_flash_attention(q, k, v, offset_fn=FUNCTIONS[name], offset_params=params,
+                                   mask=jnp.ones((2, length), bool), zero_first=True,
+                                   block_q=64, block_k=64, forward="hopper", backward="hopper",
+                                   interpret=False)
+    return jnp.sum(out.astype(jnp.float32))
+
+  shapes = [jax.ShapeDtypeStruct((2, length, H, 64), jnp.bfloat16)] * 3
+  width = 2 if name.startswith("kerple") else 1
+  shapes.append(jax.ShapeDtypeStruct((H, width), jnp.float32))
+  text = _lowered(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)), shapes, "cuda")
+  assert MOSAIC_GPU in text and TRITON not in text
+  for kernel in ("fwd", "dq", "dkv", "dbias"):
+    assert f"relative_flash_{kernel}_hopper" in text, kernel
+  # The kernels' bias operand is the heads' parameters, a row of 64 each: [H, R, 64].
+  assert f"tensor<{H}x{width}x64xf32>" in text
 
 
 # ---------------------------------------------------------------------------

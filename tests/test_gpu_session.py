@@ -94,16 +94,19 @@ def test_issue51_times_the_channel_rows_causal_and_the_causal_lms(capsys):
   assert gpu_session.main(["issue51", "--dry_run"]) == 0
   lines = capsys.readouterr().out.splitlines()
   assert [line.split()[0] for line in lines] == [
-      "torch_flex_alibi", "attention_causal_8192", "attention_causal_512", "lm_small_8192"]
+      "torch_flex_alibi", "attention_causal_8192", "attention_causal_512", "attention_8192",
+      "lm_small_8192"]
   argvs = [argv for _, argv in gpu_session.commands("issue51", "routes.json")]
-  attention = [routes.parse_args(argv[3:]) for argv in argvs[1:3]]
+  attention = [routes.parse_args(argv[3:]) for argv in argvs[1:4]]
   assert [(a.batch, a.length, a.causal, a.dtype) for a in attention] == [
-      (2, 8192, True, "bfloat16"), (32, 512, True, "bfloat16")]
-  lm = steps.parse_args(argvs[3][3:])
+      (2, 8192, True, "bfloat16"), (32, 512, True, "bfloat16"), (2, 8192, False, "bfloat16")]
+  lm = steps.parse_args(argvs[4][3:])
   assert (lm.size, lm.length, lm.batch, lm.model, lm.baseline, lm.schemes) == (
       "small", 8192, 2, "lm", "none", ("none", "alibi", "fox"))
   names = [k.name for k in routes.ATTENTION_KERNELS]
   assert "cudnn alibi channels" in names and "cudnn fox channels" in names
+  assert {"pallas alibi closed hopper", "pallas kerple_log closed hopper",
+          "pallas kerple_power closed hopper"} <= set(names)
 
 
 def test_issue40_keeps_to_9_minutes_by_default(tmp_path, monkeypatch):

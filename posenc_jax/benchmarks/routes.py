@@ -80,6 +80,9 @@ ATTENTION_DROPOUT = 0.1  # BERT's attention_probs_dropout_prob
 # The Hopper forward with one consumer warpgroup per block (the route table's row has the
 # most that fit): how much sharing the key, value and bias copies gains.
 HOPPER_ONE_ROW = "pallas toeplitz hopper fwd 1wg"
+# Each closed form evaluated in the tiles of both Hopper passes (issue 51): against its row in
+# the Triton tiles (route_table.CLOSED_ROW) and the Hopper passes reading the band.
+CLOSED_HOPPER_ROW = "pallas {} closed hopper"
 
 
 def offset_vector(table: jax.Array, rel: jax.Array) -> jax.Array:
@@ -192,9 +195,11 @@ ATTENTION_KERNELS = (
     Kernel(HOPPER_ONE_ROW, "pallas", bias=True, request=None, forward="hopper", warpgroups=1),
     Kernel(route_table.HOPPER_BOTH_ROW, "pallas", bias=True, request=_kernel_toeplitz("both"),
            forward="hopper", backward="hopper"),
-    *(Kernel(route_table.CLOSED_ROW.format(fn.closed_form), "pallas", bias=True, request=None,
-             closed=(fn, width)) for fn, width in ((LinearDistance(), 1),
-                                                    (KernelDistance("log"), 2))),
+    *(Kernel(row.format(fn.closed_form), "pallas", bias=True, request=None,
+             closed=(fn, width), forward=passes, backward=passes)
+      for row, passes in ((route_table.CLOSED_ROW, "tiles"), (CLOSED_HOPPER_ROW, "hopper"))
+      for fn, width in ((LinearDistance(), 1), (KernelDistance("log"), 2),
+                        (KernelDistance("power"), 2))),
     Kernel("pallas toeplitz dropout", "pallas", bias=True, request=_kernel_toeplitz(),
            dropout=ATTENTION_DROPOUT),
     # Bias-free attention runs the kernel where dot_product_attention would run XLA's.
@@ -320,7 +325,7 @@ def attention_kernel(kernel: Kernel, q: jax.Array, *, causal: bool, rng: jax.Arr
       offset_fn, width = kernel.closed
       return (lambda q, k, v, ob: relative_flash_attention(
           q, k, v, offset_fn=offset_fn, offset_params=jnp.abs(ob[:, :width]) + 0.1,
-          causal=causal)), reason
+          causal=causal, forward=kernel.forward, backward=kernel.backward)), reason
     return (lambda q, k, v, ob: relative_flash_attention(
         q, k, v, ob, causal=causal, forward=kernel.forward, warpgroups=kernel.warpgroups,
         tiles=kernel.tiles, backward=kernel.backward)), reason

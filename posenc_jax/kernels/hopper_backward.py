@@ -16,6 +16,7 @@ The pieces it shares with the forward are in :mod:`posenc_jax.kernels.hopper_mos
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -24,8 +25,9 @@ from jax.experimental import pallas as pl
 
 from posenc_jax.kernels.band import unit_gradient
 from posenc_jax.kernels.dropout import dropout_multiplier
-from posenc_jax.kernels.hopper_mosaic import (BLOCK_Q, STAGES, hopper_band, mosaic_gpu,
-                                              operand_transforms, product,
+from posenc_jax.kernels.hopper_mosaic import (BLOCK_Q, STAGES, ClosedBias, closed_gradient,
+                                              closed_params, closed_rows, hopper_band,
+                                              mosaic_gpu, operand_transforms, product,
                                               specialised_pipeline, tile_logits,
                                               warpgroup_buffers, window_spec)
 
@@ -65,6 +67,24 @@ class _Backward:
   nq: int  # query blocks
   nk: int  # key blocks
   groups: int  # consumer warpgroups per block of the dq and dk/dv grids (backward_warpgroups)
+  closed: Any = None  # a closed-form bias evaluated in the tiles (relative_flash's offset_fn)
+  num_params: int = 0  # R: its parameters per head
+
+  @property
+  def band_tiles(self) -> bool:
+    """Whether the bias tiles are copied from the band (else a closed form, or no bias)."""
+    return self.has_bias and self.closed is None
+
+  def bias(self, window, params):
+    """A tile's bias for :func:`tile_logits`: the band ``window`` view, a closed form of the
+    carried ``params`` (:func:`closed_params`), or None."""
+    if self.band_tiles:
+      return window()
+    return ClosedBias(self.closed, tuple(params)) if self.closed is not None else None
+
+  def params(self, params_ref, head) -> tuple:
+    """The closed form's parameters of ``head`` (:func:`closed_params`), or none."""
+    return closed_params(params_ref, head, self.num_params) if self.closed is not None else ()
 
   @property
   def q_ctas(self) -> int:
@@ -85,7 +105,8 @@ class _Backward:
 def backward(q: Array, k: Array, v: Array, offset_bias: Array, q_segments: Array,
              kv_segments: Array, seed: Array, lse: Array, delta: Array, do: Array, *,
              scale: float, causal: bool, zero_first: bool, has_bias: bool,
-             dropout_rate: float, interpret: bool) -> tuple[Array, Array, Array, Array]:
+             dropout_rate: float, interpret: bool, closed=None,
+             num_params: int = 0) -> tuple[Array, Array, Array, Array]:
   """Gradients of :func:`forward`'s output from its cotangent ``do``.
 
   Args:
@@ -94,11 +115,14 @@ def backward(q: Array, k: Array, v: Array, offset_bias: Array, q_segments: Array
     lse: ``[B, H, Lq_p, 1]`` float32 from the forward pass.
     delta: ``[B, H, Lq_p, 1]`` float32 row sums of ``out * do``.
     do: ``[B, H, Lq_p, Dv_p]``.
-    scale, causal, zero_first, has_bias, dropout_rate, interpret: as :func:`forward`'s.
+    scale, causal, zero_first, has_bias, dropout_rate, interpret, closed, num_params: as
+      :func:`forward`'s.
 
   Returns:
     ``dq``, ``dk``, ``dv`` shaped and typed as q, k, v, and the offset vector's gradient
-    ``[H, 1, Loff_p]`` float32 (zeros without a bias).
+    ``[H, 1, Loff_p]`` float32 (zeros without a bias; with ``closed``, the parameters'
+    ``[H, 1, R_p]``: the offset vector's gradient from the same per-unit sums, pulled back
+    through the closed form, :func:`~posenc_jax.kernels.hopper_mosaic.closed_gradient`).
   """
   q_len, qk_dim = q.shape[2:]
   k_len, v_dim = k.shape[2], v.shape[-1]
@@ -106,12 +130,17 @@ def backward(q: Array, k: Array, v: Array, offset_bias: Array, q_segments: Array
   cfg = _Backward(scale=scale, causal=causal, zero_first=zero_first, has_bias=has_bias,
                   dropout_rate=dropout_rate, interpret=interpret, dtype=q.dtype,
                   qk_dim=qk_dim, v_dim=v_dim, nq=q_len // BLOCK_Q, nk=k_len // BLOCK_Q,
-                  groups=groups)
+                  groups=groups, closed=closed, num_params=num_params)
   # One band for the three kernels, padded for dq's idle warpgroups (the last grid block's
-  # query blocks past the end: before the first unit) and dk/dv's (after the last unit).
-  band = (hopper_band(offset_bias, q_len, k_len, lead=cfg.lead,
-                      trail=cfg.k_ctas * groups - cfg.nk)
-          if has_bias else jnp.zeros((1, BLOCK_Q, BLOCK_Q), jnp.float32))
+  # query blocks past the end: before the first unit) and dk/dv's (after the last unit); a
+  # closed form's parameters instead, or a placeholder.
+  if cfg.band_tiles:
+    band = hopper_band(offset_bias, q_len, k_len, lead=cfg.lead,
+                       trail=cfg.k_ctas * groups - cfg.nk)
+  elif closed is not None:
+    band = closed_rows(offset_bias, num_params)
+  else:
+    band = jnp.zeros((1, BLOCK_Q, BLOCK_Q), jnp.float32)
   # What every kernel reads: q, k, v, the band, segment ids [B, Lq_p] and [B, Lk_p], the
   # seed [1], lse and delta [B, H, Lq_p], do.
   inputs = (q, k, v, band, q_segments[:, :, 0], kv_segments[:, 0, :], jnp.reshape(seed, (1,)),
@@ -120,7 +149,11 @@ def backward(q: Array, k: Array, v: Array, offset_bias: Array, q_segments: Array
   dk, dv = _backward_dkv(cfg, inputs)
   if not has_bias:
     return dq, dk, dv, jnp.zeros((q.shape[1], 1, offset_bias.shape[-1]), jnp.float32)
-  return dq, dk, dv, unit_gradient(_backward_dbias(cfg, inputs), offset_bias.shape[-1])[:, None, :]
+  if closed is None:
+    return dq, dk, dv, unit_gradient(_backward_dbias(cfg, inputs),
+                                     offset_bias.shape[-1])[:, None, :]
+  d_offsets = unit_gradient(_backward_dbias(cfg, inputs), q_len + k_len - 1)
+  return dq, dk, dv, closed_gradient(closed, offset_bias, num_params, d_offsets, q_len)
 
 
 def _cotangents(cfg, q_tile, k_tile, v_tile, do_tile, bias_tile, q_seg, k_seg, lse_rows,
@@ -203,9 +236,10 @@ def _backward_dq(cfg, inputs) -> Array:
       loaded = tuple(plgpu.load(ref, layout=rows_layout, optimized=False)
                      for ref in (qs_ref.at[b, rows], lse_ref.at[b, h, rows],
                                  delta_ref.at[b, h, rows]))
+      params = cfg.params(band_ref, h)
       plgpu.barrier_wait(barriers.at[2 * wg])
       plgpu.barrier_wait(barriers.at[2 * wg + 1])
-      dq, *_ = pipeline((_zeros(qk_dim), *loaded))
+      dq, *_ = pipeline((_zeros(qk_dim), *loaded, *params))
 
       @pl.when(live)
       def _():
@@ -217,17 +251,18 @@ def _backward_dq(cfg, inputs) -> Array:
       kj = index[0]
 
       def attend(carry):
-        dq, q_seg, lse_rows, delta_rows = carry
+        dq, q_seg, lse_rows, delta_rows, *params = carry
         # Warpgroup g's unit is G - 1 - g into the step's window (as the forward's).
-        bias = (t_smem[0].at[:, pl.ds((groups - 1 - wg) * BLOCK_Q, BLOCK_Q)] if cfg.has_bias
-                else None)
+        bias = cfg.bias(lambda: t_smem[0].at[:, pl.ds((groups - 1 - wg) * BLOCK_Q, BLOCK_Q)],
+                        params)
         _, ds, _, _ = _cotangents(cfg, q_tile, k_smem, v_smem, do_tile, bias, q_seg,
                                   plgpu.load(ks_smem, layout=cols_layout), lse_rows,
                                   delta_rows, qi * BLOCK_Q, kj * BLOCK_Q,
                                   seed_ref[0] if cfg.dropout_rate else None, b, h)
         ds_tile[...] = ds.astype(cfg.dtype)
         plgpu.commit_smem()
-        return dq + product(ds_tile, k_smem, (BLOCK_Q, qk_dim)), q_seg, lse_rows, delta_rows
+        return (dq + product(ds_tile, k_smem, (BLOCK_Q, qk_dim)), q_seg, lse_rows, delta_rows,
+                *params)
 
       run = live & (kj <= qi) if cfg.causal else live  # causal: later key blocks masked whole
       return lax.cond(run, attend, lambda c: c, carry)
@@ -235,7 +270,7 @@ def _backward_dq(cfg, inputs) -> Array:
     specs = [_tile_spec(cfg, qk_dim, lambda kj: (kj, 0)),
              _tile_spec(cfg, cfg.v_dim, lambda kj: (kj, 0)), _row_spec(lambda kj: (kj,))]
     sources = [k_ref.at[b, h], v_ref.at[b, h], ks_ref.at[b]]
-    if cfg.has_bias:  # units kj + (ctas - 1 - cta) G + [0, G) of the band (after its lead)
+    if cfg.band_tiles:  # units kj + (ctas - 1 - cta) G + [0, G) of the band (after its lead)
       specs.append(window_spec(groups, lambda kj: kj + (cfg.q_ctas - 1 - cta) * groups))
       sources.append(band_ref.at[h])
     specialised_pipeline(step, specs, compute, steps=cfg.nk, groups=groups)(*sources)
@@ -273,10 +308,11 @@ def _backward_dkv(cfg, inputs) -> tuple[Array, Array]:
                                             (v_ref.at[b, h, keys], v_tile),
                                             (ks_ref.at[b, keys], ks_tile))):
         plgpu.copy_gmem_to_smem(source, target, barriers.at[3 * wg + n])
+      params = cfg.params(band_ref, h)
       for n in range(3):
         plgpu.barrier_wait(barriers.at[3 * wg + n])
-      dk, dv, _ = pipeline((_zeros(qk_dim), _zeros(v_dim),
-                            plgpu.load(ks_tile, layout=cols_layout)))
+      dk, dv, *_ = pipeline((_zeros(qk_dim), _zeros(v_dim),
+                             plgpu.load(ks_tile, layout=cols_layout), *params))
 
       @pl.when(live)
       def _():
@@ -289,9 +325,9 @@ def _backward_dkv(cfg, inputs) -> tuple[Array, Array]:
       qi = index[0]
 
       def attend(carry):
-        dk, dv, k_seg = carry
+        dk, dv, k_seg, *params = carry
         # Warpgroup g's unit is g into the step's window.
-        bias = t_smem[0].at[:, pl.ds(wg * BLOCK_Q, BLOCK_Q)] if cfg.has_bias else None
+        bias = cfg.bias(lambda: t_smem[0].at[:, pl.ds(wg * BLOCK_Q, BLOCK_Q)], params)
         q_seg, lse_rows, delta_rows = (plgpu.load(x, layout=rows_layout)
                                        for x in (qs_smem, lse_smem, delta_smem))
         p, ds, _, _ = _cotangents(cfg, q_tile, k_tile, v_tile, do_tile, bias, q_seg, k_seg,
@@ -301,7 +337,7 @@ def _backward_dkv(cfg, inputs) -> tuple[Array, Array]:
         ds_tile[...] = ds.astype(cfg.dtype)
         plgpu.commit_smem()
         return (dk + product(ds_tile.T, q_tile, (BLOCK_Q, qk_dim)),
-                dv + product(p_tile.T, do_tile, (BLOCK_Q, v_dim)), k_seg)
+                dv + product(p_tile.T, do_tile, (BLOCK_Q, v_dim)), k_seg, *params)
 
       run = live & (qi >= kj) if cfg.causal else live  # causal: earlier q blocks masked whole
       return lax.cond(run, attend, lambda c: c, carry)
@@ -311,7 +347,7 @@ def _backward_dkv(cfg, inputs) -> tuple[Array, Array]:
     specs += [_row_spec(lambda qi: (qi,))] * 3
     sources = [q_ref.at[b, h], do_ref.at[b, h], qs_ref.at[b], lse_ref.at[b, h],
                delta_ref.at[b, h]]
-    if cfg.has_bias:  # units cta G - qi + nq - 1 + [0, G) past the band's lead
+    if cfg.band_tiles:  # units cta G - qi + nq - 1 + [0, G) past the band's lead
       specs.append(window_spec(groups, lambda qi: cfg.lead + cta * groups - qi + nq - 1))
       sources.append(band_ref.at[h])
     specialised_pipeline(step, specs, compute, steps=nq, groups=groups)(*sources)
@@ -342,33 +378,37 @@ def _backward_dbias(cfg, inputs) -> Array:
              do_ref, du_ref, t_smem, du_smem, barrier):
     b, h, n = (lax.axis_index(a) for a in ("batch", "heads", "blocks"))
     shift = n - (nq - 1)  # kj - qi on this unit
-    plgpu.copy_gmem_to_smem(band_ref.at[h, :, pl.ds((cfg.lead + n) * BLOCK_Q, BLOCK_Q)],
-                            t_smem, barrier)
+    if cfg.band_tiles:  # every tile of the unit reads its one unit of the band
+      plgpu.copy_gmem_to_smem(band_ref.at[h, :, pl.ds((cfg.lead + n) * BLOCK_Q, BLOCK_Q)],
+                              t_smem, barrier)
+    params = cfg.params(band_ref, h)
     seed_value = seed_ref[0] if cfg.dropout_rate else None
-    plgpu.barrier_wait(barrier)
+    if cfg.band_tiles:
+      plgpu.barrier_wait(barrier)
 
     def key_block(qi):  # clamped: steps off the grid load a block they do not use
       return jnp.clip(qi + shift, 0, nk - 1)
 
     def step(index, q_smem, do_smem, qs_smem, lse_smem, delta_smem, k_smem, v_smem, ks_smem,
-             du):
+             carry):
       qi = index[0]
       kj = qi + shift
 
-      def attend(du):
+      def attend(carry):
+        du, *params = carry
         _, ds, i, j = _cotangents(
-            cfg, q_smem, k_smem, v_smem, do_smem, t_smem,
+            cfg, q_smem, k_smem, v_smem, do_smem, cfg.bias(lambda: t_smem, params),
             plgpu.load(qs_smem, layout=rows_layout), plgpu.load(ks_smem, layout=cols_layout),
             *(plgpu.load(x, layout=rows_layout) for x in (lse_smem, delta_smem)),
             qi * BLOCK_Q, kj * BLOCK_Q, seed_value, b, h)
         if cfg.zero_first:  # the bias is zero there: no gradient reaches the vector
           ds = jnp.where((i == 0) | (j == 0), 0.0, ds)
-        return du + ds
+        return du + ds, *params
 
       run = (kj >= 0) & (kj < nk)
       if cfg.causal:
         run = run & (kj <= qi)
-      return lax.cond(run, attend, lambda c: c, du)
+      return lax.cond(run, attend, lambda c: c, carry)
 
     qk_dim, v_dim = cfg.qk_dim, cfg.v_dim
     specs = [_tile_spec(cfg, qk_dim, lambda qi: (qi, 0)),
@@ -379,8 +419,9 @@ def _backward_dbias(cfg, inputs) -> Array:
               _row_spec(lambda qi: (key_block(qi),))]
     sources = [q_ref.at[b, h], do_ref.at[b, h], qs_ref.at[b], lse_ref.at[b, h],
                delta_ref.at[b, h], k_ref.at[b, h], v_ref.at[b, h], ks_ref.at[b]]
-    du = plgpu.emit_pipeline(step, grid=(nq,), in_specs=specs, init_carry=_zeros(BLOCK_Q),
-                             max_concurrent_steps=min(STAGES, nq))(*sources)
+    du, *_ = plgpu.emit_pipeline(step, grid=(nq,), in_specs=specs,
+                                 init_carry=(_zeros(BLOCK_Q), *params),
+                                 max_concurrent_steps=min(STAGES, nq))(*sources)
     _store(du, du_smem, du_ref.at[b, h, n])
     plgpu.wait_smem_to_gmem(0)
 

@@ -25,6 +25,15 @@ logits in registers. Per logit that is ``4 (G + s - 1) / (G s)`` bytes of bias
 ``lead = G ceil(Lq / 64G) - Lq / 64`` pads the band for the last grid block's idle
 warpgroups (they read the last query block and write nothing).
 
+A closed-form bias (relative_flash's ``offset_fn``: ALiBi's, KERPLE's) needs no band: each
+tile evaluates ``offset_fn.closed(params, j - i)`` from its positions, the head's parameters
+loaded once per warpgroup and carried through the pipeline
+(:class:`~posenc_jax.kernels.hopper_mosaic.ClosedBias`), in this forward and in the three
+backward kernels; only the copies of keys and values remain. The parameters' gradient is the
+offset vector's, from the same per-unit sums of dS, pulled back through the closed form over
+the ``Lq + Lk - 1`` offsets (:func:`~posenc_jax.kernels.hopper_mosaic.closed_gradient`, one
+small ``jax.vjp`` in XLA).
+
 Everything else is the Triton forward's (same inputs, outputs and conventions, see
 :mod:`posenc_jax.kernels.relative_flash`): key masks and packed segments through segment
 ids, ``causal``, ``zero_first``, dropout from the same counter-based hash, empty rows
@@ -65,7 +74,8 @@ from posenc_jax.kernels.common import NEG, SMEM_BYTES
 from posenc_jax.kernels.dropout import dropout_multiplier
 from posenc_jax.kernels.hopper_backward import (BACKWARD_MAX_DIM, backward, backward_fits,
                                                 backward_warpgroups)
-from posenc_jax.kernels.hopper_mosaic import (BLOCK_Q, STAGES, hopper_band, mosaic_gpu,
+from posenc_jax.kernels.hopper_mosaic import (BLOCK_Q, STAGES, ClosedBias, closed_params,
+                                              closed_rows, hopper_band, mosaic_gpu,
                                               operand_transforms, product,
                                               specialised_pipeline, tile_logits,
                                               warpgroup_buffers, window_spec)
@@ -126,12 +136,14 @@ def fits(*, dtype, block_q: int, block_k: int, qk_dim: int, v_dim: int,
 def forward(q: Array, k: Array, v: Array, offset_bias: Array, q_segments: Array,
             kv_segments: Array, seed: Array, *, block_k: int, scale: float, causal: bool,
             zero_first: bool, has_bias: bool, dropout_rate: float, interpret: bool,
-            warpgroups: int | None = None) -> tuple[Array, Array]:
+            warpgroups: int | None = None, closed=None, num_params: int = 0
+            ) -> tuple[Array, Array]:
   """Output and lse of the padded, head-major arrays of relative_flash's kernels.
 
   Args:
     q: ``[B, H, Lq_p, Dqk_p]``; k: ``[B, H, Lk_p, Dqk_p]``; v: ``[B, H, Lk_p, Dv_p]``.
-    offset_bias: ``[H, 1, Loff_p]`` (read only with ``has_bias``).
+    offset_bias: ``[H, 1, Loff_p]`` (read only with ``has_bias``); with ``closed``, the
+      heads' parameters ``[H, 1, R_p]``.
     q_segments: ``[B, Lq_p, 1]`` and kv_segments ``[B, 1, Lk_p]`` int32 segment ids (masked
       keys and padding already given ids that match nothing).
     seed: ``[1, 1]`` int32 dropout seed.
@@ -139,6 +151,9 @@ def forward(q: Array, k: Array, v: Array, offset_bias: Array, q_segments: Array,
     interpret: run in Mosaic GPU's interpret mode (CPU).
     warpgroups: consumer warpgroups per block of the grid (``G``, validated by the caller);
       None: the most that fit (:func:`max_warpgroups`).
+    closed, num_params: a closed-form bias (relative_flash's ``offset_fn``) and its ``R``
+      parameters per head, evaluated in the tiles (:class:`~posenc_jax.kernels.hopper_mosaic.
+      ClosedBias`): no band is built or copied.
 
   Returns:
     ``out [B, H, Lq_p, Dv_p]`` in q's dtype and ``lse [B, H, Lq_p, 1]`` float32.
@@ -147,15 +162,21 @@ def forward(q: Array, k: Array, v: Array, offset_bias: Array, q_segments: Array,
   b_size, heads, q_len, qk_dim = q.shape
   k_len, v_dim = k.shape[2], v.shape[-1]
   dtype = q.dtype
+  band_tiles = has_bias and closed is None  # tiles copied from the band
   groups = warpgroups or max_warpgroups(block_k=block_k, qk_dim=qk_dim, v_dim=v_dim,
-                                        itemsize=dtype.itemsize, has_bias=has_bias)
+                                        itemsize=dtype.itemsize, has_bias=band_tiles)
   nq, nk, units = q_len // BLOCK_Q, k_len // block_k, block_k // BLOCK_Q
   ctas = -(-nq // groups)
   idle = ctas * groups - nq  # warpgroups of the last block with no query block
   window = groups + units - 1  # bias units one step of a block reads
-  # Without a bias no band is made or copied (a placeholder keeps the signature).
-  band = (hopper_band(offset_bias, q_len, k_len, lead=idle) if has_bias
-          else jnp.zeros((1, 1, 1), jnp.float32))
+  # Without band tiles no band is made or copied: a closed form's parameters, or a
+  # placeholder, keep the signature.
+  if band_tiles:
+    band = hopper_band(offset_bias, q_len, k_len, lead=idle)
+  elif closed is not None:
+    band = closed_rows(offset_bias, num_params)
+  else:
+    band = jnp.zeros((1, 1, 1), jnp.float32)
   wgmma_layout, rows_layout = plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(1)
   shape = (BLOCK_Q, block_k)
 
@@ -174,11 +195,12 @@ def forward(q: Array, k: Array, v: Array, offset_bias: Array, q_segments: Array,
       plgpu.copy_gmem_to_smem(q_ref.at[b, h, pl.ds(q0, BLOCK_Q)], q_tile, q_barriers.at[wg])
       # Plain loads: jax 0.11's optimised transfers from global memory take no row layout.
       q_seg = plgpu.load(qs_ref.at[b, pl.ds(q0, BLOCK_Q)], layout=rows_layout, optimized=False)
+      params = closed_params(band_ref, h, num_params) if closed is not None else ()
       plgpu.barrier_wait(q_barriers.at[wg])
-      acc, m, l, _ = pipeline((
+      acc, m, l, *_ = pipeline((
           plgpu.layout_cast(jnp.zeros((BLOCK_Q, v_dim), jnp.float32), wgmma_layout),
           plgpu.layout_cast(jnp.full((BLOCK_Q,), NEG, jnp.float32), rows_layout),
-          plgpu.layout_cast(jnp.zeros((BLOCK_Q,), jnp.float32), rows_layout), q_seg))
+          plgpu.layout_cast(jnp.zeros((BLOCK_Q,), jnp.float32), rows_layout), q_seg, *params))
       empty = l == 0.0
       l_safe = jnp.where(empty, 1.0, l)
 
@@ -207,11 +229,11 @@ def forward(q: Array, k: Array, v: Array, offset_bias: Array, q_segments: Array,
 
     def attend(kj, k_smem, v_smem, ks_smem, t_smem, carry):
       """One key block's update of the online softmax ``(acc, m, l)``; the query block's
-      segment ids ride along in the carry unchanged."""
-      acc, m, l, q_seg = carry
+      segment ids and a closed form's parameters ride along in the carry unchanged."""
+      acc, m, l, q_seg, *params = carry
       # Warpgroup g's bias tile starts (G - 1 - g) units into the step's window.
-      bias = (t_smem[0].at[:, pl.ds((groups - 1 - wg) * BLOCK_Q, block_k)] if has_bias
-              else None)
+      bias = (t_smem[0].at[:, pl.ds((groups - 1 - wg) * BLOCK_Q, block_k)] if band_tiles
+              else ClosedBias(closed, tuple(params)) if closed is not None else None)
       s, valid, i, j = tile_logits(q_tile, k_smem, bias, q_seg,
                                plgpu.load(ks_smem, layout=plgpu.Layout.WGMMA.reduce(0)), q0,
                                kj * block_k, scale=scale, causal=causal, zero_first=zero_first,
@@ -226,7 +248,8 @@ def forward(q: Array, k: Array, v: Array, offset_bias: Array, q_segments: Array,
       p_tile[...] = p.astype(dtype)
       plgpu.commit_smem()
       pv = product(p_tile, v_smem, (BLOCK_Q, v_dim))
-      return acc * lax.broadcast_in_dim(alpha, pv.shape, [0]) + pv, m_new, l_new, q_seg
+      return (acc * lax.broadcast_in_dim(alpha, pv.shape, [0]) + pv, m_new, l_new, q_seg,
+              *params)
 
     specs = [plgpu.BlockSpec((block_k, qk_dim), lambda kj: (kj, 0),
                              transforms=operand_transforms(qk_dim, dtype)),
@@ -234,7 +257,7 @@ def forward(q: Array, k: Array, v: Array, offset_bias: Array, q_segments: Array,
                              transforms=operand_transforms(v_dim, dtype)),
              plgpu.BlockSpec((block_k,), lambda kj: (kj,))]
     sources = [k_ref.at[b, h], v_ref.at[b, h], ks_ref.at[b]]
-    if has_bias:
+    if band_tiles:
       # The step's window: units first + kj * s + [0, G + s - 1) of the band (hopper_band).
       specs.append(window_spec(window, lambda kj: (ctas - 1 - cta) * groups + kj * units))
       sources.append(band_ref.at[h])

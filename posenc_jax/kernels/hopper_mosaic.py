@@ -1,7 +1,8 @@
 """The Mosaic GPU pieces that the Hopper forward (:mod:`posenc_jax.kernels.hopper_flash`) and
 backward (:mod:`posenc_jax.kernels.hopper_backward`) share: the 64-row blocks (``BLOCK_Q``), the
 ``[H, 64, 64 N]`` band of the offset vector (:func:`hopper_band`), shared-memory operand
-layouts, the warp-specialised pipeline, ``wgmma`` products and one tile's masked logits
+layouts, the warp-specialised pipeline, ``wgmma`` products, closed-form biases evaluated in
+the tiles (:class:`ClosedBias`, and their parameters' gradient) and one tile's masked logits
 (:func:`tile_logits`). Pallas' Mosaic GPU module is imported on first use
 (:func:`mosaic_gpu`)."""
 
@@ -11,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.extend import core as jex_core
 
 from posenc_jax.kernels.band import bias_band
 from posenc_jax.kernels.common import NEG
@@ -90,19 +92,101 @@ def product(a_ref, b_ref, shape: tuple[int, int]) -> Array:
   return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
 
 
-def tile_logits(q_tile, k_tile, bias_tile, q_seg: Array, k_seg: Array, q0, k0, *, scale: float,
+def closed_params(params_ref, head, num_params: int) -> tuple[Array, ...]:
+  """The head's ``R`` closed-form parameters, each a ``[64]`` row in the WGMMA row layout,
+  from ``params_ref`` ``[H, R, 64]`` (:func:`closed_rows`): what a :class:`ClosedBias` holds
+  (a pipeline carries them: its steps cannot read values made outside them)."""
+  plgpu = mosaic_gpu()
+  return tuple(plgpu.load(params_ref.at[head, r], layout=plgpu.Layout.WGMMA.reduce(1),
+                          optimized=False) for r in range(num_params))
+
+
+def _pow(x: Array, y: Array) -> Array:
+  """``x ** y`` for ``x >= 0`` through exp and log (``0 ** y`` is 0, ``0 ** 0`` is 1)."""
+  positive = x > 0
+  return jnp.where(positive, jnp.exp(y * jnp.log(jnp.where(positive, x, 1.0))),
+                   (y == 0).astype(x.dtype))
+
+
+# Primitives a closed form may use that Mosaic GPU does not lower (jax 0.12: log1p, pow), in
+# the ones it does (log, exp): KERPLE's forms, evaluated in the Hopper tiles.
+LOWERED_AS = {lax.log1p_p: lambda x: jnp.log(1.0 + x), lax.pow_p: _pow}
+
+
+def _evaluate(jaxpr, consts, args) -> list:
+  """``jaxpr`` on ``args``, each primitive of :data:`LOWERED_AS` replaced by its form there
+  (nested jaxprs too: a jitted jnp function)."""
+  env = dict(zip(jaxpr.constvars, consts)) | dict(zip(jaxpr.invars, args))
+
+  def read(var):
+    return var.val if isinstance(var, jex_core.Literal) else env[var]
+
+  for eqn in jaxpr.eqns:
+    ins = [read(var) for var in eqn.invars]
+    inner = eqn.params.get("jaxpr")
+    if eqn.primitive in LOWERED_AS:
+      outs = [LOWERED_AS[eqn.primitive](*ins)]
+    elif isinstance(inner, jex_core.ClosedJaxpr):
+      outs = _evaluate(inner.jaxpr, inner.consts, ins)
+    else:
+      outs = eqn.primitive.bind(*ins, **eqn.params)
+      outs = outs if eqn.primitive.multiple_results else [outs]
+    env.update(zip(eqn.outvars, outs))
+  return [read(var) for var in jaxpr.outvars]
+
+
+class ClosedBias:
+  """A closed-form Toeplitz bias evaluated in a tile from its positions: ``offset_fn.closed(
+  params, j - i)`` (relative_flash's ``offset_fn``) with the head's parameters ``rows``
+  (:func:`closed_params`) broadcast over the tile, its ``log1p`` and ``pow`` written with
+  ``log`` and ``exp`` (:data:`LOWERED_AS`); no band is read."""
+
+  def __init__(self, offset_fn, rows: tuple[Array, ...]):
+    self.offset_fn, self.rows = offset_fn, rows
+
+  def __call__(self, i: Array, j: Array) -> Array:
+    params = tuple(lax.broadcast_in_dim(row, i.shape, [0]) for row in self.rows)
+    closed = jax.make_jaxpr(self.offset_fn.closed)(params, j - i)
+    (bias,) = _evaluate(closed.jaxpr, closed.consts, [*params, j - i])
+    return bias.astype(jnp.float32)
+
+
+def closed_rows(params: Array, num_params: int) -> Array:
+  """``[H, R, 64]`` float32: each head's first ``num_params`` parameters of relative_flash's
+  ``[H, 1, R_p]``, each repeated over a row of 64 (what :class:`ClosedBias` loads)."""
+  rows = params[:, 0, :num_params].astype(jnp.float32)
+  return jnp.broadcast_to(rows[:, :, None], (*rows.shape, BLOCK_Q))
+
+
+def closed_gradient(offset_fn, params: Array, num_params: int, d_offsets: Array,
+                    q_len: int) -> Array:
+  """The parameters' gradient ``[H, 1, R_p]`` (zero past ``num_params``) from the offset
+  vector's ``d_offsets [H, Lq + Lk - 1]`` (offset ``o`` is ``rel = o - (Lq - 1)``): the bias
+  is Toeplitz, so ``sum_ij dS_ij d closed(j - i) / d params`` is the closed form's ``jax.vjp``
+  over the offsets."""
+  rel = jnp.arange(d_offsets.shape[-1], dtype=jnp.int32)[None, :] - (q_len - 1)
+
+  def vector(p):
+    return offset_fn.closed(tuple(p[:, 0, r:r + 1] for r in range(num_params)), rel)
+
+  _, pullback = jax.vjp(vector, params.astype(jnp.float32))
+  return pullback(d_offsets.astype(jnp.float32))[0]
+
+
+def tile_logits(q_tile, k_tile, bias, q_seg: Array, k_seg: Array, q0, k0, *, scale: float,
             causal: bool, zero_first: bool, positions: bool):
   """One tile's logits: ``(s, valid, i, j)``.
 
   ``s`` ``[64, bk]`` float32 (WGMMA layout): ``scale q k^T`` plus the bias tile (its row 0
   and column 0 zeroed with ``zero_first``), ``NEG`` where ``valid`` is False (segments
   differ, or ``causal`` and ``j > i``). ``i``, ``j``: the query and key positions (from
-  ``q0``, ``k0``), made when ``positions``, ``zero_first`` or ``causal`` needs them, else
-  None.
+  ``q0``, ``k0``), made when ``positions``, ``zero_first``, ``causal`` or a closed form needs
+  them, else None.
 
   Args:
     q_tile, k_tile: ``[64, D]`` and ``[bk, D]`` shared-memory operands.
-    bias_tile: ``[64, bk]`` float32 shared-memory view, or None without a bias.
+    bias: a ``[64, bk]`` float32 shared-memory view of the band, a :class:`ClosedBias`, or
+      None without a bias.
     q_seg, k_seg: ``[64]`` (WGMMA row layout) and ``[bk]`` (column layout) segment ids.
   """
   plgpu = mosaic_gpu()
@@ -110,14 +194,15 @@ def tile_logits(q_tile, k_tile, bias_tile, q_seg: Array, k_seg: Array, q0, k0, *
   shape = (BLOCK_Q, k_tile.shape[0])
   s = product(q_tile, k_tile.T, shape) * scale
   i = j = None
-  if positions or zero_first or causal:
+  closed = isinstance(bias, ClosedBias)
+  if positions or zero_first or causal or closed:
     i = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=layout) + q0
     j = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=layout) + k0
-  if bias_tile is not None:
-    bias = plgpu.load(bias_tile, layout=layout)
+  if bias is not None:
+    values = bias(i, j) if closed else plgpu.load(bias, layout=layout)
     if zero_first:
-      bias = jnp.where((i == 0) | (j == 0), 0.0, bias)
-    s = s + bias
+      values = jnp.where((i == 0) | (j == 0), 0.0, values)
+    s = s + values
   valid = lax.broadcast_in_dim(q_seg, shape, [0]) == lax.broadcast_in_dim(k_seg, shape, [1])
   if causal:
     valid = valid & (j <= i)

@@ -251,7 +251,8 @@ def _forward(cfg, q, k, v, ob, qseg, kseg, row, col, seed):
     return hopper_flash.forward(
         q, k, v, ob, qseg, kseg, seed, block_k=cfg.blocks.block_k, scale=cfg.scale,
         causal=cfg.causal, zero_first=cfg.zero_first, has_bias=cfg.has_bias,
-        dropout_rate=cfg.dropout_rate, interpret=cfg.interpret, warpgroups=cfg.warpgroups)
+        dropout_rate=cfg.dropout_rate, interpret=cfg.interpret, warpgroups=cfg.warpgroups,
+        closed=cfg.closed, num_params=cfg.num_params)
   b, h = q.shape[:2]
   specs = _specs(cfg, over="queries")
   if cfg.reads_band:
@@ -280,7 +281,7 @@ def _backward(cfg, q, k, v, ob, qseg, kseg, row, col, seed, out, lse, do):
     dq, dk, dv, dob = hopper_flash.backward(
         q, k, v, ob, qseg, kseg, seed, lse, delta, do, scale=cfg.scale, causal=cfg.causal,
         zero_first=cfg.zero_first, has_bias=cfg.has_bias, dropout_rate=cfg.dropout_rate,
-        interpret=cfg.interpret)
+        interpret=cfg.interpret, closed=cfg.closed, num_params=cfg.num_params)
     return dq, dk, dv, dob.astype(ob.dtype), None, None
   args = (q, k, v, _band(cfg, ob) if cfg.reads_band else ob, qseg, kseg, row, col, seed, do,
           lse, delta)
@@ -392,12 +393,13 @@ def hopper_takes(dtype, blocks: KernelBlocks, *, has_bias: bool, backward: bool)
 def _hopper_problem(dtype, blocks: KernelBlocks, *, has_bias: bool, forward: str,
                     backward: str, warpgroups: int | None, separable: bool = False,
                     closed: bool = False) -> str | None:
-  """The one-line error for Hopper passes (and ``warpgroups``) these blocks, a separable
-  term or a closed form cannot take, or None."""
-  for taken, what in ((separable, "row_bias or col_bias"), (closed, "closed-form offset_fn")):
-    if taken and "hopper" in (forward, backward):
-      return (f"{'forward' if forward == 'hopper' else 'backward'}: 'hopper' takes no {what}; "
-              "use 'tiles'")
+  """The one-line error for Hopper passes (and ``warpgroups``) these blocks or a separable
+  term cannot take, or None. A closed form (``closed``) copies no band: its shared memory is
+  that of no bias."""
+  if separable and "hopper" in (forward, backward):
+    return (f"{'forward' if forward == 'hopper' else 'backward'}: 'hopper' takes no "
+            "row_bias or col_bias; use 'tiles'")
+  has_bias = has_bias and not closed  # what the shared memory holds: band windows
   got = (f"got {jnp.dtype(dtype).name}, head dims {blocks.qk_dim}/{blocks.v_dim}, blocks "
          f"{blocks.block_q}x{blocks.block_k}")
   if forward == "hopper" and not hopper_takes(dtype, blocks, has_bias=has_bias, backward=False):
@@ -475,7 +477,9 @@ def relative_flash_attention(
       ``closed`` is made of jnp operations. The kernels evaluate it on each tile from the
       positions, reading no vector, and the parameters' gradient is a per-tile reduction in
       the query-block kernel (``jax.vjp`` of ``offset_fn`` in the tile), summed outside over
-      examples and blocks. Not with the Hopper passes.
+      examples and blocks; the Hopper passes evaluate it in their tiles too, and their
+      backward pulls the offset vector's gradient (its per-diagonal sums) back through
+      ``offset_fn`` over the ``Lq + Lk - 1`` offsets.
     row_bias, col_bias: ``[B|1, H|1, Lq]`` and ``[B|1, H|1, Lk]``, a separable term: logit
       ``(i, j)`` gets ``row_bias[b, h, i] + col_bias[b, h, j]``, added to each tile in
       float32 whatever q's dtype (the forgetting gates' ``c_i - c_j``, whose parts grow
