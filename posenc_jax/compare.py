@@ -107,12 +107,15 @@ def machine() -> str:
           f"{jax.default_backend()} ({len(jax.devices())} x {', '.join(kinds)})")
 
 
-def provenance(folders: list[str], command: str) -> dict:
+def provenance(folders: list[str], command: str, wall_seconds: float | None = None,
+               slots: int = 1) -> dict:
   """``results.json``'s ``provenance``: the command, the machine, the date (UTC) and
   ``seconds``: the cells' own times (each ``cell.json`` at most three folders under
   ``folders``: its processes, summed) and the cost's, i.e. the grid's wall time run in
-  sequence. A file whose ``seconds`` is no number is one ``CollectError`` line naming it
-  (:func:`posenc_jax.comparison.collect.recorded_seconds`)."""
+  sequence. A compare that ran cells adds ``wall_seconds``, its own invocation's wall time
+  (cells and cost; a resumed grid's earlier invocations not counted), and ``slots``, the
+  cells it ran at once. A file whose ``seconds`` is no number is one ``CollectError`` line
+  naming it (:func:`posenc_jax.comparison.collect.recorded_seconds`)."""
   import datetime  # noqa: PLC0415
 
   from etils import epath  # noqa: PLC0415
@@ -127,8 +130,11 @@ def provenance(folders: list[str], command: str) -> dict:
     cost_file = epath.Path(folder) / COST_FILE
     if cost_file.exists():
       seconds += collect.recorded_seconds(cost_file)
-  return {"command": command, "machine": machine(), "seconds": round(seconds, 1),
+  made = {"command": command, "machine": machine(), "seconds": round(seconds, 1),
           "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")}
+  if wall_seconds is not None:
+    made.update(wall_seconds=round(wall_seconds, 1), slots=slots)
+  return made
 
 
 def cost_lengths(config, checked) -> list[int]:
@@ -196,10 +202,12 @@ def compare(config, root: str, run_cell=None, say=None, command: str | None = No
 
   say = say or run.progress
   cells = plan.cells(config, root)
+  start = time.perf_counter()
   records, failed = run.run_grid(cells, run_cell or run.run_steps, say, slots=slots)
   summary = summarise(records, failed, config, measure_cost(config, root, say))
-  summary["provenance"] = provenance([root], command or "posenc_jax.compare.compare(config, "
-                                     f"{root!r})")
+  summary["provenance"] = provenance(
+      [root], command or f"posenc_jax.compare.compare(config, {root!r})",
+      wall_seconds=time.perf_counter() - start, slots=max(len(slots or ()), 1))
   for path in pages.write(root, summary):
     say(f"wrote {path}")
   return summary

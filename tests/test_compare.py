@@ -573,7 +573,8 @@ def test_a_killed_grid_resumes_without_rerunning_finished_cells(tmp_path):
   def tables(name):  # provenance holds wall times and the date, which differ run to run
     summary = json.loads((tmp_path / name / "results.json").read_text().replace(
         str(tmp_path / name), "ROOT"))
-    assert set(summary.pop("provenance")) == {"command", "machine", "seconds", "date"}
+    assert set(summary.pop("provenance")) == {"command", "machine", "seconds", "date",
+                                              "wall_seconds", "slots"}
     return summary
 
   assert tables("resumed") == tables("whole")
@@ -1088,9 +1089,14 @@ def test_results_say_which_command_made_them_where_and_in_how_long(tmp_path):
   cells = [json.loads(p.read_text())["seconds"] for p in tmp_path.glob("*/seed*/cell.json")]
   assert len(cells) == 6 and made["seconds"] == round(sum(cells), 1)
   assert made["command"] == "python -m posenc_jax.compare x" and "CPU cores" in made["machine"]
+  assert made["slots"] == 1 and 0 < made["wall_seconds"] < 600
   text = (tmp_path / "results.md").read_text()
   assert f"Made by `python -m posenc_jax.compare x` on {made['date']}, on {made['machine']}" in text
+  assert "at a time" not in text  # one at a time: the cells' sum is the wall time
   assert json.loads((tmp_path / "results.json").read_text())["provenance"] == made
+  # Cells at once: the sum of their processes' times is not the wall time; the page says both.
+  two = pages.markdown({**summary, "provenance": {**made, "slots": 2, "wall_seconds": 90.0}})
+  assert "This invocation ran them 2 at a time in 1.5 min of wall time." in two
 
 
 def test_sigterm_to_compare_reaches_the_running_step_which_stops_and_leaves_its_cell_unfinished(

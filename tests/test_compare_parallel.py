@@ -44,6 +44,17 @@ def test_tpu_chips_become_processes_of_their_own():
   assert len({s.env["TPU_PROCESS_PORT"] for s in each}) == 8
 
 
+@pytest.mark.parametrize("experiment, parallel", [
+    ("pretrain_finetune", "auto"), ("pretrain_finetune,quick", "auto"),
+    ("pretrain_finetune,all", "auto"), ("pretrain_finetune,gpu", "1"),
+    ("pretrain_finetune,tpu", "1"), ("extrapolation", "1"), ("synthetic", "1")])
+def test_the_cpu_pretrain_finetune_grids_run_a_cell_a_core(experiment, parallel):
+  """The CPU grids of the encoder experiment run one cell a core (its page's wall time);
+  the accelerator grids give every device to one cell, and the LM grids keep their pages'
+  one-at-a-time runs."""
+  assert get_config(experiment).parallel == parallel
+
+
 def test_cpus_become_cpu_sets():
   got = slots.split(2, "cpu", ["0", "1", "2", "3", "4"])
   assert [(s.name, s.cpus, dict(s.env)) for s in got] == [
@@ -249,6 +260,7 @@ def test_a_slurm_array_task_runs_its_cell_as_the_local_run_would(tmp_path):
      "lines, slurm"),
     ("--task=7", "compare: --task: got 7; allowed: 0..1 (the grid's tasks)"),
     ("--parallel=99", "compare: parallel: got 99; allowed: at most"),
+    ("--config.parallel=99", "compare: parallel: got 99; allowed: at most"),  # the field's
 ])
 def test_a_bad_format_task_or_parallel_is_one_line(flag, line, tmp_path):
   from tests import forked_cli  # noqa: PLC0415

@@ -293,9 +293,12 @@ def markdown(summary: dict[str, Any]) -> str:
   lines = [f"# {summary.get('experiment') or 'comparison'}", ""]
   made = summary.get("provenance")
   if made:
+    wall = (f" This invocation ran them {made['slots']} at a time in "
+            f"{made['wall_seconds'] / 60:.1f} min of wall time." if made.get("slots", 1) > 1
+            else "")
     lines += [f"Made by `{made['command']}` on {made['date']}, on {made['machine']}; the cells "
               f"and the cost took {made['seconds'] / 60:.1f} min in all (each one's processes, "
-              "run in sequence).", ""]
+              f"run in sequence).{wall}", ""]
   for index, table in enumerate(summary["tables"]):
     with_cost = index == 0 and cost.get("rows")
     curve = table["protocol"] in CURVES
