@@ -246,7 +246,7 @@ def _pretrain_finetune(variant: str | None) -> config_dict.ConfigDict:
   config.finetune.update(dict(total_steps=FINETUNE_STEPS, log_every=100,
                               eval_every=FINETUNE_STEPS // 2, checkpoint_every=FINETUNE_STEPS))
   # On CPUs one cell a core: a bert_demo pre-training on one core makes 0.74x the steps per
-  # second of one on two (4.0 against 5.4, the same losses to the last digit; Intel Xeon,
+  # second of one on two (4.0 against 5.4, the same losses to the last digit; AMD EPYC,
   # 2026-11-29), and a step's start-up (imports, tracing) is one core's work either way, so
   # two cells at once finish the grid sooner (docs/results/pretrain-finetune-cpu).
   config.parallel = "auto"
