@@ -34,7 +34,7 @@ NOT_HERE = {"cudnn no bias": "backend cpu has no cuDNN", "cudnn bias": "backend 
             **dict.fromkeys((route_table.HOPPER_ROW, bench.HOPPER_ONE_ROW,
                              route_table.HOPPER_BOTH_ROW,
                              *(bench.CLOSED_HOPPER_ROW.format(form)
-                               for form in ("alibi", "kerple_log", "kerple_power"))),
+                               for form, _, _ in bench.CLOSED_FORMS)),
                             "takes bfloat16/float16 and head dims padded to multiples of 64 "
                             "within shared memory; got float32, D=16"),
             **{kernel.name: bench.tokamax_unsupported()

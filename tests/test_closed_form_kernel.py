@@ -14,6 +14,7 @@ from posenc_jax.attention import attend
 from posenc_jax.kernels import relative_flash_attention
 from posenc_jax.schemes.alibi import LinearDistance, alibi_slopes
 from posenc_jax.schemes.kerple import KernelDistance
+from posenc_jax.schemes.t5 import BucketedOffsets, relative_position_bucket
 from posenc_jax.terms import Toeplitz
 from tests.test_relative_flash import TRITON, _inputs, _lowered
 
@@ -32,16 +33,32 @@ def _bias64(name, params, lq, lk):
     return -p[:, 0] * jnp.asarray(np.maximum(i - j, 0), jnp.float64)
   if name == "kerple_log":  # Chi et al. (2022), eq. 9: -r1 log(1 + r2 |i - j|)
     return -p[:, 0] * jnp.log1p(p[:, 1] * dist)
+  if name == "t5":  # Raffel et al.: the head's entry of the offset's bucket
+    return jnp.asarray(params)[:, _t5_buckets(j - i)]
   return -p[:, 0] * dist ** p[:, 1]  # kerple_power: -r1 |i - j|^r2
 
 
+def _t5_buckets(rel):
+  """The T5 buckets of ``rel`` (int array) for FUNCTIONS["t5"]'s settings."""
+  fn = FUNCTIONS["t5"]
+  return np.asarray(relative_position_bucket(rel, bidirectional=fn.bidirectional,
+                                             num_buckets=T5_BUCKETS,
+                                             max_distance=fn.max_distance))
+
+
+# T5 with 8 buckets up to distance 20: own buckets, log buckets and the last one within the
+# tests' lengths.
+T5_BUCKETS = 8
 FUNCTIONS = {"alibi": LinearDistance(False), "alibi_causal": LinearDistance(True),
-             "kerple_log": KernelDistance("log"), "kerple_power": KernelDistance("power")}
+             "kerple_log": KernelDistance("log"), "kerple_power": KernelDistance("power"),
+             "t5": BucketedOffsets(max_distance=20)}
 
 
 def _params(name, heads=H):
   if name.startswith("alibi"):
     return alibi_slopes(heads)[:, None]  # [H, 1]
+  if name == "t5":
+    return jax.random.normal(jax.random.PRNGKey(3), (heads, T5_BUCKETS))
   r = jax.random.uniform(jax.random.PRNGKey(3), (heads, 2), minval=0.2, maxval=1.5)
   return r
 
@@ -209,6 +226,9 @@ def _derivatives64(name, params, rel):
   p = np.asarray(params, np.float64)
   if name == "alibi":
     return -np.broadcast_to(d, (p.shape[0], d.shape[1]))[:, None, :]
+  if name == "t5":  # one-hot: the offset's bucket
+    one_hot = (_t5_buckets(rel)[None, :] == np.arange(T5_BUCKETS)[:, None]).astype(np.float64)
+    return np.broadcast_to(one_hot, (p.shape[0], *one_hot.shape))
   r1, r2 = p[:, 0:1], p[:, 1:2]
   if name == "kerple_log":
     return np.stack([-np.log1p(r2 * d), -r1 * d / (1 + r2 * d)], axis=1)
@@ -216,7 +236,22 @@ def _derivatives64(name, params, rel):
   return np.stack([-d ** r2, -r1 * d ** r2 * logs], axis=1)
 
 
-@pytest.mark.parametrize("name", ["alibi", "kerple_log", "kerple_power"])
+@pytest.mark.parametrize("buckets, max_distance, bidirectional", [
+    (32, 128, True), (32, 128, False), (8, 20, True), (10, 160, False)])
+def test_t5_closed_form_equals_the_bucket_lookup(buckets, max_distance, bidirectional):
+  """T5's gather-free form (the first entry plus the step of every bucket start reached) is
+  the table's entry at the offset's bucket, at every offset to 400 either way."""
+  fn = BucketedOffsets(max_distance=max_distance, bidirectional=bidirectional)
+  table = jax.random.normal(jax.random.PRNGKey(1), (H, buckets))
+  rel = jnp.arange(-400, 401)
+  got = fn.closed(tuple(table[:, b:b + 1] for b in range(buckets)), rel[None, :])
+  np.testing.assert_allclose(got, fn(table, rel), atol=1e-6)
+  with pytest.raises(ValueError, match=r"^BucketedOffsets.closed: num_buckets must be an even"):
+    fn.closed(tuple(table[:, b:b + 1] for b in range(3)), rel) if bidirectional else (
+        BucketedOffsets(bidirectional=True).closed((table[:, :1],) * 3, rel))
+
+
+@pytest.mark.parametrize("name", ["alibi", "kerple_log", "kerple_power", "t5"])
 def test_closed_gradient_against_the_derivatives(name):
   """The Hopper backward's last step: the offset vector's gradient ``[H, Lq + Lk - 1]``
   pulled back through the closed form is ``sum_o d_o d closed(o - (Lq - 1)) / d params``,
@@ -226,17 +261,18 @@ def test_closed_gradient_against_the_derivatives(name):
   q_len, k_len = 128, 192
   params = np.asarray(_params(name, H))
   width = params.shape[1]
-  padded = np.pad(params, ((0, 0), (0, 4 - width)))[:, None, :]  # [H, 1, R_p]
+  padded_width = width + 2  # the kernel's parameters are padded to R_p
+  padded = np.pad(params, ((0, 0), (0, padded_width - width)))[:, None, :]  # [H, 1, R_p]
   d_offsets = np.asarray(jax.random.normal(jax.random.PRNGKey(7), (H, q_len + k_len - 1)))
   got = np.asarray(closed_gradient(FUNCTIONS[name], jnp.asarray(padded), width,
                                    jnp.asarray(d_offsets), q_len))
   rel = np.arange(q_len + k_len - 1) - (q_len - 1)
   want = np.einsum("hrn,hn->hr", _derivatives64(name, params, rel), d_offsets)
-  assert got.shape == (H, 1, 4) and np.all(got[:, 0, width:] == 0)
+  assert got.shape == (H, 1, padded_width) and np.all(got[:, 0, width:] == 0)
   np.testing.assert_allclose(got[:, 0, :width], want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
 
-@pytest.mark.parametrize("name", ["alibi", "kerple_log", "kerple_power"])
+@pytest.mark.parametrize("name", ["alibi", "kerple_log", "kerple_power", "t5"])
 def test_hopper_passes_against_float64_with_padding(name):
   """Odd length (padded to 128: two query blocks, the forward's two warpgroups), a key mask
   leaving 29 keys of the second example out."""
@@ -253,7 +289,7 @@ def test_hopper_passes_cross_lengths_with_shared_parameters():
   _check_hopper("kerple_power", lq=64, lk=160, zero_first=True, shared=True)
 
 
-@pytest.mark.parametrize("name", ["alibi", "kerple_log", "kerple_power"])
+@pytest.mark.parametrize("name", ["alibi", "kerple_log", "kerple_power", "t5"])
 def test_hopper_passes_with_a_closed_form_lower_for_cuda(name):
   """Forward and backward on Mosaic GPU with the closed form in the tiles: the four kernels,
   no Triton, and the heads' parameters in place of a band (no ``[H, 64, N]`` operand)."""
@@ -269,7 +305,7 @@ def test_hopper_passes_with_a_closed_form_lower_for_cuda(name):
     return jnp.sum(out.astype(jnp.float32))
 
   shapes = [jax.ShapeDtypeStruct((2, length, H, 64), jnp.bfloat16)] * 3
-  width = 2 if name.startswith("kerple") else 1
+  width = _params(name).shape[1]
   shapes.append(jax.ShapeDtypeStruct((H, width), jnp.float32))
   text = _lowered(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)), shapes, "cuda")
   assert MOSAIC_GPU in text and TRITON not in text

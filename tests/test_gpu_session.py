@@ -106,7 +106,7 @@ def test_issue51_times_the_channel_rows_causal_and_the_causal_lms(capsys):
   names = [k.name for k in routes.ATTENTION_KERNELS]
   assert "cudnn alibi channels" in names and "cudnn fox channels" in names
   assert {"pallas alibi closed hopper", "pallas kerple_log closed hopper",
-          "pallas kerple_power closed hopper"} <= set(names)
+          "pallas kerple_power closed hopper", "pallas t5 closed hopper"} <= set(names)
 
 
 def test_issue40_keeps_to_9_minutes_by_default(tmp_path, monkeypatch):

@@ -72,6 +72,7 @@ from posenc_jax.models.config import DTYPES
 from posenc_jax.route_plan import cudnn_unsupported
 from posenc_jax.schemes.alibi import LinearDistance
 from posenc_jax.schemes.kerple import KernelDistance
+from posenc_jax.schemes.t5 import BucketedOffsets
 from posenc_jax.terms import Factored, ForgettingGates, Toeplitz
 
 PROG = "posenc_jax.benchmarks.routes"
@@ -83,6 +84,11 @@ HOPPER_ONE_ROW = "pallas toeplitz hopper fwd 1wg"
 # Each closed form evaluated in the tiles of both Hopper passes (issue 51): against its row in
 # the Triton tiles (route_table.CLOSED_ROW) and the Hopper passes reading the band.
 CLOSED_HOPPER_ROW = "pallas {} closed hopper"
+# The closed forms timed in the tiles: (row name, offset function, parameters per head). T5's
+# buckets name no closed_form (the plan keeps them on the offset vector): timed to decide.
+CLOSED_FORMS = (*((fn.closed_form, fn, width) for fn, width in (
+    (LinearDistance(), 1), (KernelDistance("log"), 2), (KernelDistance("power"), 2))),
+                ("t5", BucketedOffsets(), 32))
 
 
 def offset_vector(table: jax.Array, rel: jax.Array) -> jax.Array:
@@ -143,7 +149,8 @@ class Kernel(NamedTuple):
     tiles: the Triton kernels' bias tiles (a kernel variant: ``band``); None: the plan's.
     backward: the Pallas kernel's backward (``tiles`` or ``hopper``).
     closed: ``(offset_fn, R)``: a closed-form bias evaluated in the tiles (a kernel variant),
-      its ``[H, R]`` parameters taken from the row's offset vector (``|x| + 0.1``, so that
+      its ``[H, R]`` parameters taken from the row's offset vector (its first ``R`` entries,
+      repeated where it is shorter, ``|x| + 0.1``, so that
       the gradient reaches the vector as the other rows'); None: the vector.
     tokamax: the ``tokamax`` family's implementation (``tokamax.dot_product_attention``'s
       ``implementation``: ``mosaic`` or ``triton``), its bias materialised as
@@ -195,11 +202,10 @@ ATTENTION_KERNELS = (
     Kernel(HOPPER_ONE_ROW, "pallas", bias=True, request=None, forward="hopper", warpgroups=1),
     Kernel(route_table.HOPPER_BOTH_ROW, "pallas", bias=True, request=_kernel_toeplitz("both"),
            forward="hopper", backward="hopper"),
-    *(Kernel(row.format(fn.closed_form), "pallas", bias=True, request=None,
+    *(Kernel(row.format(name), "pallas", bias=True, request=None,
              closed=(fn, width), forward=passes, backward=passes)
       for row, passes in ((route_table.CLOSED_ROW, "tiles"), (CLOSED_HOPPER_ROW, "hopper"))
-      for fn, width in ((LinearDistance(), 1), (KernelDistance("log"), 2),
-                        (KernelDistance("power"), 2))),
+      for name, fn, width in CLOSED_FORMS),
     Kernel("pallas toeplitz dropout", "pallas", bias=True, request=_kernel_toeplitz(),
            dropout=ATTENTION_DROPOUT),
     # Bias-free attention runs the kernel where dot_product_attention would run XLA's.
@@ -324,7 +330,8 @@ def attention_kernel(kernel: Kernel, q: jax.Array, *, causal: bool, rng: jax.Arr
     if kernel.closed:
       offset_fn, width = kernel.closed
       return (lambda q, k, v, ob: relative_flash_attention(
-          q, k, v, offset_fn=offset_fn, offset_params=jnp.abs(ob[:, :width]) + 0.1,
+          q, k, v, offset_fn=offset_fn,
+          offset_params=jnp.abs(ob[:, jnp.arange(width) % ob.shape[1]]) + 0.1,
           causal=causal, forward=kernel.forward, backward=kernel.backward)), reason
     return (lambda q, k, v, ob: relative_flash_attention(
         q, k, v, ob, causal=causal, forward=kernel.forward, warpgroups=kernel.warpgroups,

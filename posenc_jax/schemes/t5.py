@@ -134,6 +134,31 @@ class BucketedOffsets:
                                        max_distance=self.max_distance)
     return lookup(table, buckets)
 
+  def closed(self, params: tuple[Array, ...], rel: Array) -> Array:
+    """The same bias without a gather, from ``params``: the head's ``num_buckets`` entries
+    (each broadcastable against ``rel``, any shape). A bucket is the count of bucket starts
+    a distance reaches (:func:`relative_position_bucket`), so its entry is the first one plus
+    the step ``b[k] - b[k - 1]`` of every start ``k`` reached: a comparison and a select per
+    start. What a kernel can evaluate in its tiles (``relative_flash_attention``'s
+    ``offset_fn``, the Hopper passes included); it names no ``closed_form``, so the route plan
+    keeps T5 on the offset vector until the route table has measured this form faster."""
+    problem = bucket_problem(len(params), self.max_distance, self.bidirectional)
+    if problem:
+      raise ValueError(f"BucketedOffsets.closed: {problem}")
+    n = -jnp.asarray(rel, jnp.int32)  # the distance back to the key
+
+    def steps(entries, distance):
+      starts = bucket_starts(len(entries), self.max_distance)
+      value = entries[0]
+      for k, start in enumerate(starts, 1):
+        value = value + jnp.where(distance >= start, entries[k] - entries[k - 1], 0.0)
+      return value
+
+    if not self.bidirectional:  # a later key (n < 0) reaches no start: bucket 0
+      return steps(params, jnp.maximum(n, 0))
+    half = len(params) // 2
+    return jnp.where(n < 0, steps(params[half:], -n), steps(params[:half], n))
+
 
 def t5_bias(table: Array, q_len: int, k_len: int, *, bidirectional: bool,
             max_distance: int) -> Array:

@@ -36,7 +36,8 @@ class Toeplitz(Term):
       ``R`` columns as a tuple of arrays broadcastable against ``rel`` (any shape), and a
       name ``closed_form`` (the route table's key for its cost), is a closed form that the
       kernel evaluates in its tiles (:class:`~posenc_jax.terms.protocol.TermForm`'s
-      ``closed``).
+      ``closed``); one with ``closed`` alone (T5's buckets) runs in the tiles only where a
+      caller asks ``relative_flash_attention`` for it.
     zero_first: zero row 0 and column 0 (TUPE-R inside the [CLS] reset).
     q_offset: absolute position of query row 0 (int scalar, may be traced);
       None means 0. :meth:`slice_queries` sets it for decoding.
