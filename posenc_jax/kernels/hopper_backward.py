@@ -16,7 +16,6 @@ The pieces it shares with the forward are in :mod:`posenc_jax.kernels.hopper_mos
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -25,8 +24,7 @@ from jax.experimental import pallas as pl
 
 from posenc_jax.kernels.band import unit_gradient
 from posenc_jax.kernels.dropout import dropout_multiplier
-from posenc_jax.kernels.hopper_mosaic import (BLOCK_Q, STAGES, ClosedBias, closed_gradient,
-                                              closed_params, closed_rows, hopper_band,
+from posenc_jax.kernels.hopper_mosaic import (BLOCK_Q, STAGES, TileBias, closed_gradient,
                                               mosaic_gpu, operand_transforms, product,
                                               specialised_pipeline, tile_logits,
                                               warpgroup_buffers, window_spec)
@@ -58,7 +56,6 @@ class _Backward:
   scale: float
   causal: bool
   zero_first: bool
-  has_bias: bool
   dropout_rate: float
   interpret: bool
   dtype: jnp.dtype  # of q, k, v
@@ -67,24 +64,7 @@ class _Backward:
   nq: int  # query blocks
   nk: int  # key blocks
   groups: int  # consumer warpgroups per block of the dq and dk/dv grids (backward_warpgroups)
-  closed: Any = None  # a closed-form bias evaluated in the tiles (relative_flash's offset_fn)
-  num_params: int = 0  # R: its parameters per head
-
-  @property
-  def band_tiles(self) -> bool:
-    """Whether the bias tiles are copied from the band (else a closed form, or no bias)."""
-    return self.has_bias and self.closed is None
-
-  def bias(self, window, params):
-    """A tile's bias for :func:`tile_logits`: the band ``window`` view, a closed form of the
-    carried ``params`` (:func:`closed_params`), or None."""
-    if self.band_tiles:
-      return window()
-    return ClosedBias(self.closed, tuple(params)) if self.closed is not None else None
-
-  def params(self, params_ref, head) -> tuple:
-    """The closed form's parameters of ``head`` (:func:`closed_params`), or none."""
-    return closed_params(params_ref, head, self.num_params) if self.closed is not None else ()
+  source: TileBias  # the bias tiles: the band's, a closed form's or none
 
   @property
   def q_ctas(self) -> int:
@@ -127,20 +107,15 @@ def backward(q: Array, k: Array, v: Array, offset_bias: Array, q_segments: Array
   q_len, qk_dim = q.shape[2:]
   k_len, v_dim = k.shape[2], v.shape[-1]
   groups = backward_warpgroups(qk_dim=qk_dim, v_dim=v_dim)
-  cfg = _Backward(scale=scale, causal=causal, zero_first=zero_first, has_bias=has_bias,
+  cfg = _Backward(scale=scale, causal=causal, zero_first=zero_first,
                   dropout_rate=dropout_rate, interpret=interpret, dtype=q.dtype,
                   qk_dim=qk_dim, v_dim=v_dim, nq=q_len // BLOCK_Q, nk=k_len // BLOCK_Q,
-                  groups=groups, closed=closed, num_params=num_params)
+                  groups=groups, source=TileBias(has_bias, closed, num_params))
   # One band for the three kernels, padded for dq's idle warpgroups (the last grid block's
   # query blocks past the end: before the first unit) and dk/dv's (after the last unit); a
   # closed form's parameters instead, or a placeholder.
-  if cfg.band_tiles:
-    band = hopper_band(offset_bias, q_len, k_len, lead=cfg.lead,
-                       trail=cfg.k_ctas * groups - cfg.nk)
-  elif closed is not None:
-    band = closed_rows(offset_bias, num_params)
-  else:
-    band = jnp.zeros((1, BLOCK_Q, BLOCK_Q), jnp.float32)
+  band = cfg.source.operand(offset_bias, q_len, k_len, lead=cfg.lead,
+                            trail=cfg.k_ctas * groups - cfg.nk)
   # What every kernel reads: q, k, v, the band, segment ids [B, Lq_p] and [B, Lk_p], the
   # seed [1], lse and delta [B, H, Lq_p], do.
   inputs = (q, k, v, band, q_segments[:, :, 0], kv_segments[:, 0, :], jnp.reshape(seed, (1,)),
@@ -236,7 +211,7 @@ def _backward_dq(cfg, inputs) -> Array:
       loaded = tuple(plgpu.load(ref, layout=rows_layout, optimized=False)
                      for ref in (qs_ref.at[b, rows], lse_ref.at[b, h, rows],
                                  delta_ref.at[b, h, rows]))
-      params = cfg.params(band_ref, h)
+      params = cfg.source.params(band_ref, h)
       plgpu.barrier_wait(barriers.at[2 * wg])
       plgpu.barrier_wait(barriers.at[2 * wg + 1])
       dq, *_ = pipeline((_zeros(qk_dim), *loaded, *params))
@@ -253,7 +228,7 @@ def _backward_dq(cfg, inputs) -> Array:
       def attend(carry):
         dq, q_seg, lse_rows, delta_rows, *params = carry
         # Warpgroup g's unit is G - 1 - g into the step's window (as the forward's).
-        bias = cfg.bias(lambda: t_smem[0].at[:, pl.ds((groups - 1 - wg) * BLOCK_Q, BLOCK_Q)],
+        bias = cfg.source.tile(lambda: t_smem[0].at[:, pl.ds((groups - 1 - wg) * BLOCK_Q, BLOCK_Q)],
                         params)
         _, ds, _, _ = _cotangents(cfg, q_tile, k_smem, v_smem, do_tile, bias, q_seg,
                                   plgpu.load(ks_smem, layout=cols_layout), lse_rows,
@@ -270,7 +245,7 @@ def _backward_dq(cfg, inputs) -> Array:
     specs = [_tile_spec(cfg, qk_dim, lambda kj: (kj, 0)),
              _tile_spec(cfg, cfg.v_dim, lambda kj: (kj, 0)), _row_spec(lambda kj: (kj,))]
     sources = [k_ref.at[b, h], v_ref.at[b, h], ks_ref.at[b]]
-    if cfg.band_tiles:  # units kj + (ctas - 1 - cta) G + [0, G) of the band (after its lead)
+    if cfg.source.band_tiles:  # units kj + (ctas - 1 - cta) G + [0, G) of the band (after its lead)
       specs.append(window_spec(groups, lambda kj: kj + (cfg.q_ctas - 1 - cta) * groups))
       sources.append(band_ref.at[h])
     specialised_pipeline(step, specs, compute, steps=cfg.nk, groups=groups)(*sources)
@@ -308,7 +283,7 @@ def _backward_dkv(cfg, inputs) -> tuple[Array, Array]:
                                             (v_ref.at[b, h, keys], v_tile),
                                             (ks_ref.at[b, keys], ks_tile))):
         plgpu.copy_gmem_to_smem(source, target, barriers.at[3 * wg + n])
-      params = cfg.params(band_ref, h)
+      params = cfg.source.params(band_ref, h)
       for n in range(3):
         plgpu.barrier_wait(barriers.at[3 * wg + n])
       dk, dv, *_ = pipeline((_zeros(qk_dim), _zeros(v_dim),
@@ -327,7 +302,7 @@ def _backward_dkv(cfg, inputs) -> tuple[Array, Array]:
       def attend(carry):
         dk, dv, k_seg, *params = carry
         # Warpgroup g's unit is g into the step's window.
-        bias = cfg.bias(lambda: t_smem[0].at[:, pl.ds(wg * BLOCK_Q, BLOCK_Q)], params)
+        bias = cfg.source.tile(lambda: t_smem[0].at[:, pl.ds(wg * BLOCK_Q, BLOCK_Q)], params)
         q_seg, lse_rows, delta_rows = (plgpu.load(x, layout=rows_layout)
                                        for x in (qs_smem, lse_smem, delta_smem))
         p, ds, _, _ = _cotangents(cfg, q_tile, k_tile, v_tile, do_tile, bias, q_seg, k_seg,
@@ -347,7 +322,7 @@ def _backward_dkv(cfg, inputs) -> tuple[Array, Array]:
     specs += [_row_spec(lambda qi: (qi,))] * 3
     sources = [q_ref.at[b, h], do_ref.at[b, h], qs_ref.at[b], lse_ref.at[b, h],
                delta_ref.at[b, h]]
-    if cfg.band_tiles:  # units cta G - qi + nq - 1 + [0, G) past the band's lead
+    if cfg.source.band_tiles:  # units cta G - qi + nq - 1 + [0, G) past the band's lead
       specs.append(window_spec(groups, lambda qi: cfg.lead + cta * groups - qi + nq - 1))
       sources.append(band_ref.at[h])
     specialised_pipeline(step, specs, compute, steps=nq, groups=groups)(*sources)
@@ -378,12 +353,12 @@ def _backward_dbias(cfg, inputs) -> Array:
              do_ref, du_ref, t_smem, du_smem, barrier):
     b, h, n = (lax.axis_index(a) for a in ("batch", "heads", "blocks"))
     shift = n - (nq - 1)  # kj - qi on this unit
-    if cfg.band_tiles:  # every tile of the unit reads its one unit of the band
+    if cfg.source.band_tiles:  # every tile of the unit reads its one unit of the band
       plgpu.copy_gmem_to_smem(band_ref.at[h, :, pl.ds((cfg.lead + n) * BLOCK_Q, BLOCK_Q)],
                               t_smem, barrier)
-    params = cfg.params(band_ref, h)
+    params = cfg.source.params(band_ref, h)
     seed_value = seed_ref[0] if cfg.dropout_rate else None
-    if cfg.band_tiles:
+    if cfg.source.band_tiles:
       plgpu.barrier_wait(barrier)
 
     def key_block(qi):  # clamped: steps off the grid load a block they do not use
@@ -397,7 +372,7 @@ def _backward_dbias(cfg, inputs) -> Array:
       def attend(carry):
         du, *params = carry
         _, ds, i, j = _cotangents(
-            cfg, q_smem, k_smem, v_smem, do_smem, cfg.bias(lambda: t_smem, params),
+            cfg, q_smem, k_smem, v_smem, do_smem, cfg.source.tile(lambda: t_smem, params),
             plgpu.load(qs_smem, layout=rows_layout), plgpu.load(ks_smem, layout=cols_layout),
             *(plgpu.load(x, layout=rows_layout) for x in (lse_smem, delta_smem)),
             qi * BLOCK_Q, kj * BLOCK_Q, seed_value, b, h)

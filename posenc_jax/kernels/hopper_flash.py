@@ -74,9 +74,8 @@ from posenc_jax.kernels.common import NEG, SMEM_BYTES
 from posenc_jax.kernels.dropout import dropout_multiplier
 from posenc_jax.kernels.hopper_backward import (BACKWARD_MAX_DIM, backward, backward_fits,
                                                 backward_warpgroups)
-from posenc_jax.kernels.hopper_mosaic import (BLOCK_Q, STAGES, ClosedBias, closed_params,
-                                              closed_rows, hopper_band, mosaic_gpu,
-                                              operand_transforms, product,
+from posenc_jax.kernels.hopper_mosaic import (BLOCK_Q, STAGES, TileBias, hopper_band,
+                                              mosaic_gpu, operand_transforms, product,
                                               specialised_pipeline, tile_logits,
                                               warpgroup_buffers, window_spec)
 
@@ -162,21 +161,16 @@ def forward(q: Array, k: Array, v: Array, offset_bias: Array, q_segments: Array,
   b_size, heads, q_len, qk_dim = q.shape
   k_len, v_dim = k.shape[2], v.shape[-1]
   dtype = q.dtype
-  band_tiles = has_bias and closed is None  # tiles copied from the band
+  source = TileBias(has_bias, closed, num_params)
   groups = warpgroups or max_warpgroups(block_k=block_k, qk_dim=qk_dim, v_dim=v_dim,
-                                        itemsize=dtype.itemsize, has_bias=band_tiles)
+                                        itemsize=dtype.itemsize, has_bias=source.band_tiles)
   nq, nk, units = q_len // BLOCK_Q, k_len // block_k, block_k // BLOCK_Q
   ctas = -(-nq // groups)
   idle = ctas * groups - nq  # warpgroups of the last block with no query block
   window = groups + units - 1  # bias units one step of a block reads
   # Without band tiles no band is made or copied: a closed form's parameters, or a
   # placeholder, keep the signature.
-  if band_tiles:
-    band = hopper_band(offset_bias, q_len, k_len, lead=idle)
-  elif closed is not None:
-    band = closed_rows(offset_bias, num_params)
-  else:
-    band = jnp.zeros((1, 1, 1), jnp.float32)
+  band = source.operand(offset_bias, q_len, k_len, lead=idle)
   wgmma_layout, rows_layout = plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(1)
   shape = (BLOCK_Q, block_k)
 
@@ -195,7 +189,7 @@ def forward(q: Array, k: Array, v: Array, offset_bias: Array, q_segments: Array,
       plgpu.copy_gmem_to_smem(q_ref.at[b, h, pl.ds(q0, BLOCK_Q)], q_tile, q_barriers.at[wg])
       # Plain loads: jax 0.11's optimised transfers from global memory take no row layout.
       q_seg = plgpu.load(qs_ref.at[b, pl.ds(q0, BLOCK_Q)], layout=rows_layout, optimized=False)
-      params = closed_params(band_ref, h, num_params) if closed is not None else ()
+      params = source.params(band_ref, h)
       plgpu.barrier_wait(q_barriers.at[wg])
       acc, m, l, *_ = pipeline((
           plgpu.layout_cast(jnp.zeros((BLOCK_Q, v_dim), jnp.float32), wgmma_layout),
@@ -232,8 +226,8 @@ def forward(q: Array, k: Array, v: Array, offset_bias: Array, q_segments: Array,
       segment ids and a closed form's parameters ride along in the carry unchanged."""
       acc, m, l, q_seg, *params = carry
       # Warpgroup g's bias tile starts (G - 1 - g) units into the step's window.
-      bias = (t_smem[0].at[:, pl.ds((groups - 1 - wg) * BLOCK_Q, block_k)] if band_tiles
-              else ClosedBias(closed, tuple(params)) if closed is not None else None)
+      bias = source.tile(lambda: t_smem[0].at[:, pl.ds((groups - 1 - wg) * BLOCK_Q, block_k)],
+                         params)
       s, valid, i, j = tile_logits(q_tile, k_smem, bias, q_seg,
                                plgpu.load(ks_smem, layout=plgpu.Layout.WGMMA.reduce(0)), q0,
                                kj * block_k, scale=scale, causal=causal, zero_first=zero_first,
@@ -257,7 +251,7 @@ def forward(q: Array, k: Array, v: Array, offset_bias: Array, q_segments: Array,
                              transforms=operand_transforms(v_dim, dtype)),
              plgpu.BlockSpec((block_k,), lambda kj: (kj,))]
     sources = [k_ref.at[b, h], v_ref.at[b, h], ks_ref.at[b]]
-    if band_tiles:
+    if source.band_tiles:
       # The step's window: units first + kj * s + [0, G + s - 1) of the band (hopper_band).
       specs.append(window_spec(window, lambda kj: (ctas - 1 - cta) * groups + kj * units))
       sources.append(band_ref.at[h])

@@ -2,11 +2,15 @@
 backward (:mod:`posenc_jax.kernels.hopper_backward`) share: the 64-row blocks (``BLOCK_Q``), the
 ``[H, 64, 64 N]`` band of the offset vector (:func:`hopper_band`), shared-memory operand
 layouts, the warp-specialised pipeline, ``wgmma`` products, closed-form biases evaluated in
-the tiles (:class:`ClosedBias`, and their parameters' gradient) and one tile's masked logits
+the tiles (:class:`ClosedBias`, and their parameters' gradient), where a pass's bias tiles
+come from (:class:`TileBias`) and one tile's masked logits
 (:func:`tile_logits`). Pallas' Mosaic GPU module is imported on first use
 (:func:`mosaic_gpu`)."""
 
 from __future__ import annotations
+
+import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -149,6 +153,46 @@ class ClosedBias:
     closed = jax.make_jaxpr(self.offset_fn.closed)(params, j - i)
     (bias,) = _evaluate(closed.jaxpr, closed.consts, [*params, j - i])
     return bias.astype(jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class TileBias:
+  """Where the Hopper kernels' bias tiles come from, the same in the forward and the backward:
+  windows of the band (``has_bias``), a closed form evaluated in the tiles (``closed``, with
+  its ``num_params`` parameters per head) or nothing."""
+
+  has_bias: bool
+  closed: Any = None  # relative_flash's offset_fn
+  num_params: int = 0  # R
+
+  @property
+  def band_tiles(self) -> bool:
+    """Whether the tiles are copied from the band (its windows in shared memory)."""
+    return self.has_bias and self.closed is None
+
+  def operand(self, offset_bias: Array, q_len: int, k_len: int, *, lead: int = 0,
+              trail: int = 0) -> Array:
+    """What the kernels get in the bias's place: the band (:func:`hopper_band`), the closed
+    form's ``[H, R, 64]`` parameters (:func:`closed_rows`), or a placeholder."""
+    if self.band_tiles:
+      return hopper_band(offset_bias, q_len, k_len, lead=lead, trail=trail)
+    if self.closed is not None:
+      return closed_rows(offset_bias, self.num_params)
+    return jnp.zeros((1, 1, 1), jnp.float32)
+
+  def params(self, operand_ref, head) -> tuple[Array, ...]:
+    """The closed form's parameters of ``head`` (:func:`closed_params`), or none: what a
+    pipeline carries."""
+    if self.closed is None:
+      return ()
+    return closed_params(operand_ref, head, self.num_params)
+
+  def tile(self, window, params: tuple[Array, ...]):
+    """A tile's bias for :func:`tile_logits`: the band's ``window()`` view, the closed form
+    of the carried ``params`` (:class:`ClosedBias`), or None."""
+    if self.band_tiles:
+      return window()
+    return ClosedBias(self.closed, tuple(params)) if self.closed is not None else None
 
 
 def closed_rows(params: Array, num_params: int) -> Array:
